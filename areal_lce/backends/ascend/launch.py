@@ -1,0 +1,171 @@
+"""Host side of the Ascend (Triton-Ascend) backend: checks, allocation, tile choice, grids.
+
+Implements the backend contract of `areal_lce.backends.base` with three kernels (kernels.py):
+forward stats, backward d_hidden and backward d_weight. Memory beyond the inputs: the [N] stats, the
+fp32 [N, H] d_hidden the contract returns, and one fp32 [V_shard, H] d_weight accumulator (cast once
+to weight.dtype at the end; no extra copy for fp32 weights). Nothing of size N x V is allocated; the
+backward recomputes logits instead of caching them (params.cache_bytes is not used by this backend).
+
+Tiles come from a unified-buffer budget (configs.pick_tiles) and grids are capped (configs: 65535 per
+axis by default, further at the AI-core count on an NPU) with persistent programs striding over the
+remaining tiles.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+
+from ...types import LCEParams
+from ..base import ShardStats, scalar_inv_t
+from . import configs
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _npu_core_count(device: torch.device) -> Optional[int]:
+    """AI-core (cube) count of the NPU running `device`, None when it can't be read."""
+    if device.type != "npu":
+        return None
+    try:
+        import triton
+
+        props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+        cores = int(props.get("num_aicore", -1))
+    except Exception:  # driver without the query (non-Ascend Triton, older CANN): no extra cap
+        return None
+    return cores if cores > 0 else None
+
+
+def _aligned_labels(labels: torch.Tensor) -> torch.Tensor:
+    # int64 loads from an address that is not 16-byte aligned miscompile in Triton on GPU; copy then.
+    labels = labels.contiguous()
+    if labels.data_ptr() % 16 != 0:
+        labels = labels.clone()
+    return labels
+
+
+class AscendBackend:
+    """Triton-Ascend backend (also runs on CPU under TRITON_INTERPRET=1 and on CUDA Triton).
+
+    ub_bytes      unified-buffer budget per program for the tile calculator (None: env / 192 KiB).
+    max_programs  cap on programs per launch (None: env / 65535); work past it is looped over.
+    """
+
+    name = "triton_ascend"
+
+    def __init__(self, ub_bytes: Optional[int] = None, max_programs: Optional[int] = None):
+        self.ub_bytes = configs.resolve_ub_bytes(ub_bytes)
+        self.max_programs = configs.resolve_max_programs(max_programs)
+        from . import kernels  # lazy: triton (or triton-ascend) is needed only once a backend exists
+
+        self._k = kernels
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _check(self, hidden, weight, labels, inv_t, params: LCEParams):
+        if hidden.dim() != 2 or weight.dim() != 2:
+            raise ValueError(f"hidden and weight must be 2-D, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+        if hidden.shape[1] != weight.shape[1]:
+            raise ValueError(f"hidden [N, H={hidden.shape[1]}] and weight [V, H={weight.shape[1]}] disagree on H")
+        if hidden.dtype not in _DTYPES or weight.dtype != hidden.dtype:
+            raise TypeError(f"triton_ascend needs hidden and weight of one dtype in {_DTYPES}, "
+                            f"got {hidden.dtype} and {weight.dtype}")
+        if labels.shape != (hidden.shape[0],):
+            raise ValueError(f"labels must be [N={hidden.shape[0]}], got {tuple(labels.shape)}")
+        if inv_t is not None and inv_t.shape != (hidden.shape[0],):
+            raise ValueError(f"inv_t must be [N={hidden.shape[0]}], got {tuple(inv_t.shape)}")
+        if not 0 <= params.shard_valid <= weight.shape[0]:
+            raise ValueError(f"params.shard_valid={params.shard_valid} outside [0, V_shard={weight.shape[0]}]")
+
+    def _prep(self, hidden, weight, labels, inv_t, params):
+        self._check(hidden, weight, labels, inv_t, params)
+        hidden = hidden.contiguous()
+        weight = weight.contiguous()
+        labels = _aligned_labels(labels.to(torch.int64))
+        if inv_t is not None:
+            inv_t = inv_t.to(torch.float32).contiguous()
+            scalar = 1.0
+        else:
+            scalar = scalar_inv_t(params)
+        return hidden, weight, labels, inv_t, scalar
+
+    def tiles(self, kind: str, hidden: torch.Tensor, n_tokens: int, vocab: int) -> configs.Tiles:
+        return configs.pick_tiles(kind, hidden=hidden.shape[1], elt_bytes=hidden.element_size(),
+                                  ub_budget=self.ub_bytes, n_tokens=n_tokens, vocab=vocab)
+
+    def programs(self, n_tiles: int, device: torch.device) -> int:
+        """Programs to launch for `n_tiles` units of work (each program loops over the rest)."""
+        n = min(n_tiles, self.max_programs)
+        cores = _npu_core_count(device)
+        if cores is not None:
+            n = min(n, cores)
+        return max(1, n)
+
+    # ---- contract ------------------------------------------------------------------------------
+    def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool) -> ShardStats:
+        hidden, weight, labels, inv_t, scalar = self._prep(hidden, weight, labels, inv_t, params)
+        n, h = hidden.shape
+        dev = hidden.device
+        outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(5)]
+        if n > 0:
+            t = self.tiles("fwd", hidden, n, params.shard_valid)
+            grid = (self.programs(triton_cdiv(n, t.block_n), dev),)
+            self._k.lce_fwd_kernel[grid](
+                hidden, weight, labels, inv_t if inv_t is not None else hidden, *outs,
+                n, h, params.shard_valid, params.vocab_start, scalar,
+                hidden.stride(0), weight.stride(0),
+                HAS_INV_T=inv_t is not None,
+                BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_H=t.block_h,
+            )
+        m, s, a, zy, mn = outs
+        return ShardStats(m=m, s=s, a=a, zy=zy, mn=mn, cache=None)
+
+    def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,
+                 need_d_hidden: bool, need_d_weight: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        hidden, weight, labels, inv_t, scalar = self._prep(hidden, weight, labels, inv_t, params)
+        n, h = hidden.shape
+        v_shard, valid = weight.shape[0], params.shard_valid
+        dev = hidden.device
+        rows = [x.to(torch.float32).contiguous() for x in (lse, ent, g_lp, g_ent)]
+        for name, x in zip(("lse", "ent", "g_lp", "g_ent"), rows):
+            if x.shape != (n,):
+                raise ValueError(f"{name} must be [N={n}], got {tuple(x.shape)}")
+        t_arg = inv_t if inv_t is not None else hidden  # never read when HAS_INV_T is False
+        d_hidden = d_weight = None
+
+        if need_d_hidden:
+            if n == 0 or valid == 0:
+                d_hidden = torch.zeros(n, h, dtype=torch.float32, device=dev)
+            else:
+                d_hidden = torch.empty(n, h, dtype=torch.float32, device=dev)
+                t = self.tiles("bwd_dh", hidden, n, valid)
+                grid = (self.programs(triton_cdiv(n, t.block_n), dev),)
+                self._k.lce_bwd_dh_kernel[grid](
+                    hidden, weight, labels, t_arg, *rows, d_hidden,
+                    n, h, valid, params.vocab_start, scalar,
+                    hidden.stride(0), weight.stride(0), d_hidden.stride(0),
+                    HAS_INV_T=inv_t is not None,
+                    BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_H=t.block_h,
+                )
+
+        if need_d_weight:
+            if n == 0 or valid == 0:
+                d_weight = torch.zeros(v_shard, h, dtype=weight.dtype, device=dev)
+            else:
+                acc = torch.empty(v_shard, h, dtype=torch.float32, device=dev)
+                t = self.tiles("bwd_dw", hidden, n, valid)
+                grid = (self.programs(triton_cdiv(valid, t.block_v), dev),)
+                self._k.lce_bwd_dw_kernel[grid](
+                    hidden, weight, labels, t_arg, *rows, acc,
+                    n, h, valid, params.vocab_start, scalar,
+                    hidden.stride(0), weight.stride(0), acc.stride(0),
+                    HAS_INV_T=inv_t is not None,
+                    BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_H=t.block_h,
+                )
+                acc[valid:].zero_()  # vocabulary padding rows: exactly 0 (the kernel skips them)
+                d_weight = acc.to(weight.dtype)  # the single cast of the fp32 accumulation
+        return d_hidden, d_weight
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
