@@ -1,0 +1,127 @@
+"""The `rl:` section of the job config (GRPO and PPO jobs).
+
+Plain dataclass with a help string per field; `__post_init__` checks cross-field constraints and names
+the offending option. The train package's YAML loader nests it into `JobConfig.rl`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+LOSS_AGG_MODES = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum")
+KL_ESTIMATORS = ("k1", "k3")
+ADVANTAGES = ("auto", "group", "batch")
+
+
+@dataclass
+class RLConfig:
+    # --- task and reward -------------------------------------------------------------------------
+    task: str = field(
+        default="say_letter",
+        metadata={"help": "prompt source: a name from areal_lce.train.tasks.TASKS (say_letter, addition) "
+                  "or a dotted path 'pkg.module:factory' returning an object with sample(n, rng)"},
+    )
+    task_options: Any = field(
+        default_factory=dict,
+        metadata={"help": "mapping of keyword arguments for the task's constructor, e.g. {letters: AB}"},
+    )
+    reward_fn: str = field(
+        default="",
+        metadata={"help": "dotted path 'pkg.module:function' of the reward, called as "
+                  "fn(prompt=str, response=str, answer=str) -> float; empty: the task's default reward"},
+    )
+    # --- rollout -----------------------------------------------------------------------------------
+    prompts_per_step: int = field(
+        default=8, metadata={"help": "distinct prompts per RL step (over all data-parallel ranks)"}
+    )
+    group_size: int = field(
+        default=8, metadata={"help": "responses sampled per prompt (the GRPO group)"}
+    )
+    max_new_tokens: int = field(default=8, metadata={"help": "response length limit in tokens"})
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "sampling temperature; behaviour, reference and trained logprobs are all "
+                  "taken at this temperature (logits / T), matching the sampler"},
+    )
+    top_p: float = field(default=1.0, metadata={"help": "nucleus-sampling mass in (0, 1]"})
+    stop_at_eos: bool = field(
+        default=True, metadata={"help": "end a response at the tokenizer's EOS token (kept in the response)"}
+    )
+    # --- advantages --------------------------------------------------------------------------------
+    advantage: str = field(
+        default="auto",
+        metadata={"help": f"one of {ADVANTAGES}: group = (r - group mean) / (group std + eps) (GRPO); "
+                  "batch = same over the whole step's batch (critic-free PPO); auto = group for "
+                  "job grpo, batch for job ppo"},
+    )
+    adv_std_norm: bool = field(
+        default=True, metadata={"help": "divide advantages by the std (false: mean-centred only, Dr. GRPO)"}
+    )
+    adv_eps: float = field(default=1e-6, metadata={"help": "added to the std before dividing"})
+    # --- policy update -----------------------------------------------------------------------------
+    ppo_epochs: int = field(default=1, metadata={"help": "passes over each rollout batch"})
+    minibatches: int = field(
+        default=1,
+        metadata={"help": "optimizer steps per epoch (the step's batch is split into this many; each is "
+                  "run in microbatches of trainer.micro_batch_size sequences)"}
+    )
+    clip_eps: float = field(default=0.2, metadata={"help": "PPO ratio clip: lower bound 1 - clip_eps"})
+    clip_eps_high: Optional[float] = field(
+        default=None, metadata={"help": "upper bound 1 + clip_eps_high (None: clip_eps; larger = clip-higher)"}
+    )
+    dual_clip: float = field(
+        default=0.0,
+        metadata={"help": "dual-clip constant c > 1 bounding the loss of negative-advantage tokens at "
+                  "c * |A| (0: off)"},
+    )
+    entropy_coef: float = field(default=0.0, metadata={"help": "weight of the entropy bonus (loss -= coef * H)"})
+    kl_coef: float = field(
+        default=0.0, metadata={"help": "weight of the KL penalty to the frozen reference policy"}
+    )
+    kl_estimator: str = field(
+        default="k3",
+        metadata={"help": f"one of {KL_ESTIMATORS}: k1 = log p - log p_ref, k3 = exp(log p_ref - log p) "
+                  "- (log p_ref - log p) - 1 (unbiased, >= 0)"},
+    )
+    loss_agg: str = field(
+        default="token-mean",
+        metadata={"help": f"one of {LOSS_AGG_MODES}: mean over all response tokens of the minibatch; "
+                  "mean over sequences of each sequence's token mean; mean over sequences of token sums"},
+    )
+
+    def __post_init__(self):
+        for name in ("prompts_per_step", "group_size", "max_new_tokens", "ppo_epochs", "minibatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rl.{name}={getattr(self, name)} must be >= 1")
+        if not isinstance(self.task_options, dict):
+            raise ValueError(f"rl.task_options={self.task_options!r} must be a mapping")
+        if not self.temperature > 0:
+            raise ValueError(f"rl.temperature={self.temperature} must be > 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"rl.top_p={self.top_p} must be in (0, 1]")
+        if self.advantage not in ADVANTAGES:
+            raise ValueError(f"rl.advantage={self.advantage!r}: expected one of {ADVANTAGES}")
+        if self.adv_eps < 0:
+            raise ValueError(f"rl.adv_eps={self.adv_eps} must be >= 0")
+        if self.advantage == "group" and self.group_size < 2:
+            raise ValueError("rl.advantage=group needs rl.group_size >= 2 (a group of one has zero advantage)")
+        if not 0.0 < self.clip_eps < 1.0:
+            raise ValueError(f"rl.clip_eps={self.clip_eps} must be in (0, 1)")
+        if self.clip_eps_high is not None and not self.clip_eps_high > 0:
+            raise ValueError(f"rl.clip_eps_high={self.clip_eps_high} must be > 0")
+        if self.dual_clip and not self.dual_clip > 1.0:
+            raise ValueError(f"rl.dual_clip={self.dual_clip} must be > 1 (or 0 to turn it off)")
+        if self.entropy_coef < 0 or self.kl_coef < 0:
+            raise ValueError("rl.entropy_coef and rl.kl_coef must be >= 0")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"rl.kl_estimator={self.kl_estimator!r}: expected one of {KL_ESTIMATORS}")
+        if self.loss_agg not in LOSS_AGG_MODES:
+            raise ValueError(f"rl.loss_agg={self.loss_agg!r}: expected one of {LOSS_AGG_MODES}")
+        batch = self.prompts_per_step * self.group_size
+        if batch % self.minibatches:
+            raise ValueError(f"rl.minibatches={self.minibatches} must divide prompts_per_step * group_size "
+                             f"= {batch}")
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
