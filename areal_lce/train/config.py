@@ -20,6 +20,8 @@ import yaml
 
 from areal_lce.megatron.config import EngineConfig
 
+from .rl_config import RLConfig
+
 JOBS = ("sft", "grpo", "ppo")
 DATA_FORMATS = ("prompt_response", "text")
 
@@ -131,28 +133,6 @@ class TrainerConfig:
             raise ConfigError("trainer.output_dir is empty")
 
 
-# ---- BEGIN RLConfig block (owned jointly with the RL job; edit only inside this block) ----
-@dataclass
-class RLConfig:
-    task: str = field(default="", metadata=_help("RL task name (see areal_lce.train.tasks)"))
-    group_size: int = field(default=4, metadata=_help("sampled responses per prompt (GRPO group)"))
-    max_new_tokens: int = field(default=32, metadata=_help("longest sampled response"))
-    temperature: float = field(default=1.0, metadata=_help("sampling and logprob temperature"))
-    top_p: float = field(default=1.0, metadata=_help("nucleus sampling threshold"))
-    clip_eps: float = field(default=0.2, metadata=_help("PPO ratio clip epsilon"))
-    kl_coef: float = field(default=0.0, metadata=_help("coefficient of the KL penalty to the reference"))
-    entropy_coef: float = field(default=0.0, metadata=_help("coefficient of the entropy bonus"))
-
-    def __post_init__(self):
-        if self.group_size < 1:
-            raise ConfigError(f"rl.group_size={self.group_size} must be >= 1")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"rl.max_new_tokens={self.max_new_tokens} must be >= 1")
-        if self.temperature <= 0:
-            raise ConfigError(f"rl.temperature={self.temperature} must be > 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"rl.top_p={self.top_p} must be in (0, 1]")
-# ---- END RLConfig block ----
 
 
 @dataclass
@@ -220,6 +200,10 @@ def _check_value(tp, value, key: str):
                 pass
         raise ConfigError(f"option '{key}' expects {_type_name(tp)}, got {value!r}")
     origin = typing.get_origin(tp)
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"option '{key}' expects a mapping ({_type_name(tp)}), got {value!r}")
+        return dict(value)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"option '{key}' expects a list ({_type_name(tp)}), got {value!r}")
@@ -293,6 +277,8 @@ def _field_type(cls, dotted: str):
     parts = dotted.split(".")
     tp = cls
     for i, part in enumerate(parts):
+        if typing.get_origin(tp) is dict or tp is dict or tp is Any:
+            return Any  # a key inside a mapping option (e.g. rl.task_options.n=3): YAML-typed value
         if not dataclasses.is_dataclass(tp):
             raise ConfigError(f"unknown option '{dotted}': '{'.'.join(parts[:i])}' is not a section")
         names = [f.name for f in dataclasses.fields(tp) if f.init]
@@ -319,6 +305,14 @@ def parse_value(tp, text: str, key: str):
                 pass
         raise ConfigError(f"option '{key}' expects {_type_name(tp)}, got {text!r}")
     origin = typing.get_origin(tp)
+    if origin is dict or tp is dict:
+        try:
+            raw = yaml.safe_load(s) if s else {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"option '{key}': cannot parse mapping {text!r}: {e}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"option '{key}' expects a mapping like {{a: 1}}, got {text!r}")
+        return raw
     if origin in (list, tuple):
         if s.startswith("["):
             try:
