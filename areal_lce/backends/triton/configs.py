@@ -1,0 +1,63 @@
+"""Block sizes and workspace budgets of the Triton backend (the kernels hold none).
+
+GPU tiles were picked by `python -m benchmark.bench_lce --sweep` on an H100 (benchmark/notes.md says
+which run); the interpreter gets one small tile that keeps CPU tests fast (fewer, larger programs).
+`override()` lets a benchmark sweep swap the tiles without touching the launcher.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_n: int
+    block_v: int
+    block_k: int
+    group_n: int = 8  # token blocks that walk the same vocab tiles together (L2 reuse of W)
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+# Hopper (sm_90) bf16/fp16 defaults. Forward keeps five running statistics per row next to the
+# accumulator, so its tile is narrower in V than a plain GEMM's; see notes.md for the sweep.
+FWD_GPU = TileConfig(block_n=128, block_v=128, block_k=64, group_n=16, num_warps=8, num_stages=4)
+BWD_GPU = TileConfig(block_n=128, block_v=256, block_k=64, group_n=16, num_warps=8, num_stages=3)
+# fp32 inputs use IEEE fp32 dots (no TF32): smaller K step keeps shared memory within budget.
+FWD_GPU_FP32 = TileConfig(block_n=64, block_v=128, block_k=32, group_n=8, num_warps=8, num_stages=3)
+BWD_GPU_FP32 = TileConfig(block_n=64, block_v=128, block_k=32, group_n=8, num_warps=8, num_stages=3)
+# The interpreter runs programs one after another with numpy: fewer, larger programs are faster.
+INTERPRET = TileConfig(block_n=32, block_v=128, block_k=32, group_n=4, num_warps=4, num_stages=1)
+
+SPLIT_UNIT = 256  # vocab split widths are multiples of this (every block_v divides it)
+MIN_PROGRAMS_PER_SM = 4  # forward: split the vocabulary until the grid has this many programs per SM
+MAX_SPLIT = 8192  # forward: cap on split width, so large N still gets a few splits (tail balance)
+MERGE_BLOCK_N = 128
+
+# Backward d_logits workspace [N, V_chunk] budget (bytes). 256 MiB keeps the extra memory of a
+# zero-cache step at N=32768, H=2048 near 0.5 GiB together with the fp32 d_hidden accumulator.
+WORKSPACE_BYTES = int(os.environ.get("AREAL_LCE_TRITON_WORKSPACE_MB", "256")) * (1 << 20)
+
+_OVERRIDES: dict = {}
+
+
+def override(**tiles: TileConfig) -> None:
+    """Replace tiles by name ('fwd', 'bwd'), e.g. from a sweep; `override()` clears all overrides."""
+    _OVERRIDES.clear()
+    _OVERRIDES.update(tiles)
+
+
+def tile(kind: str, *, fp32: bool, interpret: bool, H: int) -> TileConfig:
+    if kind in _OVERRIDES:
+        return _OVERRIDES[kind]
+    if interpret:
+        cfg = INTERPRET
+    elif kind == "fwd":
+        cfg = FWD_GPU_FP32 if fp32 else FWD_GPU
+    else:
+        cfg = BWD_GPU_FP32 if fp32 else BWD_GPU
+    # tiny H: a K step larger than H only wastes masked lanes
+    while cfg.block_k > 16 and cfg.block_k // 2 >= H:
+        cfg = replace(cfg, block_k=cfg.block_k // 2)
+    return cfg

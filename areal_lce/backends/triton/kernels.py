@@ -1,0 +1,221 @@
+"""Triton kernels of the fused linear logprobs + entropy op (CUDA and the CPU interpreter).
+
+Three kernels, no allocation or host logic here (launch.py owns both):
+
+  lce_fwd_kernel        one program = BLOCK_N tokens x one vocab split of SPLIT_V columns. For each
+                        BLOCK_V tile it runs a tensor-core GEMM over H (fp32 accumulator) and folds the
+                        tile into running per-token statistics (online softmax). Writes per-split
+                        partials (m, s, a, zy, mn), and optionally the fp32 tempered logits (cache).
+  lce_fwd_merge_kernel  merges the per-split partials of each token in a fixed split order.
+  lce_bwd_kernel        recomputes (or reads from the cache) one logits tile in fp32 registers and
+                        writes d_logits = dz / T into a [N, V_chunk] workspace; cuBLAS does the rest.
+
+Units. The accumulator holds raw logits r = h . w. With c = inv_t * log2(e), the softmax terms are
+exp2((r - r_max) * c); subtracting in raw units first keeps (r - r_max) exact near the max. The partial
+`a` is returned in natural units: a = ln2 * sum(d2 * exp2(d2)), d2 = (r - r_max) * c.
+
+NaN. tl.max / tl.maximum ignore NaN on the GPU, so a NaN logit never reaches the running max; it does
+reach exp2(NaN - m) and therefore s, and the merge kernel turns m / mn into NaN wherever s is NaN.
+
+Interpreter. bf16 tl.dot returns garbage under TRITON_INTERPRET=1 (field-notes section 5): with
+UPCAST every loaded tile is converted to fp32 right after the load.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _tile_coords(i_pid, n_blocks_n, n_blocks_v, GROUP_N: tl.constexpr):
+    """Grouped program order: GROUP_N token blocks share each vocab tile while it is hot in L2."""
+    width = GROUP_N * n_blocks_v
+    i_group = i_pid // width
+    first_n = i_group * GROUP_N
+    group_size = tl.minimum(n_blocks_n - first_n, GROUP_N)
+    i_n = first_n + (i_pid % width) % group_size
+    i_v = (i_pid % width) // group_size
+    return i_n, i_v
+
+
+@triton.jit
+def _logits_tile(h, w, o_nc, o_vc, H, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """Raw logits h[o_nc] . w[o_vc]^T, fp32 [BLOCK_N, BLOCK_V]. Row ids are clamped by the caller,
+    so loads need no row mask; only a ragged H needs a K mask."""
+    b_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    p_h = h + o_nc[:, None] * H
+    p_w = w + o_vc[:, None] * H
+    for k0 in range(0, H, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            b_h = tl.load(p_h + o_k[None, :])
+            b_w = tl.load(p_w + o_k[None, :])
+        else:
+            m_k = o_k < H
+            b_h = tl.load(p_h + o_k[None, :], mask=m_k[None, :], other=0.0)
+            b_w = tl.load(p_w + o_k[None, :], mask=m_k[None, :], other=0.0)
+        if UPCAST:
+            b_h = b_h.to(tl.float32)
+            b_w = b_w.to(tl.float32)
+        b_acc = tl.dot(b_h, tl.trans(b_w), b_acc, input_precision=DOT_PRECISION)
+    return b_acc
+
+
+@triton.jit
+def lce_fwd_kernel(
+    h, w, y, inv_t, part, z_cache,
+    N, H, V, SPLIT_V, n_splits, stride_part, scale,
+    HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+):
+    """part: fp32 [5, n_splits, N] = (m, s, a, zy, mn) of each split; z_cache: fp32 [N, V] or unused.
+    V here is the number of valid columns; y holds local label columns (int32, -1 = not owned)."""
+    i_pid = tl.program_id(0)
+    n_blocks_n = tl.cdiv(N, BLOCK_N)
+    i_n, i_s = _tile_coords(i_pid, n_blocks_n, n_splits, GROUP_N)
+    i_n = i_n.to(tl.int64)
+    i_s = i_s.to(tl.int64)
+
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_nc = tl.minimum(o_n, N - 1)
+    b_y = tl.load(y + o_nc)
+    if HAS_INV_T:
+        b_it = tl.load(inv_t + o_nc)
+    else:
+        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + scale
+    b_c = b_it * LOG2E
+
+    b_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)  # raw units
+    b_s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_a = tl.zeros([BLOCK_N], dtype=tl.float32)  # base-2 units, relative to b_m
+    b_zy = tl.zeros([BLOCK_N], dtype=tl.float32)  # raw units
+    b_mn = tl.full([BLOCK_N], float("inf"), dtype=tl.float32)  # raw units
+
+    v_begin = i_s * SPLIT_V
+    v_end = tl.minimum(v_begin + SPLIT_V, V)
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        o_v = v0 + tl.arange(0, BLOCK_V)
+        m_v = o_v < v_end
+        o_vc = tl.minimum(o_v, V - 1)
+        b_r = _logits_tile(h, w, o_nc, o_vc, H, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION)
+        if HAS_CACHE:
+            p_c = z_cache + o_n[:, None] * V + o_v[None, :]
+            tl.store(p_c, b_r * b_it[:, None], mask=m_n[:, None] & m_v[None, :])
+        b_zy += tl.sum(tl.where(o_v[None, :] == b_y[:, None], b_r, 0.0), 1)
+        b_mn = tl.minimum(b_mn, tl.min(tl.where(m_v[None, :], b_r, float("inf")), 1))
+        b_r = tl.where(m_v[None, :], b_r, float("-inf"))  # padding / split tail: -inf, never 0
+        b_mnew = tl.maximum(b_m, tl.max(b_r, 1))
+        b_d = (b_r - b_mnew[:, None]) * b_c[:, None]
+        b_e = tl.exp2(b_d)
+        b_de = tl.sum(tl.where(b_e == 0.0, 0.0, b_d * b_e), 1)  # (-inf)*0 at masked columns -> 0
+        b_dm = (b_m - b_mnew) * b_c
+        b_alpha = tl.exp2(b_dm)
+        b_a = b_alpha * (b_a + tl.where(b_s == 0.0, 0.0, b_dm * b_s)) + b_de
+        b_s = b_s * b_alpha + tl.sum(b_e, 1)
+        b_m = b_mnew
+
+    p_part = part + i_s * N + o_n
+    stride = stride_part  # n_splits * N, from the host (a scalar 1 arrives as a constexpr)
+    tl.store(p_part, b_m * b_it, mask=m_n)
+    tl.store(p_part + stride, b_s, mask=m_n)
+    tl.store(p_part + 2 * stride, b_a * LN2, mask=m_n)
+    tl.store(p_part + 3 * stride, b_zy * b_it, mask=m_n)
+    tl.store(p_part + 4 * stride, b_mn * b_it, mask=m_n)
+
+
+@triton.jit
+def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, BLOCK_N: tl.constexpr):
+    """out: fp32 [5, N] = (m, s, a, zy, mn) over all splits, merged in split order (deterministic)."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    stride = stride_part
+    b_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    b_mn = tl.full([BLOCK_N], float("inf"), dtype=tl.float32)
+    for i_s in range(0, n_splits):
+        p = part + i_s * N + o_n
+        b_m = tl.maximum(b_m, tl.load(p, mask=m_n, other=float("-inf")))
+        b_mn = tl.minimum(b_mn, tl.load(p + 4 * stride, mask=m_n, other=float("inf")))
+    b_s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_a = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_zy = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i_s in range(0, n_splits):
+        p = part + i_s * N + o_n
+        b_mi = tl.load(p, mask=m_n, other=0.0)
+        b_si = tl.load(p + stride, mask=m_n, other=0.0)
+        b_ai = tl.load(p + 2 * stride, mask=m_n, other=0.0)
+        b_zy += tl.load(p + 3 * stride, mask=m_n, other=0.0)
+        b_dm = b_mi - b_m
+        b_f = tl.exp(b_dm)
+        b_s += b_si * b_f
+        # a_i is relative to m_i: shift to m; a split whose s_i is 0 contributes nothing
+        b_a += tl.where(b_si == 0.0, 0.0, b_f * (b_ai + b_dm * b_si))
+    b_nan = b_s != b_s
+    b_m = tl.where(b_nan, b_s, b_m)
+    b_mn = tl.where(b_nan, b_s, b_mn)
+    p_out = out + o_n
+    tl.store(p_out, b_m, mask=m_n)
+    tl.store(p_out + N, b_s, mask=m_n)
+    tl.store(p_out + 2 * N, b_a, mask=m_n)
+    tl.store(p_out + 3 * N, b_zy, mask=m_n)
+    tl.store(p_out + 4 * N, b_mn, mask=m_n)
+
+
+@triton.jit
+def lce_bwd_kernel(
+    h, w, y, inv_t, lse, ent, g_lp, g_ent, z_cache, dl,
+    N, H, V, v_begin, width, stride_dl, scale,
+    HAS_INV_T: tl.constexpr, USE_CACHE: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+):
+    """dl[n, j - v_begin] = dz[n, j] * inv_t[n] for the chunk j in [v_begin, v_begin + width).
+
+    dz_j = g_lp (1[j = y] - p_j) - g_ent p_j (log p_j + ent), p_j = exp(z_j - lse). In base 2 with
+    x = log2(e) (z_j - lse): d_logits = -p (A + B x) + C 1[j = y], A = (g_lp + g_ent ent) / T,
+    B = ln2 g_ent / T, C = g_lp / T. V is the cache row stride (valid columns of the shard)."""
+    i_pid = tl.program_id(0)
+    n_blocks_n = tl.cdiv(N, BLOCK_N)
+    n_blocks_v = tl.cdiv(width, BLOCK_V)
+    i_n, i_v = _tile_coords(i_pid, n_blocks_n, n_blocks_v, GROUP_N)
+    i_n = i_n.to(tl.int64)
+    i_v = i_v.to(tl.int64)
+
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_nc = tl.minimum(o_n, N - 1)
+    o_j = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # column inside the chunk
+    m_j = o_j < width
+    o_v = v_begin + o_j  # column inside the shard
+
+    b_y = tl.load(y + o_nc)
+    if HAS_INV_T:
+        b_it = tl.load(inv_t + o_nc)
+    else:
+        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + scale
+    b_lse = tl.load(lse + o_nc)
+    b_ent = tl.load(ent + o_nc)
+    b_glp = tl.load(g_lp + o_nc)
+    b_gent = tl.load(g_ent + o_nc)
+    b_A = (b_glp + b_gent * b_ent) * b_it
+    b_B = b_gent * b_it * LN2
+    b_C = b_glp * b_it
+
+    if USE_CACHE:
+        p_c = z_cache + o_nc[:, None] * V + tl.minimum(o_v, V - 1)[None, :]
+        b_z = tl.load(p_c)
+        b_x = (b_z - b_lse[:, None]) * LOG2E
+    else:
+        o_vc = tl.minimum(o_v, V - 1)
+        b_r = _logits_tile(h, w, o_nc, o_vc, H, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION)
+        b_x = b_r * (b_it * LOG2E)[:, None] - (b_lse * LOG2E)[:, None]
+    b_p = tl.exp2(b_x)
+    b_dl = -b_p * (b_A[:, None] + b_B[:, None] * b_x)
+    b_dl += tl.where(o_v[None, :] == b_y[:, None], b_C[:, None], 0.0)
+    p_dl = dl + o_n[:, None] * stride_dl + o_j[None, :]
+    tl.store(p_dl, b_dl.to(dl.dtype.element_ty), mask=m_n[:, None] & m_j[None, :])

@@ -1,0 +1,309 @@
+"""Launchers of the Triton backend: checks, allocation, grids, block choice, cuBLAS GEMMs.
+
+Forward (one fused pass, no [N, V] tensor unless the logits cache is on):
+    lce_fwd_kernel      grid = ceil(N / BLOCK_N) x n_splits programs, each a token block x a vocab
+                        split, tensor-core GEMM tiles with the online-softmax epilogue
+    lce_fwd_merge_kernel  per-split partials -> (m, s, a, zy, mn), fixed split order
+Backward, per vocab chunk [c0, c1) of the shard (fixed chunk order, no atomics: bitwise deterministic):
+    lce_bwd_kernel      recompute (or read cached) logits, write d_logits [N, c1 - c0] (bf16 for
+                        bf16/fp16 inputs, fp32 for fp32 inputs and under the interpreter)
+    cuBLAS              d_weight[c0:c1] = d_logitsᵀ · h   (one GEMM over all N tokens: fp32 accumulate
+                        inside cuBLAS, rounded once to the weight dtype)
+                        d_hidden += d_logits · W[c0:c1]  (fp32 [N, H] accumulator, bf16 operands with an
+                        fp32 output via torch's out_dtype GEMMs)
+
+Extra device memory (bytes), beyond inputs and the returned gradients:
+    forward   20·N·n_splits + 24·N            (partials, merged stats, int32 labels)
+              + 4·N·shard_valid               only when the logits cache is kept
+    backward  N·V_chunk·e  <=  max(WORKSPACE_BYTES, 256·N·e)
+              with e = 2 (bf16/fp16) or 4 (fp32, interpreter),
+              V_chunk = clamp(floor(WORKSPACE_BYTES / (N·e)) rounded down to 256, 256, shard_valid)
+    (WORKSPACE_BYTES = configs.WORKSPACE_BYTES, 256 MiB by default.) The returned d_hidden is fp32
+    [N, H] (4·N·H bytes); d_weight is [V_shard, H] in the weight dtype.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Optional, Tuple
+
+import torch
+import triton
+
+from ...types import LCEParams
+from ..base import ShardStats, scalar_inv_t
+from . import configs
+from .kernels import lce_bwd_kernel, lce_fwd_kernel, lce_fwd_merge_kernel
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _alloc(shape, dtype, device) -> torch.Tensor:
+    """Every buffer a kernel writes comes from here (tests swap in NaN-filled buffers)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _slots(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 1
+
+
+@functools.lru_cache(maxsize=1024)
+def _split_plan(N: int, valid: int, block_n: int, slots: int, interpret: bool) -> Tuple[int, int]:
+    """(split width, n_splits) for the forward grid.
+
+    Work is n_blocks_n x units tiles of SPLIT_UNIT columns. Time is modelled as waves x units per
+    split (one program per SM slot at a time); pick the split width with the fewest modelled unit-steps,
+    ties to the wider split. Small N thus gets many narrow splits and large N avoids a ragged last wave.
+    """
+    unit = configs.SPLIT_UNIT
+    units = triton.cdiv(valid, unit)
+    n_blocks_n = triton.cdiv(N, block_n)
+    max_units = max(1, (1024 if interpret else configs.MAX_SPLIT) // unit)
+    if interpret:
+        per = min(units, max_units)
+        return per * unit, triton.cdiv(units, per)
+    best = None
+    for per in range(1, min(units, max_units) + 1):
+        n_splits = triton.cdiv(units, per)
+        waves = triton.cdiv(n_blocks_n * n_splits, slots)
+        cost = (waves * per, -per)
+        if best is None or cost < best[0]:
+            best = (cost, per)
+    per = best[1]
+    return per * unit, triton.cdiv(units, per)
+
+
+def _local_labels(labels: torch.Tensor, params: LCEParams) -> torch.Tensor:
+    """Shard-local label column as contiguous int32 (-1 when another shard owns the label).
+
+    A fresh int32 copy also side-steps the miscompile of int64 loads from addresses that are not
+    16-byte aligned (field-notes section 5)."""
+    local = labels.to(torch.int64) - params.vocab_start
+    owned = (local >= 0) & (local < params.shard_valid)
+    return torch.where(owned, local, torch.full_like(local, -1)).to(torch.int32).contiguous()
+
+
+def _check(hidden, weight, labels, inv_t, params: LCEParams) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"triton backend: hidden and weight must be 2-D, got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if hidden.dtype not in _DTYPES or weight.dtype != hidden.dtype:
+        raise TypeError(f"triton backend: hidden/weight dtype must be one of bf16, fp16, fp32 and equal, "
+                        f"got {hidden.dtype} and {weight.dtype}")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"triton backend: hidden [N, H] and weight [V, H] disagree on H: "
+                         f"{tuple(hidden.shape)} vs {tuple(weight.shape)}")
+    if labels.shape != (hidden.shape[0],):
+        raise ValueError(f"triton backend: labels must be [N]={hidden.shape[0]}, got {tuple(labels.shape)}")
+    if inv_t is not None and inv_t.shape != (hidden.shape[0],):
+        raise ValueError(f"triton backend: inv_t must be [N]={hidden.shape[0]}, got {tuple(inv_t.shape)}")
+    if not 0 <= params.shard_valid <= weight.shape[0]:
+        raise ValueError(f"triton backend: params.shard_valid={params.shard_valid} outside [0, {weight.shape[0]}]")
+    dev = hidden.device
+    if weight.device != dev or labels.device != dev or (inv_t is not None and inv_t.device != dev):
+        raise ValueError("triton backend: hidden, weight, labels and inv_t must be on one device")
+    if dev.type != "cuda" and not INTERPRET:
+        raise RuntimeError(f"triton backend: tensors are on {dev}; run on CUDA, or set TRITON_INTERPRET=1 "
+                           "before areal_lce.backends.triton is imported to run the kernels on CPU")
+
+
+def _device_ctx(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else _NullCtx()
+
+
+class _NullCtx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must give IEEE fp32 logits (TF32 would cost ~1e-3 relative); the interpreter computes
+    # exact fp32 dots for any precision name.
+    return "ieee" if (dtype == torch.float32 or INTERPRET) else "tf32"
+
+
+class TritonBackend:
+    """Backend contract of base.py on CUDA (and on CPU under TRITON_INTERPRET=1). Memory bound: module
+    docstring."""
+
+    name = "triton"
+
+    # ------------------------------------------------------------------------------------ forward
+    def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool) -> ShardStats:
+        _check(hidden, weight, labels, inv_t, params)
+        N, H = hidden.shape
+        valid = params.shard_valid
+        dev = hidden.device
+        if N == 0 or valid == 0:
+            return _empty_stats(N, dev)
+        hidden, weight = hidden.contiguous(), weight.contiguous()
+        y = _local_labels(labels, params)
+        it = inv_t.to(torch.float32).contiguous() if inv_t is not None else None
+        scale = scalar_inv_t(params) if inv_t is None else 1.0
+        use_cache = bool(keep_cache and params.cache_bytes > 0 and N * weight.shape[0] * 4 <= params.cache_bytes)
+
+        cfg = configs.tile("fwd", fp32=hidden.dtype == torch.float32, interpret=INTERPRET, H=H)
+        split_v, n_splits = _split_plan(N, valid, cfg.block_n, _slots(dev), INTERPRET)
+        part = _alloc((5, n_splits, N), torch.float32, dev)
+        cache = _alloc((N, valid), torch.float32, dev) if use_cache else None
+        out = _alloc((5, N), torch.float32, dev)
+        grid = (triton.cdiv(N, cfg.block_n) * n_splits,)
+        with _device_ctx(dev):
+            lce_fwd_kernel[grid](
+                hidden, weight, y, it if it is not None else part, part, cache if use_cache else part,
+                N, H, valid, split_v, n_splits, n_splits * N, scale,
+                HAS_INV_T=it is not None, HAS_CACHE=use_cache, EVEN_K=H % cfg.block_k == 0,
+                UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype),
+                BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+            lce_fwd_merge_kernel[(triton.cdiv(N, configs.MERGE_BLOCK_N),)](
+                part, out, N, n_splits, n_splits * N, BLOCK_N=configs.MERGE_BLOCK_N, num_warps=4,
+            )
+        return ShardStats(m=out[0], s=out[1], a=out[2], zy=out[3], mn=out[4], cache=cache)
+
+    # ----------------------------------------------------------------------------------- backward
+    def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,
+                 need_d_hidden: bool, need_d_weight: bool):
+        _check(hidden, weight, labels, inv_t, params)
+        if not (need_d_hidden or need_d_weight):
+            return None, None
+        N, H = hidden.shape
+        Vs = weight.shape[0]
+        valid = params.shard_valid
+        dev = hidden.device
+        dh = _alloc((N, H), torch.float32, dev) if need_d_hidden else None
+        dw = _alloc((Vs, H), weight.dtype, dev) if need_d_weight else None
+        if dw is not None and valid < Vs:
+            dw[valid:].zero_()  # vocabulary padding rows get no gradient
+        if N == 0 or valid == 0:
+            if dh is not None:
+                dh.zero_()
+            if dw is not None:
+                dw.zero_()
+            return dh, dw
+        if cache is not None and (not torch.is_tensor(cache) or cache.shape != (N, valid)):
+            raise ValueError(f"triton backend: logits cache must be fp32 [N, shard_valid]=({N}, {valid}), "
+                             f"got {getattr(cache, 'shape', type(cache))}")
+        hidden, weight = hidden.contiguous(), weight.contiguous()
+        y = _local_labels(labels, params)
+        it = inv_t.to(torch.float32).contiguous() if inv_t is not None else None
+        scale = scalar_inv_t(params) if inv_t is None else 1.0
+        vecs = [t.to(torch.float32).contiguous() for t in (lse, ent, g_lp, g_ent)]
+
+        fp32 = hidden.dtype == torch.float32
+        cfg = configs.tile("bwd", fp32=fp32, interpret=INTERPRET, H=H)
+        ws_dtype = torch.float32 if (fp32 or INTERPRET) else hidden.dtype
+        esize = torch.finfo(ws_dtype).bits // 8
+        chunk = _chunk_width(N, valid, esize)
+        ws = _alloc((N * chunk,), ws_dtype, dev)
+        gemm = _Gemms(hidden, weight, ws_dtype)
+        with _device_ctx(dev):
+            for c0 in range(0, valid, chunk):
+                width = min(chunk, valid - c0)
+                dl = ws[: N * width].view(N, width)
+                grid = (triton.cdiv(N, cfg.block_n) * triton.cdiv(width, cfg.block_v),)
+                lce_bwd_kernel[grid](
+                    hidden, weight, y, it if it is not None else vecs[0], *vecs,
+                    cache if cache is not None else vecs[0], dl,
+                    N, H, valid, c0, width, width, scale,
+                    HAS_INV_T=it is not None, USE_CACHE=cache is not None, EVEN_K=H % cfg.block_k == 0,
+                    UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype),
+                    BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                )
+                if dw is not None:
+                    gemm.d_weight(dl, dw[c0:c0 + width])
+                if dh is not None:
+                    gemm.d_hidden(dl, weight[c0:c0 + width], dh, first=c0 == 0)
+        return dh, dw
+
+
+def _chunk_width(N: int, valid: int, esize: int) -> int:
+    unit = configs.SPLIT_UNIT
+    chunk = (configs.WORKSPACE_BYTES // max(1, N * esize)) // unit * unit
+    return int(min(max(chunk, unit), triton.cdiv(valid, unit) * unit))
+
+
+def _empty_stats(N: int, dev) -> ShardStats:
+    z = torch.zeros(N, dtype=torch.float32, device=dev)
+    inf = torch.full((N,), float("inf"), dtype=torch.float32, device=dev)
+    return ShardStats(m=-inf, s=z, a=z.clone(), zy=z.clone(), mn=inf.clone(), cache=None)
+
+
+_OUT_DTYPE_OK: dict = {}
+
+
+def _out_dtype_supported(device: torch.device) -> bool:
+    """torch.mm / torch.addmm with out_dtype=float32 on bf16/fp16 operands (CUDA, torch >= 2.8)."""
+    key = str(device)
+    if key not in _OUT_DTYPE_OK:
+        ok = False
+        if device.type == "cuda":
+            try:
+                a = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
+                c = torch.mm(a, a, out_dtype=torch.float32)
+                torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+                ok = c.dtype == torch.float32 and bool((c == 32).all())
+            except (TypeError, RuntimeError, NotImplementedError):
+                ok = False
+        _OUT_DTYPE_OK[key] = ok
+    return _OUT_DTYPE_OK[key]
+
+
+class _Gemms:
+    """The two cuBLAS products of one chunk, in the most exact mode the device offers.
+
+    native     operands already in the workspace dtype (fp32 inputs, fp32 workspace)
+    out_dtype  bf16/fp16 operands, fp32 output and accumulation (CUDA): d_hidden never rounds to bf16
+    upcast     operands cast to fp32 first (CPU interpreter; CUDA without out_dtype support)
+    """
+
+    def __init__(self, hidden, weight, ws_dtype):
+        self.hidden = hidden
+        if ws_dtype == hidden.dtype:
+            self.mode = "native" if hidden.dtype == torch.float32 else "out_dtype"
+            if self.mode == "out_dtype" and not _out_dtype_supported(hidden.device):
+                self.mode = "upcast"
+        else:
+            self.mode = "upcast"
+        self._h32 = None
+
+    def _h(self):
+        if self.mode != "upcast" or self.hidden.dtype == torch.float32:
+            return self.hidden
+        if self._h32 is None:
+            self._h32 = self.hidden.float()
+        return self._h32
+
+    def d_weight(self, dl, out):
+        h = self._h()
+        if self.mode == "upcast" and out.dtype != torch.float32:
+            out.copy_(torch.mm(dl.t().float(), h))
+        else:
+            torch.mm(dl.t(), h, out=out)
+
+    def d_hidden(self, dl, w_chunk, dh, first: bool):
+        if self.mode == "out_dtype":
+            if first:
+                torch.mm(dl, w_chunk, out_dtype=torch.float32, out=dh)
+            else:
+                torch.addmm(dh, dl, w_chunk, out_dtype=torch.float32, out=dh)
+            return
+        a = dl if dl.dtype == torch.float32 else dl.float()
+        b = w_chunk if w_chunk.dtype == torch.float32 else w_chunk.float()
+        if first:
+            torch.mm(a, b, out=dh)
+        else:
+            dh.addmm_(a, b)
