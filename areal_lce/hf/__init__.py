@@ -1,0 +1,22 @@
+"""Hugging Face transformers integration: a reversible, instance-level fused-LM-head patch.
+
+    import areal_lce.hf
+    areal_lce.hf.apply(model, temperature=1.0, backend="auto")
+    out = model(input_ids, labels=labels)   # out.loss, out.logprobs, out.entropy, ...; out.logits is None
+    areal_lce.hf.remove(model)
+
+See docs/hf.md.
+"""
+from .patch import (
+    LCECausalLMOutput,
+    VERIFIED_MODEL_TYPES,
+    apply,
+    check_supported,
+    fused_head,
+    is_patched,
+    next_token_labels,
+    remove,
+)
+
+__all__ = ["apply", "remove", "is_patched", "check_supported", "fused_head", "next_token_labels",
+           "LCECausalLMOutput", "VERIFIED_MODEL_TYPES"]

@@ -1,0 +1,429 @@
+"""Instance-level patch of a transformers causal LM: fused LM head instead of logits.
+
+`apply(model, **options)` replaces `model.forward` on this one instance (the class is never touched).
+The patched forward runs the fused path when it is given `labels=` (or `shift_labels=`) or
+`return_token_stats=True`; otherwise it calls the original forward unchanged (generation, plain
+logits). The fused path:
+
+  1. runs the base model (``getattr(model, model.base_model_prefix)``, else ``model.model``, else
+     ``model.get_decoder()``) with the same arguments, minus the head and loss ones;
+  2. builds next-token labels: position t predicts labels[t + 1]; the last position, and with
+     ``position_ids`` every position whose next token starts a new packed sequence (position id 0),
+     get ignore_index;
+  3. calls `linear_logprobs_entropy` on the flattened hidden states and `lm_head.weight` *through*
+     ``lm_head.__call__`` (its forward temporarily swapped), so module hooks on the head still fire:
+     FSDP2's unshard/reshard and gradient reduce-scatter work exactly as for the unpatched head;
+  4. returns `LCECausalLMOutput`: logits None, per-token logprobs / entropy / max_logit / min_logit /
+     lse shaped [B, S] at the predicting position (0 where ignored), the `shift_labels` used, and
+     the loss = mean of -logprob over non-ignored positions (or sum / ``num_items_in_batch``), the
+     value transformers' `ForCausalLMLoss` gives at temperature 1.
+
+DTensor `lm_head.weight` (only seen when the head is not FSDP2-unsharded around its forward, i.e.
+tensor parallelism): Replicate placements use the local tensor; Shard(0) over one mesh dimension with
+the vocabulary divisible by that dimension's size uses the op's vocab-parallel path on that mesh
+dimension's process group (no gather of the weight); anything else raises.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+# Families whose causal-LM forward is exactly `lm_head(base_model(...).last_hidden_state)` and that
+# tests/test_hf.py checks against the unpatched model. Others need `allow_unverified=True`.
+VERIFIED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+
+# Config options that change the logits after lm_head in ways the op can't express: (name, neutral
+# values). A value outside the neutral set refuses the patch.
+_LOGIT_TRANSFORM_OPTIONS = (
+    ("final_logit_softcapping", (None, 0, 0.0)),  # Gemma2/3: tanh soft-capping
+    ("logit_scale", (None, 1, 1.0)),  # Cohere: logits * logit_scale
+    ("logits_scaling", (None, 1, 1.0)),  # Granite: logits / logits_scaling
+    ("lm_head_multiplier", (None, 1, 1.0)),  # Falcon-H1: logits * lm_head_multiplier
+    ("output_multiplier", (None, 1, 1.0)),  # logits * output_multiplier
+)
+
+# Options forwarded to linear_logprobs_entropy as is (the rest are set by the patch itself).
+_OP_OPTIONS = ("temperature", "backend", "cache_bytes", "vocab_size", "check_labels")
+# Forward keywords that belong to the loss or the head, never passed to the base model.
+_HEAD_KWARGS = ("labels", "shift_labels", "logits_to_keep", "num_items_in_batch", "return_dict")
+
+_STATE_ATTR = "_areal_lce_patch"
+_MISSING = object()
+
+
+@dataclass
+class LCECausalLMOutput(CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` with `logits=None` and per-token fused-op results, all [B, S] fp32.
+
+    Entry t belongs to the prediction made at position t, i.e. of token ``shift_labels[:, t]``
+    (= labels[:, t + 1]); ignored positions hold 0.
+    logprobs   log softmax(z)[shift_label], z = h·Wᵀ / temperature (differentiable).
+    entropy    entropy of softmax(z) (differentiable).
+    max_logit  max raw logit h·W_jᵀ (before temperature); min_logit likewise; lse: log-sum-exp of z.
+    shift_labels  int64 [B, S], the next-token labels used (ignore_index where ignored).
+    """
+
+    logprobs: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None
+    max_logit: Optional[torch.Tensor] = None
+    min_logit: Optional[torch.Tensor] = None
+    lse: Optional[torch.Tensor] = None
+    shift_labels: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class _PatchState:
+    original_forward: Any  # what `model.forward` resolved to before apply (bound method)
+    previous_instance_forward: Any  # model.__dict__["forward"] before apply, or _MISSING
+    patched_forward: Any
+    op_options: Dict[str, Any]
+    ignore_index: int
+    packed_boundaries: bool
+
+
+# --------------------------------------------------------------------------------------------------
+# apply / remove
+
+
+def apply(
+    model: nn.Module,
+    *,
+    ignore_index: int = -100,
+    packed_boundaries: bool = True,
+    allow_unverified: bool = False,
+    **op_options: Any,
+) -> nn.Module:
+    """Patch `model` (in place, this instance only) to use the fused LM head; returns `model`.
+
+    ignore_index       label value that is skipped (transformers' default -100).
+    packed_boundaries  with `position_ids`, ignore positions whose next token has position id 0 (the
+                       first token of the next packed sequence).
+    allow_unverified   patch a model type outside VERIFIED_MODEL_TYPES (its forward must be
+                       lm_head(base_model(...)) with no extra logits transform).
+    op_options         forwarded to `linear_logprobs_entropy`: temperature, backend, cache_bytes,
+                       vocab_size (exclude padded vocabulary rows), check_labels.
+    Applying twice raises; call `remove(model)` first.
+    """
+    if getattr(model, _STATE_ATTR, None) is not None:
+        raise RuntimeError("areal_lce.hf.apply: this model is already patched; call areal_lce.hf.remove(model) "
+                           "first to change options")
+    unknown = sorted(set(op_options) - set(_OP_OPTIONS))
+    if unknown:
+        raise TypeError(f"areal_lce.hf.apply: unknown option(s) {unknown}; allowed: ignore_index, "
+                        f"packed_boundaries, allow_unverified, {', '.join(_OP_OPTIONS)}")
+    temperature = op_options.get("temperature", 1.0)
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
+        raise ValueError(f"areal_lce.hf.apply: temperature must be a positive number, got {temperature!r}")
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"areal_lce.hf.apply: ignore_index must be an int, got {ignore_index!r}")
+    check_supported(model, allow_unverified=allow_unverified)
+
+    state_holder = {}
+
+    def forward(*args, **kwargs):
+        return _patched_forward(model, state_holder["state"], args, kwargs)
+
+    original = model.forward
+    state = _PatchState(
+        original_forward=original,
+        previous_instance_forward=model.__dict__.get("forward", _MISSING),
+        patched_forward=forward,
+        op_options=dict(op_options),
+        ignore_index=ignore_index,
+        packed_boundaries=packed_boundaries,
+    )
+    state_holder["state"] = state
+    model.__dict__[_STATE_ATTR] = state
+    model.forward = forward
+    return model
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Undo `apply`: `model.forward` becomes exactly what it was before (the class method, or the
+    instance attribute that was there). Raises if the model is not patched, or if something else
+    replaced the patched forward since (restoring would drop that wrapper)."""
+    state: Optional[_PatchState] = model.__dict__.get(_STATE_ATTR)
+    if state is None:
+        raise RuntimeError("areal_lce.hf.remove: this model is not patched by areal_lce.hf.apply")
+    if model.__dict__.get("forward") is not state.patched_forward:
+        raise RuntimeError("areal_lce.hf.remove: model.forward was replaced after areal_lce.hf.apply; "
+                           "remove that wrapper first")
+    if state.previous_instance_forward is _MISSING:
+        del model.__dict__["forward"]
+    else:
+        model.__dict__["forward"] = state.previous_instance_forward
+    del model.__dict__[_STATE_ATTR]
+    return model
+
+
+def is_patched(model: nn.Module) -> bool:
+    return model.__dict__.get(_STATE_ATTR) is not None
+
+
+# --------------------------------------------------------------------------------------------------
+# what the patch supports
+
+
+def get_base_model(model: nn.Module) -> nn.Module:
+    """The module the causal-LM forward runs before its head."""
+    prefix = getattr(model, "base_model_prefix", None)
+    if prefix:
+        base = getattr(model, prefix, None)
+        if isinstance(base, nn.Module) and base is not model:
+            return base
+    base = getattr(model, "model", None)
+    if isinstance(base, nn.Module) and base is not model:
+        return base
+    if hasattr(model, "get_decoder"):
+        base = model.get_decoder()
+        if isinstance(base, nn.Module) and base is not model:
+            return base
+    raise ValueError(f"areal_lce.hf: can't find the base model of {type(model).__name__} (tried "
+                     f"base_model_prefix={prefix!r}, .model, .get_decoder())")
+
+
+def get_lm_head(model: nn.Module) -> nn.Linear:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        head = getattr(model, "lm_head", None)
+    if head is None:
+        raise ValueError(f"areal_lce.hf: {type(model).__name__} has no output embeddings / lm_head")
+    return head
+
+
+def _config_values(config, name):
+    seen = []
+    for cfg in (config, getattr(config, "get_text_config", lambda: None)()):
+        if cfg is not None and name in getattr(cfg, "__dict__", {}):
+            seen.append(getattr(cfg, name))
+    return seen
+
+
+def check_supported(model: nn.Module, *, allow_unverified: bool = False) -> None:
+    """Raise ValueError naming the option/module when the fused head can't reproduce the model's logits."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"areal_lce.hf: {type(model).__name__} has no .config; expected a transformers model")
+    for name, neutral in _LOGIT_TRANSFORM_OPTIONS:
+        for value in _config_values(config, name):
+            if value not in neutral:
+                raise ValueError(f"areal_lce.hf: config.{name}={value!r} transforms the logits after lm_head, "
+                                 "which the fused op can't express; refusing to patch")
+    head = get_lm_head(model)
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+        raise ValueError(f"areal_lce.hf: lm_head is {type(head).__name__}, not a plain nn.Linear (adapters, "
+                         "quantised or custom heads are not supported)")
+    if head.bias is not None:
+        raise ValueError("areal_lce.hf: lm_head has a bias (lm_head.bias is set), which the fused op can't "
+                         "express; refusing to patch")
+    if not head.weight.is_floating_point() or head.weight.device.type == "meta":
+        raise ValueError(f"areal_lce.hf: lm_head.weight must be a materialised floating-point tensor, got "
+                         f"dtype {head.weight.dtype} on {head.weight.device}")
+    model_type = getattr(config, "model_type", None)
+    if model_type not in VERIFIED_MODEL_TYPES and not allow_unverified:
+        raise ValueError(f"areal_lce.hf: model_type {model_type!r} is not among the verified families "
+                         f"{sorted(VERIFIED_MODEL_TYPES)}; pass allow_unverified=True if its forward is "
+                         "lm_head(base_model(...).last_hidden_state) with no further logits transform")
+    get_base_model(model)
+
+
+# --------------------------------------------------------------------------------------------------
+# the patched forward
+
+
+def _patched_forward(model, state: _PatchState, args, kwargs):
+    return_token_stats = bool(kwargs.pop("return_token_stats", False))
+    temperature = kwargs.pop("temperature", None)
+    call = _bind(state.original_forward, args, kwargs)
+    if not (return_token_stats or call.get("labels") is not None or call.get("shift_labels") is not None):
+        if temperature is not None:
+            raise TypeError("areal_lce.hf: temperature= applies to the fused path only (pass labels= or "
+                            "return_token_stats=True)")
+        return state.original_forward(*args, **kwargs)
+    return _fused_forward(model, state, call, temperature)
+
+
+def _bind(fn, args, kwargs) -> Dict[str, Any]:
+    """Name every argument of a call to `fn`; **kwargs entries are flattened in."""
+    sig = inspect.signature(fn)
+    bound = sig.bind(*args, **kwargs)
+    out: Dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise TypeError("areal_lce.hf: unexpected extra positional arguments")
+        else:
+            out[name] = value
+    return out
+
+
+def next_token_labels(labels: torch.Tensor, ignore_index: int, position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    """shift[..., t] = labels[..., t + 1]; the last position, and positions whose next token has
+    position id 0 (the first token of the next packed sequence), get ignore_index."""
+    shift = torch.full_like(labels, ignore_index)
+    shift[..., :-1] = labels[..., 1:]
+    if position_ids is not None:
+        if position_ids.dim() != labels.dim():
+            raise ValueError(f"areal_lce.hf: position_ids of shape {tuple(position_ids.shape)} can't mark packed "
+                             f"boundaries for labels of shape {tuple(labels.shape)}; pass shift_labels= or "
+                             "apply(..., packed_boundaries=False)")
+        pos = torch.broadcast_to(position_ids.to(labels.device), labels.shape)
+        shift[..., :-1].masked_fill_(pos[..., 1:] == 0, ignore_index)
+    return shift
+
+
+def _fused_forward(model, state: _PatchState, call: Dict[str, Any], temperature):
+    labels = call.pop("labels", None)
+    shift_labels = call.pop("shift_labels", None)
+    logits_to_keep = call.pop("logits_to_keep", 0)
+    num_items_in_batch = call.pop("num_items_in_batch", None)
+    return_dict = call.pop("return_dict", None)
+    ignore_index = call.pop("ignore_index", state.ignore_index)
+    if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        raise ValueError("areal_lce.hf: logits_to_keep must be 0 on the fused path (it computes every position)")
+
+    outputs = get_base_model(model)(**call)
+    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+
+    want_loss = labels is not None or shift_labels is not None
+    if shift_labels is None:
+        if labels is None:
+            labels = call.get("input_ids")
+            if labels is None:
+                raise ValueError("areal_lce.hf: return_token_stats=True without labels needs input_ids "
+                                 "(the next tokens are scored)")
+        position_ids = call.get("position_ids") if state.packed_boundaries else None
+        shift_labels = next_token_labels(labels, ignore_index, position_ids)
+    if tuple(shift_labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"areal_lce.hf: labels of shape {tuple(shift_labels.shape)} don't match the hidden "
+                         f"states' {tuple(hidden.shape[:-1])}")
+
+    options = dict(state.op_options)
+    if temperature is not None:
+        options["temperature"] = temperature
+    head = get_lm_head(model)
+    out = fused_head(head, hidden, shift_labels, ignore_index=ignore_index, **options)
+
+    loss = None
+    if want_loss:
+        nll_sum = -out.logprobs.sum()  # ignored positions hold exactly 0
+        if num_items_in_batch is not None:
+            if torch.is_tensor(num_items_in_batch):
+                num_items_in_batch = num_items_in_batch.to(nll_sum.device)
+            loss = nll_sum / num_items_in_batch
+        else:
+            loss = nll_sum / (shift_labels != ignore_index).sum()
+
+    result = LCECausalLMOutput(
+        loss=loss,
+        logits=None,
+        past_key_values=getattr(outputs, "past_key_values", None),
+        hidden_states=getattr(outputs, "hidden_states", None),
+        attentions=getattr(outputs, "attentions", None),
+        logprobs=out.logprobs,
+        entropy=out.entropy,
+        max_logit=out.max_logit,
+        min_logit=out.min_logit,
+        lse=out.lse,
+        shift_labels=shift_labels,
+    )
+    if return_dict is False or (return_dict is None and getattr(model.config, "return_dict", True) is False):
+        return result.to_tuple()
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# the head call
+
+
+def fused_head(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
+               **op_options: Any):
+    """`linear_logprobs_entropy` of `hidden` [..., H] against `head.weight`, run inside `head.__call__`
+    so the head's module hooks (FSDP2 unshard/reshard, gradient reduce-scatter) fire. Returns an
+    `LCEOutput` whose fields are shaped like `labels`."""
+    lead = labels.shape
+
+    def head_forward(h):
+        return _run_op(head.weight, h, labels.reshape(-1), ignore_index, op_options)
+
+    previous = head.__dict__.get("forward", _MISSING)
+    head.__dict__["forward"] = head_forward
+    try:
+        out = head(hidden.reshape(-1, hidden.shape[-1]))
+    finally:
+        if previous is _MISSING:
+            del head.__dict__["forward"]
+        else:
+            head.__dict__["forward"] = previous
+    return type(out)(*(None if v is None else v.reshape(lead) for v in out))
+
+
+def _run_op(weight, hidden, labels, ignore_index, op_options):
+    from ..api import linear_logprobs_entropy
+
+    labels = labels.to(hidden.device)
+    weight, hidden, tp = _resolve_dtensor(weight, hidden)
+    if hidden.device != weight.device:  # e.g. an accelerate device map put the head elsewhere
+        hidden, labels = hidden.to(weight.device), labels.to(weight.device)
+    if "vocab_size" not in op_options and tp:
+        op_options = dict(op_options, vocab_size=tp.pop("global_vocab"))
+    tp.pop("global_vocab", None)
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        # nn.Linear would run in the autocast dtype: do the same, then keep autocast off inside the op.
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    elif hidden.dtype != weight.dtype:
+        hidden = hidden.to(weight.dtype)
+    with torch.autocast(device_type, enabled=False):
+        return linear_logprobs_entropy(hidden.contiguous(), weight, labels.contiguous(), ignore_index=ignore_index,
+                                       return_stats=True, **tp, **op_options)
+
+
+def _resolve_dtensor(weight, hidden):
+    """Local tensors and TP options for DTensor weight/hidden (see the module docstring)."""
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+    except ImportError:  # torch built without distributed
+        return weight, hidden, {}
+    if not isinstance(weight, DTensor):
+        if isinstance(hidden, DTensor):
+            raise ValueError("areal_lce.hf: hidden states are a DTensor but lm_head.weight is not; unsupported layout")
+        return weight, hidden, {}
+    placements = tuple(weight.placements)
+    shard_dims = [i for i, p in enumerate(placements) if not isinstance(p, Replicate)]
+    if not shard_dims:
+        if isinstance(hidden, DTensor):
+            hidden = hidden.to_local()  # replicated weight: d_hidden is complete on every rank
+        return weight.to_local(), hidden, {}
+    elif len(shard_dims) == 1 and placements[shard_dims[0]] == Shard(0):
+        mesh_dim = shard_dims[0]
+        world = weight.device_mesh.size(mesh_dim)
+        if weight.shape[0] % world:
+            raise ValueError(f"areal_lce.hf: lm_head.weight is a DTensor sharded along the vocabulary "
+                             f"({weight.shape[0]} rows) over {world} ranks unevenly; the vocab-parallel op needs "
+                             "equal shards")
+        local_w = weight.to_local()
+        tp = {"tp_group": weight.device_mesh.get_group(mesh_dim), "global_vocab": weight.shape[0]}
+    else:
+        raise ValueError(f"areal_lce.hf: lm_head.weight is a DTensor with placements {placements}; supported are "
+                         "all-Replicate and Shard(0) on one mesh dimension (vocab parallel). An FSDP2-sharded "
+                         "lm_head is unsharded by its own hooks and needs nothing")
+    if isinstance(hidden, DTensor):  # vocab-sharded weight, replicated hidden
+        if any(not isinstance(p, Replicate) for p in hidden.placements):
+            raise ValueError(f"areal_lce.hf: hidden states are a DTensor with placements {tuple(hidden.placements)};"
+                             " only Replicate is supported")
+        from torch.distributed.tensor import Partial
+
+        # Each rank's d_hidden is then a vocab-shard partial; DTensor sums it where it needs the total.
+        hidden = hidden.to_local(grad_placements=[Partial()] * len(hidden.placements))
+        tp["reduce_d_hidden"] = False
+    return local_w, hidden, tp
