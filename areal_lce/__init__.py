@@ -1,0 +1,12 @@
+"""areal_lce: fused linear logprobs + entropy for LLM training with Megatron-LM.
+
+    from areal_lce import linear_logprobs_entropy
+    out = linear_logprobs_entropy(hidden, lm_head_weight, labels, temperature=1.0, return_stats=True)
+    out.logprobs, out.entropy, out.max_logit, out.min_logit, out.lse
+"""
+from .api import linear_logprobs_entropy
+from .materialised import logprobs_entropy_from_logits
+from .types import LCEOutput, LCEParams
+
+__version__ = "0.1.0"
+__all__ = ["linear_logprobs_entropy", "logprobs_entropy_from_logits", "LCEOutput", "LCEParams", "__version__"]

@@ -1,0 +1,154 @@
+"""Functional API: validate once, resolve the backend once, call the autograd Function."""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from . import comms
+from .backends import resolve_backend
+from .function import LinearLogprobsEntropy
+from .types import LCEOutput, LCEParams
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_tensors(hidden, weight, labels, sequence_parallel: bool, tp: int):
+    if not torch.is_tensor(hidden) or hidden.dim() < 1:
+        raise TypeError(f"hidden must be a tensor [..., H], got {type(hidden).__name__}")
+    if not torch.is_tensor(weight) or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D tensor [V, H], got shape {tuple(getattr(weight, 'shape', ()))}")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden's last dim ({hidden.shape[-1]}) must equal weight's H ({weight.shape[1]}); "
+                         f"hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}")
+    if hidden.dtype not in _FLOATS or weight.dtype not in _FLOATS:
+        raise TypeError(f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype; "
+                        "cast one of them (e.g. hidden.to(weight.dtype))")
+    if not torch.is_tensor(labels) or labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise TypeError(f"labels must be an integer tensor, got {getattr(labels, 'dtype', type(labels).__name__)}")
+    if hidden.device != weight.device or labels.device != hidden.device:
+        raise ValueError(f"hidden ({hidden.device}), weight ({weight.device}) and labels ({labels.device}) "
+                         "must be on the same device")
+    rows = hidden.numel() // hidden.shape[-1] if hidden.shape[-1] else 0
+    if sequence_parallel:
+        if labels.numel() != rows * tp:
+            raise ValueError(f"with sequence_parallel=True, labels must hold the full sequence: expected "
+                             f"{rows} hidden rows × tp {tp} = {rows * tp} labels, got {labels.numel()}")
+    elif tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"labels shape {tuple(labels.shape)} must equal hidden's leading shape "
+                         f"{tuple(hidden.shape[:-1])}")
+
+
+def _inv_temperature(temperature, labels: torch.Tensor) -> tuple[Optional[float], Optional[torch.Tensor]]:
+    if torch.is_tensor(temperature):
+        if temperature.is_complex() or not temperature.is_floating_point():
+            raise TypeError(f"temperature tensor must be floating point, got {temperature.dtype}")
+        try:
+            t = torch.broadcast_to(temperature.detach().to(labels.device, torch.float32), labels.shape)
+        except RuntimeError as e:
+            raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not broadcast to labels "
+                             f"{tuple(labels.shape)}") from e
+        return None, (1.0 / t).reshape(-1).contiguous()
+    t = float(temperature)
+    if not t > 0 or t == float("inf"):
+        raise ValueError(f"temperature must be a finite float > 0, got {temperature}")
+    return t, None
+
+
+def linear_logprobs_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: Union[float, torch.Tensor] = 1.0,
+    ignore_index: int = -100,
+    vocab_size: Optional[int] = None,
+    return_stats: bool = False,
+    backend: str = "auto",
+    cache_bytes: int = 0,
+    tp_group=None,
+    sequence_parallel: bool = False,
+    reduce_d_hidden: bool = True,
+    check_labels: bool = True,
+    compact_ignored: bool = True,
+) -> LCEOutput:
+    """Per-token logprobs and entropy of softmax(hidden · weightᵀ / temperature), never materialising logits.
+
+    hidden [..., H] and weight [V, H] (bf16, fp16, fp32 or fp64; same dtype), labels [...] integer ids.
+    Returns `LCEOutput` of fp32 tensors shaped like labels (see its docstring for the stats' definitions).
+
+    temperature: float > 0, or a tensor broadcastable to labels (per token / per sample); not differentiated.
+    ignore_index: rows with this label get logprob = entropy = stats = 0 and exactly zero gradient; with
+        compact_ignored (default) they are dropped before the backend runs, so padding costs ~nothing
+        (one host sync per call to count them).
+    vocab_size: the true (global) vocabulary; weight rows at global ids >= vocab_size are padding and are
+        excluded from the softmax (as if their logits were -inf). Default: all rows are real.
+    cache_bytes: logits-cache budget. When this rank's fp32 logits (4·N·V_shard bytes) fit it, the forward
+        keeps them and the backward skips the recompute GEMM. Default 0: always recompute.
+    backend: "auto" | "triton" | "triton_ascend" | "torch" | "reference" (see docs/backends.md);
+        "auto" consults the AREAL_LCE_BACKEND environment variable, then the device.
+    tp_group: the tensor-parallel group when `weight` is this rank's vocab shard [V/tp, H] (rank r owns
+        global ids [r·V/tp, (r+1)·V/tp)); labels hold global ids; outputs are the full-vocabulary values,
+        identical on every rank. Forward: two O(N) collectives (one MAX, one packed SUM).
+    sequence_parallel: hidden is this rank's [N/tp, H] sequence shard (rank order), labels the FULL [N]
+        sequence; the forward all-gathers hidden, the backward reduce-scatters d_hidden, so this rank's
+        gradient is its shard of the full gradient. Outputs cover the full sequence.
+    reduce_d_hidden: without sequence parallel, all-reduce d_hidden over tp_group inside the op (default).
+        Turn off when the caller's own mapping already reduces it (Megatron's
+        copy_to_tensor_model_parallel_region), so it is reduced exactly once.
+    check_labels: raise on labels outside [0, vocab_size) that are not ignore_index, and on
+        non-positive temperatures in a tensor; costs one small reduction and a host sync.
+    Determinism: bitwise-identical outputs and gradients run to run for the same inputs and backend.
+    """
+    tp = comms.group_size(tp_group)
+    _check_tensors(hidden, weight, labels, sequence_parallel, tp)
+    if sequence_parallel and tp > 1 and not reduce_d_hidden:
+        raise ValueError("sequence_parallel=True reduce-scatters d_hidden inside the op; reduce_d_hidden=False "
+                         "is only for callers that gather hidden themselves (pass sequence_parallel=False)")
+    if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
+        raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+    v_shard = weight.shape[0]
+    v_total = v_shard * tp
+    if vocab_size is None:
+        vocab_size = v_total
+    if not isinstance(vocab_size, int) or vocab_size <= 0 or vocab_size > v_total:
+        raise ValueError(f"vocab_size={vocab_size!r} must be an int in [1, {v_total}] "
+                         f"(weight rows {v_shard} × tp {tp})")
+    if tp > 1:
+        if vocab_size <= v_shard:
+            raise ValueError(f"tp_group has {tp} ranks but weight already has {v_shard} rows >= vocab_size="
+                             f"{vocab_size}: pass this rank's vocab shard [vocab/tp, H], not the full weight")
+        comms.check_same_across_group(v_shard, tp_group, "weight's vocab shard size (weight.shape[0])")
+    vocab_start = comms.group_rank(tp_group) * v_shard
+    scalar_t, inv_t = _inv_temperature(temperature, labels)
+    if sequence_parallel and inv_t is not None and inv_t.numel() != labels.numel():
+        raise ValueError("temperature must broadcast to the full-sequence labels under sequence_parallel")
+    y = labels.reshape(-1).to(torch.int64)
+    if check_labels:
+        bad = ((y < 0) | (y >= vocab_size)) & (y != ignore_index)
+        checks = [bad.sum()]
+        if inv_t is not None:
+            checks.append((~(inv_t > 0) | torch.isinf(inv_t)).sum())
+        counts = torch.stack(checks).tolist()  # the one host sync of the checks
+        if counts[0]:
+            first = int(y[bad][0])
+            raise ValueError(f"labels: {counts[0]} value(s) outside [0, vocab_size={vocab_size}) and not "
+                             f"ignore_index={ignore_index} (first: {first})")
+        if len(counts) > 1 and counts[1]:
+            raise ValueError("temperature tensor has values that are not finite and > 0")
+    name = resolve_backend(backend, hidden.device)
+    params = LCEParams(
+        temperature=scalar_t, ignore_index=ignore_index, vocab_size=vocab_size, vocab_start=vocab_start,
+        shard_valid=max(0, min(v_shard, vocab_size - vocab_start)), cache_bytes=cache_bytes, backend=name,
+        tp_group=tp_group, tp_size=tp, sequence_parallel=sequence_parallel and tp > 1,
+        reduce_d_hidden=reduce_d_hidden, compact_ignored=compact_ignored)
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    h2 = h2 if h2.is_contiguous() else h2.contiguous()
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    lp, ent, mx, mn, lse = LinearLogprobsEntropy.apply(h2, w, y, inv_t, params)
+    shape = labels.shape
+    if not return_stats:
+        return LCEOutput(lp.view(shape), ent.view(shape))
+    return LCEOutput(lp.view(shape), ent.view(shape), mx.view(shape), mn.view(shape), lse.view(shape))

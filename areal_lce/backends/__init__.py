@@ -1,0 +1,82 @@
+"""The one dispatch point: backend name -> Backend instance, and the auto/env/explicit resolution.
+
+Resolution order (api.py calls `resolve_backend` once per call): explicit argument, then the
+AREAL_LCE_BACKEND environment variable, then auto by device (cuda -> triton, npu -> triton_ascend,
+else torch). An explicitly named backend that cannot load raises; auto warns once when an accelerator
+falls back to the chunked torch backend.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import warnings
+
+import torch
+
+from .base import Backend, ShardStats
+
+# name -> (module, class); imported lazily so triton / torch_npu are only touched when used.
+_REGISTRY = {
+    "reference": ("areal_lce.backends.reference", "ReferenceBackend"),
+    "torch": ("areal_lce.backends.torch_chunked", "TorchChunkedBackend"),
+    "triton": ("areal_lce.backends.triton.launch", "TritonBackend"),
+    "triton_ascend": ("areal_lce.backends.ascend.launch", "AscendBackend"),
+}
+BACKENDS = tuple(_REGISTRY)
+ENV_VAR = "AREAL_LCE_BACKEND"
+
+
+@functools.lru_cache(maxsize=None)
+def get_backend(name: str) -> Backend:
+    if name not in _REGISTRY:
+        raise ValueError(f"backend={name!r} is not one of {BACKENDS + ('auto',)}")
+    module, cls = _REGISTRY[name]
+    try:
+        return getattr(importlib.import_module(module), cls)()
+    except (ImportError, OSError, RuntimeError) as e:
+        raise RuntimeError(f"backend={name!r} could not be loaded: {type(e).__name__}: {e}") from e
+
+
+def interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(msg: str) -> None:
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """Resolve 'auto' / the env var to a concrete name and check it can run on `device`."""
+    if name == "auto":
+        name = os.environ.get(ENV_VAR, "auto") or "auto"
+    if name == "auto":
+        if device.type == "cuda":
+            try:
+                get_backend("triton")
+                return "triton"
+            except RuntimeError as e:
+                _warn_once(f"areal_lce: triton backend unavailable on CUDA ({e}); using the chunked torch backend")
+                return "torch"
+        if device.type == "npu":
+            try:
+                get_backend("triton_ascend")
+                return "triton_ascend"
+            except RuntimeError as e:
+                _warn_once(f"areal_lce: triton_ascend backend unavailable on NPU ({e}); using the chunked torch backend")
+                return "torch"
+        return "torch"
+    if name not in _REGISTRY:
+        raise ValueError(f"backend={name!r} is not one of {BACKENDS + ('auto',)}")
+    if name == "triton" and device.type != "cuda" and not (device.type == "cpu" and interpreter_on()):
+        raise ValueError(f"backend='triton' needs CUDA tensors (got device {device}); "
+                         "CPU tensors run it only under TRITON_INTERPRET=1")
+    if name == "triton_ascend" and device.type != "npu" and not (device.type == "cpu" and interpreter_on()):
+        raise ValueError(f"backend='triton_ascend' needs NPU tensors (got device {device}); "
+                         "CPU tensors run it only under TRITON_INTERPRET=1")
+    get_backend(name)  # raises if it cannot load
+    return name
+
+
+__all__ = ["Backend", "ShardStats", "BACKENDS", "ENV_VAR", "get_backend", "resolve_backend", "interpreter_on"]

@@ -1,0 +1,79 @@
+"""The contract every backend implements (reference, torch, triton, triton_ascend).
+
+A backend sees one vocabulary shard and only 2-D, contiguous, already-validated tensors; it does no
+communication, knows nothing of ignore_index (the Function drops or zero-weights those rows) and picks
+no other backend. All per-token outputs are fp32 [N].
+
+Notation: z = (h · Wᵀ) · inv_t with inv_t = 1/T per token; columns j >= shard_valid are padding and
+behave as z_j = -inf (excluded from every statistic, never read as 0).
+
+forward -> ShardStats, per token over this shard's valid columns:
+  m   = max_j z_j
+  s   = Σ_j exp(z_j - m)
+  a   = Σ_j (z_j - m) · exp(z_j - m)          (relative to m: no cancellation in the entropy)
+  zy  = z_label if vocab_start <= label < vocab_start + shard_valid else 0
+  mn  = min_j z_j
+  cache: opaque object handed back to backward (e.g. fp32 logits kept under params.cache_bytes), or None.
+  With an empty shard (shard_valid == 0): m = -inf, s = a = 0, mn = +inf.
+  Then lse = m + log s and entropy = log s - a / s (after the cross-shard merge in the Function).
+
+backward(lse, ent, g_lp, g_ent) -> (d_hidden fp32 [N, H] or None, d_weight [V_shard, H] in weight.dtype or None):
+  p_j  = exp(z_j - lse)
+  dz_j = g_lp · (1[j = label] - p_j) - g_ent · p_j · (z_j - lse + ent)
+  d_logits_j = dz_j · inv_t ;  d_hidden = d_logits · W (fp32, unreduced over shards);
+  d_weight = d_logitsᵀ · h (accumulated in fp32 over all tokens, cast once); padding rows get 0.
+  Rows with g_lp = g_ent = 0 contribute nothing. Accumulation order is fixed: bitwise deterministic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, Tuple
+
+import torch
+
+from ..types import LCEParams
+
+
+@dataclass
+class ShardStats:
+    m: torch.Tensor
+    s: torch.Tensor
+    a: torch.Tensor
+    zy: torch.Tensor
+    mn: torch.Tensor
+    cache: Any = None
+
+
+class Backend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [N, H]
+        weight: torch.Tensor,  # [V_shard, H], same dtype as hidden
+        labels: torch.Tensor,  # [N] int64, global ids (any value; out-of-shard ids give zy = 0)
+        inv_t: Optional[torch.Tensor],  # [N] fp32, or None -> scalar 1 / params.temperature
+        params: LCEParams,
+        keep_cache: bool,  # True when the caller will run backward and may keep logits
+    ) -> ShardStats: ...
+
+    def backward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        inv_t: Optional[torch.Tensor],
+        params: LCEParams,
+        cache: Any,
+        lse: torch.Tensor,  # [N] fp32, global
+        ent: torch.Tensor,  # [N] fp32, global
+        g_lp: torch.Tensor,  # [N] fp32, contiguous
+        g_ent: torch.Tensor,  # [N] fp32, contiguous
+        need_d_hidden: bool,
+        need_d_weight: bool,
+    ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]: ...
+
+
+def scalar_inv_t(params: LCEParams) -> float:
+    """1/T for the scalar-temperature case (params.temperature is set whenever inv_t is None)."""
+    return 1.0 / float(params.temperature)

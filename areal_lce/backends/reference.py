@@ -1,0 +1,130 @@
+"""Materialised torch reference: the spec, the test oracle and the fallback route.
+
+Everything here builds the full [N, V] logits, so it is only for small shapes, for checking and for
+devices no other backend covers. Two faces:
+  * `ReferenceBackend` implements the backend contract (base.py) on one vocab shard, in fp32 (or fp64
+    when the inputs are fp64), so the Function's communication can be tested against it.
+  * `reference_logprobs_entropy` is the end-to-end oracle on the full vocabulary, differentiable by
+    torch autograd, in the dtype you give it (tests use fp64).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple, Union
+
+import torch
+
+from ..types import LCEParams
+from .base import ShardStats, scalar_inv_t
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def shard_logits(hidden, weight, inv_t, params: LCEParams) -> torch.Tensor:
+    """fp32 (fp64 for fp64 inputs) tempered logits of this shard, padding columns set to -inf."""
+    acc = _acc_dtype(hidden)
+    z = hidden.to(acc) @ weight.to(acc).t()
+    z = z * (inv_t.to(acc)[:, None] if inv_t is not None else scalar_inv_t(params))
+    if params.shard_valid < weight.shape[0]:
+        z[:, params.shard_valid:] = float("-inf")
+    return z
+
+
+def label_onehot_index(labels: torch.Tensor, params: LCEParams) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(local column of each label clamped into range, mask of labels owned by this shard)."""
+    local = labels - params.vocab_start
+    owned = (local >= 0) & (local < params.shard_valid)
+    return torch.where(owned, local, torch.zeros_like(local)), owned
+
+
+def stats_from_logits(z: torch.Tensor, labels: torch.Tensor, params: LCEParams) -> ShardStats:
+    n = z.shape[0]
+    if params.shard_valid == 0:
+        inf = torch.full((n,), float("inf"), dtype=z.dtype, device=z.device)
+        zero = torch.zeros(n, dtype=z.dtype, device=z.device)
+        return ShardStats(m=-inf, s=zero, a=zero.clone(), zy=zero.clone(), mn=inf)
+    zv = z[:, : params.shard_valid]
+    m = zv.max(dim=1).values
+    # NaN must poison the row: max() already propagates NaN in torch; keep the shifted values as is.
+    d = zv - m[:, None]
+    e = torch.exp(d)
+    s = e.sum(dim=1)
+    a = torch.where(e > 0, d * e, torch.zeros_like(e)).sum(dim=1)  # (-inf)·0 -> 0 for exp-underflow
+    a = a + torch.where(torch.isnan(d), d, torch.zeros_like(d)).sum(dim=1)  # keep NaN visible
+    col, owned = label_onehot_index(labels, params)
+    zy = torch.where(owned, zv.gather(1, col[:, None]).squeeze(1), torch.zeros_like(m))
+    mn = zv.min(dim=1).values
+    return ShardStats(m=m, s=s, a=a, zy=zy, mn=mn)
+
+
+def grad_logits(z, labels, lse, ent, g_lp, g_ent, params: LCEParams) -> torch.Tensor:
+    """dL/dz of the tempered logits (padding columns give exactly 0)."""
+    acc = z.dtype
+    lse, ent = lse.to(acc)[:, None], ent.to(acc)[:, None]
+    logp = z - lse
+    p = torch.exp(logp)
+    logp = torch.where(p > 0, logp, torch.zeros_like(logp))  # -inf·0 at padding -> 0
+    dz = -g_lp.to(acc)[:, None] * p - g_ent.to(acc)[:, None] * p * (logp + ent)
+    col, owned = label_onehot_index(labels, params)
+    dz.scatter_add_(1, col[:, None], torch.where(owned, g_lp.to(acc), torch.zeros_like(g_lp, dtype=acc))[:, None])
+    return dz
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def forward(self, hidden, weight, labels, inv_t, params, keep_cache) -> ShardStats:
+        z = shard_logits(hidden, weight, inv_t, params)
+        st = stats_from_logits(z, labels, params)
+        st.cache = z if keep_cache else None
+        return st
+
+    def backward(self, hidden, weight, labels, inv_t, params, cache: Any, lse, ent, g_lp, g_ent,
+                 need_d_hidden, need_d_weight):
+        z = cache if cache is not None else shard_logits(hidden, weight, inv_t, params)
+        dz = grad_logits(z, labels, lse, ent, g_lp, g_ent, params)
+        dl = dz * (inv_t.to(dz.dtype)[:, None] if inv_t is not None else scalar_inv_t(params))
+        acc = dl.dtype
+        dh = (dl @ weight.to(acc)).to(torch.float32 if acc == torch.float32 else acc) if need_d_hidden else None
+        dw = (dl.t() @ hidden.to(acc)).to(weight.dtype) if need_d_weight else None
+        return dh, dw
+
+
+def reference_logprobs_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: Union[float, torch.Tensor] = 1.0,
+    ignore_index: int = -100,
+    vocab_size: Optional[int] = None,
+    dtype: torch.dtype = torch.float64,
+):
+    """Materialised oracle on the full vocabulary, differentiable through torch autograd.
+
+    Returns (logprobs, entropy, max_logit, min_logit, lse) shaped like labels, in `dtype`, with the
+    same conventions as `LCEOutput` (0 at ignore_index rows; max/min of raw logits; lse of tempered).
+    """
+    lead = labels.shape
+    h = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
+    w = weight.to(dtype)
+    y = labels.reshape(-1)
+    v = weight.shape[0] if vocab_size is None else vocab_size
+    raw = h @ w[:v].t()
+    t = temperature.reshape(-1).to(dtype)[:, None] if torch.is_tensor(temperature) else temperature
+    if torch.is_tensor(t) and t.shape[0] == 1:
+        t = t.expand(h.shape[0], 1)
+    z = raw / t
+    lse = torch.logsumexp(z, dim=-1)
+    logp_all = z - lse[:, None]
+    p = torch.softmax(z, dim=-1)
+    ent = -(p * logp_all).sum(-1)
+    valid = y != ignore_index
+    yc = torch.where(valid, y, torch.zeros_like(y))
+    lp = logp_all.gather(1, yc[:, None]).squeeze(1)
+    zero = torch.zeros_like(lp)
+    out = [torch.where(valid, lp, zero), torch.where(valid, ent, zero),
+           torch.where(valid, raw.max(-1).values, zero), torch.where(valid, raw.min(-1).values, zero),
+           torch.where(valid, lse, zero)]
+    return tuple(o.reshape(lead) for o in out)

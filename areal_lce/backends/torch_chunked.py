@@ -1,0 +1,125 @@
+"""Chunked pure-torch backend: any device (CPU included), memory bounded by a chunk budget.
+
+Logits exist only one [n_chunk, v_chunk] fp32 block at a time. Workspace bound (bytes), besides the
+fp32 d_hidden [N, H] output: 3 · n_chunk · v_chunk · 4 (logits block and two temporaries) +
+v_chunk · H · 4 (fp32 d_weight accumulator of one vocab chunk). The chunk budget is
+AREAL_LCE_TORCH_CHUNK_BYTES (default 256 MiB on accelerators, 32 MiB on CPU) for one logits block.
+
+On CUDA with bf16/fp16 inputs the GEMMs take half-precision operands with fp32 output
+(torch.mm(out_dtype=float32)), d_logits being rounded once to the input dtype, as every bf16 GEMM
+route does; elsewhere operands are upcast to fp32 chunk by chunk.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ..types import LCEParams
+from .base import ShardStats, scalar_inv_t
+
+
+def _chunks(n: int, size: int):
+    for start in range(0, n, size):
+        yield start, min(n, start + size)
+
+
+def chunk_shape(n: int, v: int, device: torch.device) -> tuple[int, int]:
+    default = (32 if device.type == "cpu" else 256) << 20
+    budget = int(os.environ.get("AREAL_LCE_TORCH_CHUNK_BYTES", default))
+    n_chunk = max(1, min(n, 1024 if device.type == "cpu" else 4096))
+    v_chunk = max(128, min(max(v, 1), budget // (4 * n_chunk)))
+    return n_chunk, v_chunk
+
+
+def _half_gemm(a: torch.Tensor) -> bool:
+    return a.device.type == "cuda" and a.dtype in (torch.bfloat16, torch.float16)
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with fp32 output: fp32 accumulation on half operands (CUDA), else fp32/fp64 operands."""
+    if _half_gemm(a) and b.dtype == a.dtype:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+    return torch.mm(a.to(acc), b.to(acc))
+
+
+def _inv_t(inv_t: Optional[torch.Tensor], params: LCEParams, t0: int, t1: int, dtype):
+    return inv_t[t0:t1, None].to(dtype) if inv_t is not None else scalar_inv_t(params)
+
+
+class TorchChunkedBackend:
+    name = "torch"
+
+    def _logits(self, hidden, weight, inv_t, params, t0, t1, v0, v1):
+        z = _mm_f32(hidden[t0:t1], weight[v0:v1].t())
+        return z.mul_(_inv_t(inv_t, params, t0, t1, z.dtype))
+
+    def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool) -> ShardStats:
+        n, dev = hidden.shape[0], hidden.device
+        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        vv = params.shard_valid
+        m = torch.full((n,), float("-inf"), dtype=acc, device=dev)
+        mn = torch.full((n,), float("inf"), dtype=acc, device=dev)
+        s, a, zy = (torch.zeros(n, dtype=acc, device=dev) for _ in range(3))
+        cache = None
+        if keep_cache and vv > 0 and n * vv * 4 <= params.cache_bytes:
+            cache = torch.empty(n, vv, dtype=acc, device=dev)
+        local = labels - params.vocab_start
+        n_chunk, v_chunk = chunk_shape(n, vv, dev)
+        for t0, t1 in _chunks(n, n_chunk):
+            mt, st, at = m[t0:t1], s[t0:t1], a[t0:t1]
+            for v0, v1 in _chunks(vv, v_chunk):
+                z = self._logits(hidden, weight, inv_t, params, t0, t1, v0, v1)
+                if cache is not None:
+                    cache[t0:t1, v0:v1] = z
+                new_m = torch.maximum(mt, z.max(dim=1).values)
+                shift = mt - new_m
+                scale = torch.exp(shift)
+                d = z - new_m[:, None]
+                e = torch.exp(d)
+                # (m_old - m_new)·s_old is (-inf)·0 before the first chunk: keep a at 0 there.
+                at.copy_(torch.where(st > 0, (at + shift * st) * scale, torch.zeros_like(at)) + (d * e).sum(1))
+                st.copy_(st * scale + e.sum(1))
+                mt.copy_(new_m)
+                torch.minimum(mn[t0:t1], z.min(dim=1).values, out=mn[t0:t1])
+                col = local[t0:t1] - v0
+                own = (col >= 0) & (col < v1 - v0)
+                picked = z.gather(1, col.clamp(0, v1 - v0 - 1)[:, None]).squeeze(1)
+                zy[t0:t1] += torch.where(own, picked, torch.zeros_like(picked))
+        return ShardStats(m=m, s=s, a=a, zy=zy, mn=mn, cache=cache)
+
+    def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache, lse, ent, g_lp, g_ent,
+                 need_d_hidden, need_d_weight):
+        n, h = hidden.shape
+        dev = hidden.device
+        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        vv = params.shard_valid
+        dh = torch.zeros(n, h, dtype=acc, device=dev) if need_d_hidden else None
+        dw = torch.zeros_like(weight) if need_d_weight else None
+        local = labels - params.vocab_start
+        n_chunk, v_chunk = chunk_shape(n, vv, dev)
+        half = _half_gemm(hidden)
+        for v0, v1 in _chunks(vv, v_chunk):
+            dw_acc = torch.zeros(v1 - v0, h, dtype=acc, device=dev) if need_d_weight else None
+            for t0, t1 in _chunks(n, n_chunk):
+                z = cache[t0:t1, v0:v1] if cache is not None else self._logits(hidden, weight, inv_t, params, t0, t1, v0, v1)
+                lse_t, ent_t = lse[t0:t1, None].to(acc), ent[t0:t1, None].to(acc)
+                logp = z - lse_t
+                p = torch.exp(logp)
+                dz = -(g_lp[t0:t1, None].to(acc) + g_ent[t0:t1, None].to(acc) * (logp + ent_t)) * p
+                col = local[t0:t1] - v0
+                own = (col >= 0) & (col < v1 - v0)
+                rows = own.nonzero().squeeze(1)
+                dz[rows, col[rows]] += g_lp[t0:t1][rows].to(acc)
+                dl = dz.mul_(_inv_t(inv_t, params, t0, t1, acc))
+                if half:
+                    dl = dl.to(hidden.dtype)
+                if need_d_hidden:
+                    dh[t0:t1] += _mm_f32(dl, weight[v0:v1])
+                if need_d_weight:
+                    dw_acc += _mm_f32(dl.t(), hidden[t0:t1])
+            if need_d_weight:
+                dw[v0:v1] = dw_acc.to(weight.dtype)
+        return dh, dw

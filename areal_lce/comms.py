@@ -1,0 +1,93 @@
+"""Every tensor-parallel collective of areal_lce lives here.
+
+Plain helpers are called from inside `function.LinearLogprobsEntropy` (whose forward/backward are not
+traced by autograd). The small autograd Functions at the bottom serve the materialised route
+(`materialised.py`), whose softmax statistics are differentiated by autograd; each name says what it
+does in forward and in backward.
+
+Gradient convention (Megatron's): after the LM head, every rank of the TP group computes the same
+replicated loss from the same global per-token values, so the gradient of a replicated value is
+already complete on each rank and needs no reduction; only partial sums over vocab shards are reduced.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_reduce_max_(t: torch.Tensor, group) -> torch.Tensor:
+    """In place MAX over the TP group (per-token max logit of each vocab shard -> global max)."""
+    if group_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t
+
+
+def all_reduce_sum_(t: torch.Tensor, group) -> torch.Tensor:
+    """In place SUM over the TP group (partial sums over vocab shards -> full-vocabulary sums)."""
+    if group_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate each rank's [n, ...] rows in rank order: sequence shards -> full sequence."""
+    world = group_size(group)
+    if world == 1:
+        return t
+    t = t.contiguous()
+    out = torch.empty((world * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.all_gather_into_tensor(out, t, group=group)
+    return out
+
+
+def reduce_scatter_rows(t: torch.Tensor, group) -> torch.Tensor:
+    """SUM over ranks, each rank keeping its [N/tp, ...] block of rows (full-seq grads -> its shard)."""
+    world = group_size(group)
+    if world == 1:
+        return t
+    t = t.contiguous()
+    out = torch.empty((t.shape[0] // world,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.reduce_scatter_tensor(out, t, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def check_same_across_group(value: int, group, what: str) -> None:
+    """Raise on every rank if an integer (e.g. the vocab shard size) differs across the group."""
+    if group_size(group) == 1:
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if int(t[0]) != value or -int(t[1]) != value:
+        raise ValueError(f"{what} differs across the tensor-parallel group (this rank: {value}, "
+                         f"max {int(t[0])}, min {-int(t[1])}); Megatron shards must be equal")
+
+
+class AllReduceSumReplicatedGrad(torch.autograd.Function):
+    """forward: SUM of vocab-shard partials over the group; backward: identity.
+
+    The summed value feeds a loss that every rank computes identically, so its gradient is the same
+    on all ranks and is exactly the gradient of each rank's partial: no collective in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        return all_reduce_sum_(t.clone(), group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, None
+
+
+def all_reduce_sum_replicated_grad(t: torch.Tensor, group: Optional[object]) -> torch.Tensor:
+    return t if group_size(group) == 1 else AllReduceSumReplicatedGrad.apply(t, group)

@@ -1,0 +1,52 @@
+"""The op's option bundle and its named result.
+
+`LCEParams` travels as one frozen value from the functional API into the autograd Function and on to
+the backend, so the Function's backward returns one gradient slot per tensor input, not one per option.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class LCEParams:
+    """Resolved options of one call (validated by `api.linear_logprobs_entropy`).
+
+    Vocabulary bookkeeping is per shard: this rank's `weight` rows hold global ids
+    ``[vocab_start, vocab_start + V_shard)``, of which the first `shard_valid` rows are real tokens
+    (rows past it are vocabulary padding and are excluded from the softmax, i.e. masked to -inf).
+    """
+
+    temperature: Optional[float] = 1.0  # scalar temperature; None when a per-token tensor is given
+    ignore_index: int = -100
+    vocab_size: int = 0  # true global vocabulary (<= V_shard * tp)
+    vocab_start: int = 0  # global id of this shard's row 0
+    shard_valid: int = 0  # real (unpadded) rows in this shard, 0 <= shard_valid <= V_shard
+    cache_bytes: int = 0  # logits-cache budget: forward keeps fp32 logits for backward when they fit
+    backend: str = "torch"  # resolved backend name
+    tp_group: Any = None  # torch.distributed ProcessGroup of the vocab shards, None = unsharded
+    tp_size: int = 1
+    sequence_parallel: bool = False  # hidden is this rank's [N/tp, H] sequence shard
+    reduce_d_hidden: bool = True  # the Function reduces d_hidden over tp_group (off: caller's mappings do)
+    compact_ignored: bool = True  # drop ignore_index rows before the backend runs (one host sync)
+
+
+class LCEOutput(NamedTuple):
+    """Per-token results, fp32, shaped like `labels`.
+
+    logprobs  log softmax(z)[label], z = h·Wᵀ / T over the true vocabulary; 0 at ignore_index rows.
+    entropy   -Σ p log p of softmax(z); 0 at ignore_index rows.
+    max_logit max_j h·W_jᵀ, the raw logit *before* temperature (None unless return_stats).
+    min_logit min_j h·W_jᵀ, raw logit before temperature (None unless return_stats).
+    lse       log Σ_j exp(z_j), of the tempered logits z (None unless return_stats).
+    Stats are over the true vocabulary (padding rows excluded) and are 0 at ignore_index rows.
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    max_logit: Optional[torch.Tensor] = None
+    min_logit: Optional[torch.Tensor] = None
+    lse: Optional[torch.Tensor] = None
