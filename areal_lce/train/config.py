@@ -153,6 +153,13 @@ class JobConfig:
         if self.engine.parallel.pipeline_parallel != 1:
             raise ConfigError(f"engine.parallel.pipeline_parallel={self.engine.parallel.pipeline_parallel}: "
                               "the train jobs support pipeline_parallel=1 only")
+        optim = self.engine.optim
+        if self.job == "sft" and optim.total_steps != self.trainer.steps:
+            # One optimizer step per SFT step: the lr schedule spans the run (trainer.steps wins).
+            optim.total_steps = self.trainer.steps
+            if optim.lr_schedule == "cosine" and optim.warmup_steps >= optim.total_steps:
+                raise ConfigError(f"engine.optim.warmup_steps={optim.warmup_steps} must be < trainer.steps="
+                                  f"{self.trainer.steps} for the cosine schedule")
         if self.trainer.stop_at and self.trainer.stop_at >= self.trainer.steps:
             raise ConfigError(f"trainer.stop_at={self.trainer.stop_at} must be < trainer.steps="
                               f"{self.trainer.steps} (0 disables it)")

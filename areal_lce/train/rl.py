@@ -28,7 +28,7 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -121,9 +121,7 @@ def _extreme_over_dp(value: float, dp_group, dp_size: int, op: str) -> float:
 class RLJob:
     """State of one GRPO/PPO run: engines, tokenizer, task, reward and the step loop."""
 
-    def __init__(self, cfg, dist_info):
-        from areal_lce.megatron.engine import MegatronEngine
-
+    def __init__(self, cfg, dist_info, engine_factory: Optional[Callable] = None):
         self.cfg, self.rl, self.dist = cfg, cfg.rl, dist_info
         self.algo = cfg.job
         rl, tr = cfg.rl, cfg.trainer
@@ -153,8 +151,9 @@ class RLJob:
             pad_mult = pad_mult * cfg.engine.parallel.tensor_parallel // math.gcd(pad_mult, cfg.engine.parallel.tensor_parallel)
         self.pad_mult = pad_mult
 
-        self.policy = MegatronEngine(cfg.engine, vocab_size=self.tok.vocab_size)
-        self.reference = MegatronEngine(cfg.engine, vocab_size=self.tok.vocab_size)
+        factory = engine_factory or _default_engine
+        self.policy = factory(cfg.engine, self.tok.vocab_size)
+        self.reference = factory(cfg.engine, self.tok.vocab_size)
         _copy_parameters(self.policy, self.reference)
 
         from megatron.core import parallel_state as mpu
@@ -246,8 +245,18 @@ class RLJob:
         return rec
 
 
-def run(cfg) -> List[dict]:
-    """Run the GRPO/PPO job `cfg` (a JobConfig with job grpo|ppo); returns this invocation's records."""
+def _default_engine(engine_cfg, vocab_size: int):
+    from areal_lce.megatron.engine import MegatronEngine
+
+    return MegatronEngine(engine_cfg, vocab_size=vocab_size)
+
+
+def run(cfg, engine_factory: Optional[Callable] = None) -> dict:
+    """Run the GRPO/PPO job `cfg` (a JobConfig with job grpo|ppo).
+
+    Returns {'output_dir', 'step' (last step run), 'records' (this invocation's metric records)}.
+    `engine_factory(engine_cfg, vocab_size)` replaces MegatronEngine (tests only).
+    """
     from areal_lce.megatron.parallel import destroy_distributed, init_distributed
 
     from .config import dump_yaml
@@ -259,7 +268,7 @@ def run(cfg) -> List[dict]:
     random.seed(tr.seed)
     dist_info = init_distributed(cfg.engine.parallel, seed=cfg.engine.seed)
     try:
-        job = RLJob(cfg, dist_info)
+        job = RLJob(cfg, dist_info, engine_factory)
         out_dir = Path(tr.output_dir)
         main = dist_info.is_main
         resume_path = resolve_resume(tr.resume, out_dir)
@@ -290,6 +299,7 @@ def run(cfg) -> List[dict]:
         if main and tr.plot:
             plot_metrics(read_metrics(out_dir / "metrics.jsonl"), out_dir / "metrics.png", RL_PLOT_KEYS,
                          title=f"{cfg.job} {cfg.rl.task}")
-        return records
+        return {"output_dir": str(out_dir), "step": records[-1]["step"] if records else start,
+                "records": records}
     finally:
         destroy_distributed()

@@ -1,0 +1,70 @@
+"""Entry point of the train jobs.
+
+    torchrun --nproc_per_node=N -m areal_lce.train CONFIG.yaml [key=value ...]
+    python -m areal_lce.train                      # the embedded default: configs/sft_tiny.yaml
+    python -m areal_lce.train --help               # every option with its help string
+
+`job:` in the config picks the loop: sft -> areal_lce.train.sft, grpo | ppo -> areal_lce.train.rl.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .config import ConfigError, JobConfig, format_help, load_config
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "sft_tiny.yaml"
+USAGE = """usage: torchrun --nproc_per_node=N -m areal_lce.train [CONFIG.yaml] [key=value ...]
+       python -m areal_lce.train [CONFIG.yaml] [key=value ...]   (single process)
+
+Without CONFIG.yaml the embedded default configs/sft_tiny.yaml runs. Overrides use dotted option
+names, e.g. trainer.steps=20 engine.use_fused_linear_ce=false engine.parallel.tensor_parallel=2.
+"""
+
+
+def parse_args(argv: Sequence[str]):
+    """-> (config path or None, overrides, wants_help)."""
+    argv = list(argv)
+    wants_help = any(a in ("-h", "--help", "help") for a in argv)
+    argv = [a for a in argv if a not in ("-h", "--help", "help")]
+    path = None
+    if argv and "=" not in argv[0]:
+        path = argv.pop(0)
+    for a in argv:
+        if "=" not in a:
+            raise ConfigError(f"unexpected argument {a!r}: give CONFIG.yaml first, then key=value overrides")
+    return path, argv, wants_help
+
+
+def run_job(cfg: JobConfig) -> dict:
+    if cfg.job == "sft":
+        from .sft import run
+    else:
+        from .rl import run
+    return run(cfg)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        path, overrides, wants_help = parse_args(argv)
+        if wants_help:
+            print(USAGE)
+            print("options:")
+            print(format_help(JobConfig))
+            return 0
+        if path is None:
+            if not DEFAULT_CONFIG.is_file():
+                raise ConfigError(f"no CONFIG.yaml given and the embedded default {DEFAULT_CONFIG} is missing")
+            path = DEFAULT_CONFIG
+        cfg = load_config(path, overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    run_job(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

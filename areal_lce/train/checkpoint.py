@@ -1,0 +1,106 @@
+"""Checkpoints of a run directory: save, find the latest complete one, resume.
+
+Layout::
+
+    OUTPUT_DIR/checkpoints/step_00000010/
+        engine/              engine.save(): model, optimizer, lr schedule, RNG states (per-rank files)
+        trainer_state.json   step, wall time, the job config
+        COMPLETE             written last by rank 0: a checkpoint without it is ignored
+
+The data order is a pure function of (shuffle_seed, step) (see data.py), so the step number is the
+whole data-loader state; the engine restores every RNG, so a resumed run's next step equals the
+uninterrupted run's.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Optional, Union
+
+import torch.distributed as dist
+
+MARKER = "COMPLETE"
+STATE_FILE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _barrier() -> None:
+    # Every rank's engine files must be on disk before rank 0 marks the checkpoint complete.
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def checkpoint_root(output_dir) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def checkpoint_dir(output_dir, step: int) -> Path:
+    return checkpoint_root(output_dir) / f"step_{step:08d}"
+
+
+def list_checkpoints(output_dir) -> list[tuple[int, Path]]:
+    """Complete checkpoints under output_dir, oldest first."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / MARKER).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_checkpoint(output_dir) -> Optional[Path]:
+    found = list_checkpoints(output_dir)
+    return found[-1][1] if found else None
+
+
+def resolve_resume(resume: Union[bool, str], output_dir) -> Optional[Path]:
+    """trainer.resume -> the checkpoint to load, or None to start fresh."""
+    if resume is False:
+        return None
+    latest = latest_checkpoint(output_dir)
+    if resume is True and latest is None:
+        raise FileNotFoundError(f"trainer.resume=true but {checkpoint_root(output_dir)} holds no complete "
+                                "checkpoint (use trainer.resume=auto to start fresh when there is none)")
+    return latest
+
+
+def clear_run_dir(output_dir, is_main: bool) -> None:
+    """A fresh start replaces the run directory's checkpoints (so a later resume=auto can't pick a stale one)."""
+    if is_main:
+        root = checkpoint_root(output_dir)
+        if root.exists():
+            shutil.rmtree(root)
+    _barrier()
+
+
+def save_checkpoint(engine, output_dir, step: int, state: dict, is_main: bool) -> Path:
+    """Collective: every rank saves its engine files, then rank 0 writes the state and the marker."""
+    path = checkpoint_dir(output_dir, step)
+    if is_main:
+        (path / MARKER).unlink(missing_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    engine.save(str(path / "engine"))
+    _barrier()
+    if is_main:
+        with open(path / STATE_FILE, "w") as f:
+            json.dump({**state, "step": step}, f, indent=1)
+        (path / MARKER).write_text("ok\n")
+    _barrier()
+    return path
+
+
+def load_checkpoint(engine, path) -> dict:
+    """Restore the engine from checkpoint `path`; returns its trainer state (with 'step')."""
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+    with open(path / STATE_FILE) as f:
+        state = json.load(f)
+    engine.load(str(path / "engine"))
+    return state

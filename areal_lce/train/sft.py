@@ -1,0 +1,156 @@
+"""Supervised fine-tuning job: token-mean NLL on the response (or all) tokens, on the Megatron engine.
+
+    torchrun --nproc_per_node=N -m areal_lce.train configs/sft_tiny.yaml [key=value ...]
+
+Each optimizer step takes global batch `step` of the dataset (a pure function of the data seed and
+the step), gives every data-parallel rank its contiguous slice (DP = world / (TP x PP)), splits the
+slice into micro-batches and calls `engine.train_step`. The per-token statistics come from the fused
+linear op at the LM head when `engine.use_fused_linear_ce` is true, else from materialised logits.
+Rank 0 writes metrics.jsonl, config.yaml, metrics.png and shows the progress bar.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from . import checkpoint as ckpt
+from .config import JobConfig, dump_yaml
+from .data import SFTDataset
+from .logging_utils import MetricsLog, ProgressBar, format_record, plot_metrics, read_metrics
+from .losses import SFTLoss
+from .tokenizer import load_tokenizer
+
+
+def _reduce_over_dp(sums: dict, dp_group) -> dict:
+    """Sum nll/entropy/tokens and take max/min of the logit extremes over the data-parallel ranks."""
+    from areal_lce import comms
+
+    if comms.group_size(dp_group) == 1:
+        return dict(sums)
+    t = torch.tensor([sums["nll"], sums["entropy"], float(sums["tokens"])], dtype=torch.float64)
+    comms.all_reduce_sum_(t, dp_group)  # per-rank partial sums -> global batch sums (metrics only)
+    ext = torch.tensor([sums["max_logit"], -sums["min_logit"]], dtype=torch.float64)
+    comms.all_reduce_max_(ext, dp_group)  # per-rank extremes -> global extremes (metrics only)
+    return {"nll": float(t[0]), "entropy": float(t[1]), "tokens": int(t[2]),
+            "max_logit": float(ext[0]), "min_logit": -float(ext[1])}
+
+
+def _dp_group(dist_info):
+    if dist_info.dp_size == 1:
+        return None
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_data_parallel_group()
+
+
+def _default_engine(engine_cfg, vocab_size: int):
+    from areal_lce.megatron.engine import MegatronEngine
+
+    return MegatronEngine(engine_cfg, vocab_size=vocab_size)
+
+
+def run(cfg: JobConfig, engine_factory: Optional[Callable] = None) -> dict:
+    """Run the SFT job; returns {'output_dir', 'step' (last step run), 'records' (this invocation's)}."""
+    from areal_lce.megatron.parallel import destroy_distributed, init_distributed
+
+    if cfg.job != "sft":
+        raise ValueError(f"sft.run got job={cfg.job!r}")
+    dist_info = init_distributed(cfg.engine.parallel, seed=cfg.engine.seed)
+    try:
+        return _train(cfg, dist_info, engine_factory or _default_engine)
+    finally:
+        destroy_distributed()
+
+
+def _train(cfg: JobConfig, dist_info, engine_factory) -> dict:
+    tr, is_main = cfg.trainer, dist_info.is_main
+    dp_size, dp_rank = dist_info.dp_size, dist_info.dp_rank
+    if tr.global_batch_size % (tr.micro_batch_size * dp_size):
+        raise ValueError(f"trainer.global_batch_size={tr.global_batch_size} must be a multiple of "
+                         f"trainer.micro_batch_size={tr.micro_batch_size} x data-parallel size {dp_size} "
+                         f"(world {dist_info.world_size} / (tensor_parallel {dist_info.tp_size} x "
+                         f"pipeline_parallel {dist_info.pp_size}))")
+    random.seed(tr.seed)
+    torch.manual_seed(tr.seed)
+
+    tok = load_tokenizer(cfg.data.tokenizer)
+    model_vocab = cfg.engine.model.vocab_size
+    if model_vocab and model_vocab < tok.vocab_size:
+        raise ValueError(f"engine.model.vocab_size={model_vocab} is smaller than the tokenizer's "
+                         f"{tok.vocab_size} ids (data.tokenizer={cfg.data.tokenizer!r})")
+    dataset = SFTDataset(cfg.data, tok)
+    pad_mult = cfg.data.pad_to_multiple_of
+    if cfg.engine.parallel.sequence_parallel:  # the sequence is split over TP ranks
+        pad_mult = math.lcm(pad_mult, dist_info.tp_size)
+
+    out = Path(tr.output_dir)
+    resume_from = ckpt.resolve_resume(tr.resume, out)
+    if resume_from is None:
+        ckpt.clear_run_dir(out, is_main)
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(dump_yaml(cfg))
+
+    engine = engine_factory(cfg.engine, tok.vocab_size)
+    start = 0
+    if resume_from is not None:
+        state = ckpt.load_checkpoint(engine, resume_from)
+        start = int(state["step"])
+    metrics = MetricsLog(out / "metrics.jsonl", enabled=is_main, resume_step=start)
+    bar = ProgressBar(tr.steps, initial=start, enabled=tr.progress, is_main=is_main, desc="sft")
+    if is_main:
+        route = "fused linear op" if cfg.engine.use_fused_linear_ce else "materialised logits"
+        bar.write(f"[sft] {len(dataset)} examples, tokenizer {tok.name} ({tok.vocab_size} ids), "
+                  f"world {dist_info.world_size} = TP {dist_info.tp_size} x PP {dist_info.pp_size} x DP {dp_size}, "
+                  f"LM-head route: {route}" + (f", resumed from {resume_from} (step {start})" if resume_from else ""))
+
+    dp_group = _dp_group(dist_info)
+    records, step = [], start
+    for step in range(start + 1, tr.steps + 1):
+        data_step = step - 1  # global batches are numbered from 0
+        mbs = dataset.microbatches(data_step, tr.global_batch_size, tr.micro_batch_size, dp_rank, dp_size, pad_mult)
+        global_tokens = dataset.global_batch_targets(data_step, tr.global_batch_size)
+        loss_fn = SFTLoss(global_tokens / dp_size)
+        t0 = time.perf_counter()
+        result = engine.train_step(mbs, loss_fn)
+        dt = time.perf_counter() - t0
+        s = _reduce_over_dp(loss_fn.sums(), dp_group)
+        n = max(s["tokens"], 1)
+        rec = {
+            "step": step,
+            "loss": s["nll"] / n,
+            "entropy": s["entropy"] / n,
+            "max_logit": s["max_logit"],
+            "min_logit": s["min_logit"],
+            "grad_norm": float(result.get("grad_norm", float("nan"))),
+            "lr": float(result.get("lr", float("nan"))),
+            "tokens": s["tokens"],
+            "tokens_per_s": s["tokens"] / dt if dt > 0 else 0.0,
+            "step_time_s": dt,
+            "peak_mem_gib": float(result.get("peak_mem_gib", float("nan"))),
+        }
+        records.append(rec)
+        metrics.write(rec)
+        bar.update({"loss": f"{rec['loss']:.4f}"})
+        if is_main and (step % tr.log_interval == 0 or step == tr.steps):
+            bar.write(format_record(rec))
+        final = step == tr.steps
+        if (tr.save_interval and step % tr.save_interval == 0) or (final and tr.save_final):
+            path = ckpt.save_checkpoint(engine, out, step, {"config": dump_yaml(cfg)}, is_main)
+            if is_main:
+                bar.write(f"[sft] saved checkpoint {path}")
+        if tr.stop_at and step == tr.stop_at:
+            if is_main:
+                bar.write(f"[sft] stopping after step {step} (trainer.stop_at)")
+            break
+    bar.close()
+    if is_main and tr.plot and step == tr.steps:
+        png = plot_metrics(read_metrics(out / "metrics.jsonl"), out / "metrics.png", title=f"SFT {out.name}")
+        if png:
+            print(f"[sft] wrote {out / 'metrics.jsonl'} and {png}", flush=True)
+    return {"output_dir": str(out), "step": step, "records": records}
