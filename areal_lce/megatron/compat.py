@@ -1,0 +1,82 @@
+"""Version detection and the CPU shims megatron-core needs to run without CUDA.
+
+Everything that depends on *which* megatron-core is installed lives here, so the capture seam, the
+model builder and the engine ask one place: `has_output_processor()` says whether
+`GPTModel.forward(output_processor=...)` exists (megatron-core >= 0.18), `megatron_version()` gives
+the installed version. `apply_cpu_shims()` makes the few CUDA-only calls megatron-core makes during
+model construction and seeding harmless on a CPU-only host; it is idempotent and a no-op when CUDA
+is available.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Tuple
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def megatron_version() -> Tuple[int, ...]:
+    """(major, minor, patch) of the installed megatron-core."""
+    try:
+        from importlib.metadata import version
+
+        text = version("megatron-core")
+    except Exception:  # editable / vendored installs without metadata
+        from megatron.core import package_info
+
+        text = package_info.__version__
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+@functools.lru_cache(maxsize=None)
+def has_output_processor() -> bool:
+    """True when GPTModel.forward accepts `output_processor=` (megatron-core >= 0.18)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    return "output_processor" in inspect.signature(GPTModel.forward).parameters
+
+
+_SHIMS_APPLIED = False
+
+
+class _NullStream:
+    """Stand-in for torch.cuda.current_stream() on CPU: nothing to wait for."""
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+def apply_cpu_shims() -> None:
+    """Let megatron-core build and seed models on a host without CUDA.
+
+    * `torch.cuda.current_device()` is called while allocating parameters and DDP buffers: answer
+      the CPU device instead of raising.
+    * `torch.cuda.current_stream()` is asked for by DDP's grad sync before it waits on CUDA-graph
+      events: answer a stream that has nothing to wait for.
+    * `torch.cuda.manual_seed` / RNG state getters are harmless no-ops without CUDA already; the
+      RNG tracker is created with `inference_rng_tracker=True` by `parallel.init_distributed`, which
+      keeps it off CUDA generator states.
+    """
+    global _SHIMS_APPLIED
+    if _SHIMS_APPLIED or torch.cuda.is_available():
+        return
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    # DDP's grad sync asks for the current stream to wait on CUDA-graph events (none exist here).
+    torch.cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
+    _SHIMS_APPLIED = True
+
+
+def on_cpu() -> bool:
+    return not torch.cuda.is_available()

@@ -1,0 +1,167 @@
+"""Configuration of the Megatron engine: plain nested dataclasses with defaults.
+
+Every field carries a help string; `__post_init__` checks cross-field constraints and names the
+offending option. The train jobs' YAML loader composes these into the job config, so the classes
+stay plain (no custom constructors, only defaults).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+PRESETS = ("tiny", "tiny-llama", "qwen2.5-0.5b", "qwen2.5-7b")
+DTYPES = ("auto", "fp32", "bf16")
+LR_SCHEDULES = ("constant", "cosine")
+CAPTURE_SEAMS = ("auto", "output_processor", "output_layer")
+
+
+@dataclass
+class ModelConfig:
+    preset: str = field(
+        default="tiny",
+        metadata={"help": f"built-in architecture, one of {PRESETS}; ignored when hf_config_dir or "
+                  "hf_checkpoint_dir is set. Presets are randomly initialised."},
+    )
+    hf_config_dir: str = field(
+        default="",
+        metadata={"help": "local directory with a Hugging Face config.json (Qwen2 or Llama family); "
+                  "the model is built from it and randomly initialised"},
+    )
+    hf_checkpoint_dir: str = field(
+        default="",
+        metadata={"help": "local Hugging Face checkpoint directory (config.json + *.safetensors); "
+                  "architecture and weights are loaded from it, sharded over tensor-parallel ranks"},
+    )
+    tie_word_embeddings: Optional[bool] = field(
+        default=None,
+        metadata={"help": "override the architecture's tie_word_embeddings (None: keep it)"},
+    )
+    num_layers: int = field(
+        default=0,
+        metadata={"help": "override the number of transformer layers (0: keep the architecture's); "
+                  "not allowed together with hf_checkpoint_dir"},
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={"help": f"parameter/compute dtype, one of {DTYPES}; auto = bf16 on GPU, fp32 on CPU"},
+    )
+    max_seq_len: int = field(
+        default=512, metadata={"help": "longest sequence (prompt + response) the model will see"}
+    )
+    make_vocab_size_divisible_by: int = field(
+        default=128,
+        metadata={"help": "Megatron pads the vocabulary to a multiple of this times tensor_parallel; "
+                  "padded rows never enter logprobs or entropy"},
+    )
+    vocab_size: int = field(
+        default=0,
+        metadata={"help": "true vocabulary size override (0: from the tokenizer passed to the engine, "
+                  "else from the HF config / preset)"},
+    )
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype={self.dtype!r}: expected one of {DTYPES}")
+        if not (self.hf_config_dir or self.hf_checkpoint_dir) and self.preset not in PRESETS:
+            raise ValueError(f"model.preset={self.preset!r}: expected one of {PRESETS} "
+                             "(or set model.hf_config_dir / model.hf_checkpoint_dir)")
+        if self.hf_config_dir and self.hf_checkpoint_dir:
+            raise ValueError("set only one of model.hf_config_dir and model.hf_checkpoint_dir "
+                             "(the checkpoint directory already holds its config)")
+        if self.num_layers < 0:
+            raise ValueError(f"model.num_layers={self.num_layers} must be >= 0")
+        if self.num_layers and self.hf_checkpoint_dir:
+            raise ValueError("model.num_layers cannot override the depth of model.hf_checkpoint_dir")
+        if self.max_seq_len <= 0:
+            raise ValueError(f"model.max_seq_len={self.max_seq_len} must be > 0")
+        if self.make_vocab_size_divisible_by <= 0:
+            raise ValueError("model.make_vocab_size_divisible_by must be > 0")
+        if self.vocab_size < 0:
+            raise ValueError(f"model.vocab_size={self.vocab_size} must be >= 0")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel: int = field(default=1, metadata={"help": "tensor-parallel size (vocab and heads sharded)"})
+    pipeline_parallel: int = field(default=1, metadata={"help": "pipeline-parallel size"})
+    sequence_parallel: bool = field(
+        default=False,
+        metadata={"help": "Megatron sequence parallelism (activations sharded along the sequence "
+                  "outside tensor-parallel regions); needs tensor_parallel > 1"},
+    )
+    context_parallel: int = field(
+        default=1, metadata={"help": "context-parallel size; only 1 is supported"}
+    )
+
+    def __post_init__(self):
+        for name in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name}={getattr(self, name)} must be >= 1")
+        if self.context_parallel != 1:
+            raise ValueError(f"parallel.context_parallel={self.context_parallel}: context parallelism "
+                             "is not supported (the token statistics would need a cross-CP gather); use 1")
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ValueError("parallel.sequence_parallel=true needs parallel.tensor_parallel > 1")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = field(default=1e-5, metadata={"help": "peak learning rate"})
+    min_lr: float = field(default=0.0, metadata={"help": "final learning rate of the cosine schedule"})
+    weight_decay: float = field(default=0.0, metadata={"help": "decoupled (AdamW) weight decay"})
+    betas: Tuple[float, float] = field(default=(0.9, 0.95), metadata={"help": "Adam (beta1, beta2)"})
+    eps: float = field(default=1e-8, metadata={"help": "Adam epsilon"})
+    clip_grad: float = field(default=1.0, metadata={"help": "global grad-norm clip (0: off)"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps from 0 to lr"})
+    lr_schedule: str = field(default="constant", metadata={"help": f"one of {LR_SCHEDULES}"})
+    total_steps: int = field(
+        default=1000, metadata={"help": "steps over which the cosine schedule decays to min_lr"}
+    )
+
+    def __post_init__(self):
+        self.betas = tuple(float(b) for b in self.betas)  # YAML gives a list
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optim.betas={self.betas}: expected two values in [0, 1)")
+        if self.lr < 0 or self.min_lr < 0:
+            raise ValueError("optim.lr and optim.min_lr must be >= 0")
+        if self.min_lr > self.lr:
+            raise ValueError(f"optim.min_lr={self.min_lr} exceeds optim.lr={self.lr}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"optim.lr_schedule={self.lr_schedule!r}: expected one of {LR_SCHEDULES}")
+        if self.warmup_steps < 0 or self.total_steps <= 0:
+            raise ValueError("optim.warmup_steps must be >= 0 and optim.total_steps > 0")
+        if self.lr_schedule == "cosine" and self.warmup_steps >= self.total_steps:
+            raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be < optim.total_steps="
+                             f"{self.total_steps} for the cosine schedule")
+        if self.clip_grad < 0 or self.eps <= 0 or self.weight_decay < 0:
+            raise ValueError("optim.clip_grad and optim.weight_decay must be >= 0, optim.eps > 0")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "architecture and weights"})
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": "model parallelism"})
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "optimizer and lr schedule"})
+    use_fused_linear_ce: bool = field(
+        default=True,
+        metadata={"help": "compute logprobs/entropy/stats with the fused linear op at the LM head "
+                  "(the [tokens, vocab] logits are never built); false: materialised logits"},
+    )
+    lce_backend: str = field(
+        default="auto", metadata={"help": "fused-op backend: auto | torch | triton | triton_ascend | reference"}
+    )
+    lce_cache_bytes: int = field(
+        default=0, metadata={"help": "fused op may keep fp32 logits for backward up to this many bytes"}
+    )
+    capture_seam: str = field(
+        default="auto",
+        metadata={"help": f"one of {CAPTURE_SEAMS}: auto = GPTModel's output_processor when the "
+                  "installed megatron-core has it (>= 0.18), else the output_layer replacement"},
+    )
+    seed: int = field(default=1234, metadata={"help": "seed of parameter init, dropout and sampling"})
+
+    def __post_init__(self):
+        if self.capture_seam not in CAPTURE_SEAMS:
+            raise ValueError(f"capture_seam={self.capture_seam!r}: expected one of {CAPTURE_SEAMS}")
+        if self.lce_cache_bytes < 0:
+            raise ValueError("lce_cache_bytes must be >= 0")

@@ -1,0 +1,355 @@
+"""MegatronEngine: a megatron-core GPTModel with its DDP, optimizer and lr schedule, plus token stats.
+
+What runs where:
+  * model: megatron-core GPTModel (local layer spec; Transformer Engine spec on GPU when importable),
+    bf16 under Float16Module on GPU, fp32 on CPU.
+  * gradients: megatron-core DistributedDataParallel everywhere (grad buffers / main_grad, fp32
+    reduction), finished by megatron's `finalize_model_grads` (data-parallel all-reduce, sequence-
+    parallel norm grads over TP, tied embeddings across pipeline stages).
+  * optimizer on GPU: megatron-core's `get_megatron_optimizer` (Adam; fp32 master weights under bf16)
+    with its grad clipping. On CPU megatron's optimizer wrappers allocate on CUDA, so the engine uses
+    `torch.optim.AdamW` on the parameters with `param.grad = param.main_grad`, and clips by a global
+    norm computed here (tensor-parallel duplicates counted once, summed over the model-parallel group).
+  * lr schedule: linear warm-up then constant or cosine to min_lr, set on the param groups each step.
+
+Token statistics come from the fused capture seam (capture.py) when `use_fused_linear_ce`, else from
+GPTModel's vocab-parallel logits through `areal_lce.logprobs_entropy_from_logits`. Pipeline
+parallelism > 1 is refused by the engine (the capture seam itself only runs on the last stage).
+Packed sequences (THD) are refused: batches are right-padded with labels = -100.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import resource
+from typing import Callable, Dict, List, NamedTuple, Optional
+
+import torch
+
+from .. import comms
+from ..materialised import logprobs_entropy_from_logits
+from . import capture
+from .config import EngineConfig
+from .model import build_gpt_model, load_hf_checkpoint, resolve_arch
+from .parallel import init_distributed
+
+
+class TokenStats(NamedTuple):
+    """Per-token fp32 [B, S] tensors; 0 where labels == -100. Same meaning on both routes."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    max_logit: torch.Tensor
+    min_logit: torch.Tensor
+
+
+def _resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def lr_at(step: int, optim) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warm-up, then constant or cosine."""
+    if optim.warmup_steps and step < optim.warmup_steps:
+        return optim.lr * (step + 1) / optim.warmup_steps
+    if optim.lr_schedule == "constant":
+        return optim.lr
+    span = max(1, optim.total_steps - optim.warmup_steps)
+    frac = min(1.0, (step - optim.warmup_steps) / span)
+    return optim.min_lr + 0.5 * (optim.lr - optim.min_lr) * (1.0 + math.cos(math.pi * frac))
+
+
+class MegatronEngine:
+    def __init__(self, cfg: EngineConfig, vocab_size: Optional[int] = None):
+        from megatron.core import parallel_state as mpu
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        self.cfg = cfg
+        if cfg.parallel.pipeline_parallel != 1:
+            raise ValueError(f"parallel.pipeline_parallel={cfg.parallel.pipeline_parallel}: MegatronEngine "
+                             "trains with pipeline_parallel=1 only (the capture seam itself supports PP)")
+        self.dist = init_distributed(cfg.parallel, cfg.seed)
+        self.device = self.dist.device
+        self.dtype = _resolve_dtype(cfg.model.dtype)
+        arch = resolve_arch(cfg.model)
+        true_vocab = vocab_size or cfg.model.vocab_size or arch.vocab_size
+        if cfg.model.hf_checkpoint_dir:
+            if true_vocab > arch.vocab_size:
+                raise ValueError(f"vocab_size={true_vocab} exceeds the checkpoint's vocab_size={arch.vocab_size}")
+        elif true_vocab != arch.vocab_size:
+            arch = dataclasses.replace(arch, vocab_size=true_vocab)
+        self.arch, self.vocab_size = arch, true_vocab
+        self.gpt = build_gpt_model(arch, cfg.model, cfg.parallel, self.dtype)
+        if cfg.model.hf_checkpoint_dir:
+            load_hf_checkpoint(self.gpt, cfg.model.hf_checkpoint_dir, arch)
+        self.seam = capture.resolve_seam(cfg.capture_seam)
+        if cfg.use_fused_linear_ce:
+            capture.check_capture_supported(self.gpt, self.seam)
+        module = self.gpt
+        if self.dtype != torch.float32:
+            from megatron.core.transformer.module import Float16Module
+
+            module = Float16Module(self.gpt.config, self.gpt)
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=False)
+        self.model = DistributedDataParallel(self.gpt.config, ddp_cfg, module)
+        self.tp_group = mpu.get_tensor_model_parallel_group()
+        self.mp_group = mpu.get_model_parallel_group()
+        self.dp_group = mpu.get_data_parallel_group()
+        self._build_optimizer()
+        self.step_count = 0
+        self._gen_calls = 0
+
+    # ------------------------------------------------------------------------------ optimizer
+    def _build_optimizer(self) -> None:
+        o = self.cfg.optim
+        self.megatron_optimizer = torch.cuda.is_available()
+        if self.megatron_optimizer:
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            ocfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                                   adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps,
+                                   clip_grad=o.clip_grad, bf16=self.dtype == torch.bfloat16,
+                                   params_dtype=self.dtype, use_distributed_optimizer=False)
+            self.optimizer = get_megatron_optimizer(ocfg, [self.model])
+        else:
+            decay, no_decay = [], []
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    (no_decay if p.dim() == 1 else decay).append(p)  # no decay on norms and biases
+            self.optimizer = torch.optim.AdamW(
+                [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+
+    def _grad_norm_and_clip(self) -> float:
+        """Global L2 norm of main_grad (TP duplicates once, summed over model-parallel ranks); clip."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in params:
+            if param_is_not_tensor_parallel_duplicate(p):
+                sq += p.main_grad.float().pow(2).sum()
+        comms.all_reduce_sum_(sq, self.mp_group)  # SUM of squared norms over TP x PP shards
+        norm = float(sq.sqrt())
+        clip = self.cfg.optim.clip_grad
+        if clip > 0 and norm > clip:
+            for p in params:
+                p.main_grad.mul_(clip / (norm + 1e-6))
+        return norm
+
+    def _set_lr(self, lr: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+
+    # ------------------------------------------------------------------------------ forward
+    def _prepare(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        if input_ids.dim() != 2 or labels.shape != input_ids.shape:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must both "
+                             "be [batch, seq]")
+        b, s = input_ids.shape
+        if s > self.cfg.model.max_seq_len:
+            raise ValueError(f"sequence length {s} exceeds model.max_seq_len={self.cfg.model.max_seq_len}")
+        pad = (-s) % self.dist.tp_size if self.cfg.parallel.sequence_parallel else 0
+        ids, lab = input_ids.to(self.device, torch.long), labels.to(self.device, torch.long)
+        if pad:  # sequence parallelism splits the sequence over TP ranks: right-pad, labels ignored
+            ids = torch.nn.functional.pad(ids, (0, pad), value=0)
+            lab = torch.nn.functional.pad(lab, (0, pad), value=-100)
+        sp = ids.shape[1]
+        pos = torch.arange(sp, device=self.device).unsqueeze(0).expand(b, sp)
+        mask = None
+        if not torch.cuda.is_available():  # megatron builds its default causal mask on CUDA only
+            mask = torch.triu(torch.ones(sp, sp, dtype=torch.bool, device=self.device), diagonal=1)[None, None]
+        return ids, lab, pos, mask, s
+
+    def _forward_stats(self, input_ids, labels, temperature: float) -> TokenStats:
+        ids, lab, pos, mask, s = self._prepare(input_ids, labels)
+        if self.cfg.use_fused_linear_ce:
+            ctx = capture.CaptureContext(labels=lab, temperature=float(temperature), vocab_size=self.vocab_size,
+                                         backend=self.cfg.lce_backend, cache_bytes=self.cfg.lce_cache_bytes)
+            packed = capture.run_fused(self.model, self.gpt, self.seam, ctx, ids, pos, mask)
+            lp, ent, mx, mn = capture.unpack(packed)
+        else:
+            logits = self.model(ids, pos, mask)  # [b, s, V_pad / tp]
+            out = logprobs_entropy_from_logits(logits, lab, temperature=float(temperature),
+                                               vocab_size=self.vocab_size, tp_group=self.tp_group)
+            lp, ent, mx, mn = out.logprobs, out.entropy, out.max_logit, out.min_logit
+        return TokenStats(lp[:, :s], ent[:, :s], mx[:, :s], mn[:, :s])
+
+    def token_stats(self, input_ids: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+                    grad: bool = False) -> TokenStats:
+        """Per-token stats of `labels` (next-token targets aligned with input positions; -100 ignored)."""
+        if grad:
+            return self._forward_stats(input_ids, labels, temperature)
+        with torch.no_grad():
+            return self._forward_stats(input_ids, labels, temperature)
+
+    # ------------------------------------------------------------------------------ training
+    def train_step(self, microbatches: List[dict], loss_fn: Callable) -> Dict[str, float]:
+        from megatron.core.distributed import finalize_model_grads
+
+        if not microbatches:
+            raise ValueError("train_step needs at least one microbatch")
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss_sum, tokens, sums = 0.0, 0, {}
+        for mb in microbatches:
+            stats = self.token_stats(mb["input_ids"], mb["labels"], temperature=float(mb.get("temperature", 1.0)),
+                                     grad=True)
+            loss, metrics = loss_fn(stats, mb)
+            loss.backward()
+            loss_sum += float(loss.detach())
+            tokens += int((mb["labels"] != -100).sum())
+            for k, v in (metrics or {}).items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        # DP all-reduce of the grad buffers, SP norm grads over TP, tied embeddings across stages.
+        finalize_model_grads([self.model])
+        lr = lr_at(self.step_count, self.cfg.optim)
+        self._set_lr(lr)
+        if self.megatron_optimizer:
+            _ok, grad_norm, _zeros = self.optimizer.step()
+            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+        else:
+            grad_norm = self._grad_norm_and_clip()
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.grad = p.main_grad
+            self.optimizer.step()
+        self.step_count += 1
+        # Report the data-parallel mean of the per-rank numbers (every rank prints the same values).
+        keys = sorted(sums)
+        vec = torch.tensor([loss_sum, float(tokens)] + [sums[k] / len(microbatches) for k in keys],
+                           dtype=torch.float64)
+        comms.all_reduce_sum_(vec, self.dp_group)  # SUM over data-parallel ranks (gloo-safe on CPU)
+        dp = self.dist.dp_size
+        out = {k: float(vec[2 + i]) / dp for i, k in enumerate(keys)}
+        out.update(loss=float(vec[0]) / dp, grad_norm=grad_norm, lr=lr, tokens=float(vec[1]),
+                   peak_mem_gib=self.peak_mem_gib())
+        return out
+
+    @staticmethod
+    def peak_mem_gib() -> float:
+        if torch.cuda.is_available():
+            return torch.cuda.max_memory_allocated() / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+    # ------------------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def _next_logits(self, seqs: List[List[int]]) -> torch.Tensor:
+        """Full-vocabulary fp32 logits [n, vocab] of the token after each sequence (all TP ranks)."""
+        from megatron.core import tensor_parallel
+
+        lengths = [len(x) for x in seqs]
+        s = max(lengths)
+        ids = torch.zeros(len(seqs), s, dtype=torch.long)
+        for i, x in enumerate(seqs):
+            ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+        ids, _, pos, mask, _ = self._prepare(ids, torch.full_like(ids, -100))
+        logits = self.model(ids, pos, mask)  # [n, s, V_pad / tp]
+        last = logits[torch.arange(len(seqs), device=logits.device), torch.tensor(lengths, device=logits.device) - 1]
+        full = tensor_parallel.gather_from_tensor_model_parallel_region(last.float().contiguous(), group=self.tp_group)
+        return full[:, : self.vocab_size]
+
+    @torch.no_grad()
+    def generate(self, prompts: List[List[int]], max_new_tokens: int, *, temperature: float = 1.0,
+                 top_p: float = 1.0, eos_id: Optional[int] = None,
+                 generator: Optional[torch.Generator] = None) -> List[List[int]]:
+        """Sample continuations (new tokens only) from the current policy; identical on every TP rank
+        when `generator` is seeded identically (default: seeded from cfg.seed and the call count)."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs non-empty prompts")
+        if max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError("generate: max_new_tokens >= 0, temperature >= 0 and 0 < top_p <= 1 required")
+        if generator is None:
+            generator = torch.Generator().manual_seed(self.cfg.seed * 1000003 + self._gen_calls)
+        self._gen_calls += 1
+        was_training = self.model.training
+        self.model.eval()
+        seqs = [list(p) for p in prompts]
+        new: List[List[int]] = [[] for _ in prompts]
+        live = list(range(len(prompts)))
+        for _ in range(max_new_tokens):
+            if not live:
+                break
+            if max(len(seqs[i]) for i in live) >= self.cfg.model.max_seq_len:
+                break
+            logits = self._next_logits([seqs[i] for i in live]).cpu()
+            toks = _sample(logits, temperature, top_p, generator)
+            still = []
+            for j, i in enumerate(live):
+                t = int(toks[j])
+                seqs[i].append(t)
+                new[i].append(t)
+                if eos_id is None or t != eos_id:
+                    still.append(i)
+            live = still
+        if was_training:
+            self.model.train()
+        return new
+
+    # ------------------------------------------------------------------------------ state
+    def parameters_named(self) -> Dict[str, torch.nn.Parameter]:
+        """This rank's parameters (TP shards) by GPTModel name."""
+        return dict(self.gpt.named_parameters())
+
+    def grads(self) -> Dict[str, torch.Tensor]:
+        """This rank's finalised gradients (main_grad after the last train_step's reduction), by name."""
+        return {n: p.main_grad.detach().clone() for n, p in self.gpt.named_parameters() if p.requires_grad}
+
+    def _rank_file(self, path: str) -> str:
+        return os.path.join(path, f"rank{self.dist.rank:05d}.pt")
+
+    def save(self, path: str) -> None:
+        from megatron.core import tensor_parallel
+
+        os.makedirs(path, exist_ok=True)
+        state = {
+            "model": self.gpt.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step_count": self.step_count,
+            "gen_calls": self._gen_calls,
+            "rng": {"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+                    "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()},
+            "meta": {"world_size": self.dist.world_size, "tp": self.dist.tp_size, "vocab_size": self.vocab_size},
+        }
+        torch.save(state, self._rank_file(path))
+
+    def load(self, path: str) -> None:
+        from megatron.core import tensor_parallel
+
+        f = self._rank_file(path)
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"no engine checkpoint for rank {self.dist.rank} at {f!r}")
+        state = torch.load(f, map_location=self.device, weights_only=False)
+        meta = state["meta"]
+        if meta["world_size"] != self.dist.world_size or meta["tp"] != self.dist.tp_size:
+            raise ValueError(f"checkpoint {path!r} was written with world_size={meta['world_size']}, "
+                             f"tp={meta['tp']}; this run has {self.dist.world_size}, {self.dist.tp_size}")
+        self.gpt.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = state["step_count"]
+        self._gen_calls = state["gen_calls"]
+        torch.set_rng_state(state["rng"]["torch"].cpu())
+        if torch.cuda.is_available() and state["rng"]["cuda"] is not None:
+            torch.cuda.set_rng_state(state["rng"]["cuda"].cpu())
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["rng"]["tracker"])
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """One token per row: greedy at temperature 0, else nucleus sampling (CPU generator)."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sp, idx = probs.sort(dim=-1, descending=True)
+        keep = sp.cumsum(-1) - sp < top_p  # always keeps the most likely token
+        sp = torch.where(keep, sp, torch.zeros_like(sp))
+        choice = torch.multinomial(sp / sp.sum(-1, keepdim=True), 1, generator=generator)
+        return idx.gather(-1, choice).squeeze(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

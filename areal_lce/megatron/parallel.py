@@ -1,0 +1,108 @@
+"""Distributed start-up for the Megatron engine: process group, Megatron's parallel state, seeds.
+
+`init_distributed` works the same under torchrun (RANK/WORLD_SIZE/MASTER_ADDR in the environment)
+and in a plain single process (a one-rank group on a free local port). Backend: nccl with CUDA,
+gloo without. Data parallelism is whatever remains of the world after TP x PP.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .compat import apply_cpu_shims
+from .config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_OWNS_PROCESS_GROUP = False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(parallel_cfg: ParallelConfig, seed: int = 1234) -> DistInfo:
+    """Initialise torch.distributed (if needed), Megatron's parallel_state and its RNG tracker."""
+    global _OWNS_PROCESS_GROUP
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    apply_cpu_shims()
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain single process: a one-rank group
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group(backend=backend)
+        _OWNS_PROCESS_GROUP = True
+    world = dist.get_world_size()
+    tp, pp = parallel_cfg.tensor_parallel, parallel_cfg.pipeline_parallel
+    if world % (tp * pp) != 0:
+        raise ValueError(f"world size {world} is not divisible by parallel.tensor_parallel={tp} x "
+                         f"parallel.pipeline_parallel={pp}")
+    if parallel_cfg.context_parallel != 1:
+        raise ValueError("parallel.context_parallel > 1 is not supported")
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=1,
+        create_gloo_process_groups=not cuda,
+    )
+    # The inference-style tracker keeps per-region seeds without CUDA generator states (CPU-safe).
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not cuda, force_reset_rng=True)
+    torch.manual_seed(seed)
+    return DistInfo(
+        rank=dist.get_rank(), world_size=world, local_rank=local_rank,
+        tp_rank=mpu.get_tensor_model_parallel_rank(), tp_size=tp,
+        pp_rank=mpu.get_pipeline_model_parallel_rank(), pp_size=pp,
+        dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size(),
+        device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+        backend=backend,
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's parallel state, and the process group if `init_distributed` created it."""
+    global _OWNS_PROCESS_GROUP
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if _OWNS_PROCESS_GROUP and dist.is_initialized():
+        dist.destroy_process_group()
+        _OWNS_PROCESS_GROUP = False
