@@ -1,0 +1,175 @@
+"""Multi-rank cases for tests/test_megatron_capture.py and tests/test_engine.py (gloo, CPU).
+
+Launched by pytest:  python -m torch.distributed.run --nproc_per_node=2 tests/megatron_worker.py OUT.json [HF_DIR]
+Runs every case in one process group (each case builds fresh engines; Megatron's parallel state is
+re-initialised per engine) and rank 0 writes {case_id: {metric: value}} to OUT.json; pytest asserts.
+Metrics are maximum absolute differences, plus the scale they should be judged against.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
+
+VOCAB = 500  # true vocab; Megatron pads it to 512 at TP=2 -> the last shard holds 12 padding rows
+
+
+def batch(seed: int, b: int = 2, s: int = 16, vocab: int = VOCAB):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = -100
+    labels[1, s // 2:] = -100  # right padding of the second sequence
+    labels[0, 3] = vocab - 1  # a label in the last shard, next to the padding rows
+    return ids, labels
+
+
+def make_hf_checkpoint(path: str, family: str = "qwen2", tied: bool = False, vocab: int = VOCAB) -> None:
+    """A tiny random transformers model saved as safetensors, plus transformers' own per-token
+    logprobs/entropy on a fixed batch (reference.pt) for the engine to match."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    torch.manual_seed(7)
+    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=50000.0,
+              tie_word_embeddings=tied, max_position_embeddings=256)
+    hf_cfg = Qwen2Config(**kw) if family == "qwen2" else LlamaConfig(attention_bias=False, **kw)
+    hf_cfg._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(hf_cfg).float().eval()
+    with torch.no_grad():  # random (not zero) biases so the q/k/v bias layout is exercised
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    ids, labels = batch(3, vocab=vocab)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()
+    logp = torch.log_softmax(logits, -1)
+    lp = logp.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    mask = labels != -100
+    torch.save({"ids": ids, "labels": labels, "vocab": vocab, "logprobs": torch.where(mask, lp, 0.0),
+                "entropy": torch.where(mask, ent, 0.0)}, os.path.join(path, "reference.pt"))
+
+
+def launch(out_dir: str, hf_dir: str = "", timeout: int = 400) -> dict:
+    """Run this worker on 2 gloo ranks and return its results (raises with the log on failure)."""
+    import subprocess
+
+    out = os.path.join(out_dir, "worker.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.abspath(__file__), out] + ([hf_dir] if hf_dir else [])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0 or not os.path.exists(out):
+        raise RuntimeError(f"worker failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def pg_loss(stats, mb):
+    """A loss that back-propagates through both logprobs and entropy (as RL losses do)."""
+    n = (mb["labels"] != -100).sum().clamp(min=1)
+    loss = -(stats.logprobs.sum() + 0.1 * stats.entropy.sum()) / n
+    return loss, {"entropy": float(stats.entropy.detach().sum() / n)}
+
+
+def engine(fused: bool, *, sp: bool, tied: bool, seam: str = "auto", lr: float = 0.0, ckpt: str = "",
+           vocab: int = VOCAB):
+    model = ModelConfig(preset="tiny", tie_word_embeddings=None if ckpt else tied, hf_checkpoint_dir=ckpt,
+                        max_seq_len=64)
+    cfg = EngineConfig(model=model, parallel=ParallelConfig(tensor_parallel=2, sequence_parallel=sp),
+                       optim=OptimConfig(lr=lr, clip_grad=0.0 if lr == 0 else 1.0),
+                       use_fused_linear_ce=fused, capture_seam=seam, lce_backend="torch")
+    return MegatronEngine(cfg, vocab_size=vocab)
+
+
+def route_case(sp: bool, tied: bool, seam: str) -> dict:
+    """Fused vs materialised: stats and every parameter's finalised gradient after one backward."""
+    ids, labels = batch(1)
+    res = {}
+    for fused in (True, False):
+        e = engine(fused, sp=sp, tied=tied, seam=seam)
+        st = e.token_stats(ids, labels, temperature=0.7)
+        e.train_step([{"input_ids": ids, "labels": labels, "temperature": 0.7}], pg_loss)
+        res[fused] = (st, e.grads())
+    (sa, ga), (sb, gb) = res[True], res[False]
+    out = {f"d_{n}": float((x - y).abs().max()) for n, x, y in zip(sa._fields, sa, sb)}
+    out["stats_scale"] = float(sb.logprobs.abs().max())
+    out["d_grad_rel"] = max(float((ga[n] - gb[n]).abs().max() / gb[n].abs().max().clamp(min=1e-12)) for n in gb)
+    out["grad_names"] = len(gb)
+    out["sp_active"] = float(bool(e.gpt.output_layer.sequence_parallel))
+    out["head_grad_nonzero"] = float(ga["embedding.word_embeddings.weight" if tied else "output_layer.weight"]
+                                     .abs().max())
+    return out
+
+
+def train_case(sp: bool) -> dict:
+    """10 optimizer steps, flag on vs off: per-step losses."""
+    losses = {}
+    for fused in (True, False):
+        e = engine(fused, sp=sp, tied=False, lr=3e-3)
+        losses[fused] = [e.train_step([{"input_ids": i, "labels": l} for i, l in (batch(100 + step),
+                                                                                  batch(200 + step))],
+                                      pg_loss)["loss"] for step in range(10)]
+    rel = max(abs(a - b) / abs(b) for a, b in zip(losses[True], losses[False]))
+    return {"max_rel_loss": rel, "first": losses[False][0], "last": losses[False][-1]}
+
+
+def hf_case(hf_dir: str) -> dict:
+    """Engine logprobs at TP=2 (both routes) vs transformers' log_softmax on the same checkpoint."""
+    ref = torch.load(os.path.join(hf_dir, "reference.pt"))
+    out = {}
+    for fused in (True, False):
+        e = engine(fused, sp=False, tied=False, ckpt=hf_dir, vocab=ref["vocab"])
+        st = e.token_stats(ref["ids"], ref["labels"])
+        mask = ref["labels"] != -100
+        out[f"d_logprobs_{'fused' if fused else 'materialised'}"] = float(
+            (st.logprobs - ref["logprobs"])[mask].abs().max())
+        out[f"d_entropy_{'fused' if fused else 'materialised'}"] = float(
+            (st.entropy - ref["entropy"])[mask].abs().max())
+    return out
+
+
+def main() -> None:
+    out_path = sys.argv[1]
+    hf_dir = sys.argv[2] if len(sys.argv) > 2 else ""
+    cases = {
+        # (sequence parallel, tied embeddings, seam): every SP x tie combination on the auto seam
+        # (output_processor on megatron-core >= 0.18), plus the legacy output_layer seam forced in the
+        # two combinations where its plumbing differs most (SP gather + tied weight= keyword; plain TP).
+        "tp2-sp0-untied-auto": lambda: route_case(False, False, "auto"),
+        "tp2-sp0-tied-auto": lambda: route_case(False, True, "auto"),
+        "tp2-sp1-untied-auto": lambda: route_case(True, False, "auto"),
+        "tp2-sp1-tied-auto": lambda: route_case(True, True, "auto"),
+        "tp2-sp0-untied-legacy": lambda: route_case(False, False, "output_layer"),
+        "tp2-sp1-tied-legacy": lambda: route_case(True, True, "output_layer"),
+        "tp2-train-sp1": lambda: train_case(True),
+    }
+    if hf_dir:
+        cases["tp2-hf-checkpoint"] = lambda: hf_case(hf_dir)
+    results = {}
+    for name, fn in cases.items():
+        try:
+            results[name] = fn()
+        except Exception:  # report, keep going: pytest shows which case failed and why
+            results[name] = {"error": traceback.format_exc()}
+    if torch.distributed.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""Capture seam at Megatron's LM head: fused route == materialised route, refusals, memory.
+
+TP=1 cases run in this process (single-rank gloo group); TP=2 cases (sequence parallel off/on, tied and
+untied embeddings, both seams, 10 training steps) run in ONE torchrun launch of tests/megatron_worker.py,
+shared with tests/test_engine.py through `worker_results`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import tempfile
+import types
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import megatron_worker as W  # noqa: E402
+
+from areal_lce.megatron import capture  # noqa: E402
+from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
+
+STATS_ATOL = 1e-5  # fp32, same weights: only summation order differs between the routes
+GRAD_RTOL = 1e-5  # max |Δgrad| / max |grad| per parameter
+
+
+@functools.lru_cache(maxsize=None)
+def worker_results() -> dict:
+    """One 2-rank torchrun launch for every TP=2 case of both test files."""
+    tmp = tempfile.mkdtemp(prefix="areal_lce_mworker_")
+    hf_dir = os.path.join(tmp, "hf")
+    W.make_hf_checkpoint(hf_dir, family="qwen2", tied=False)
+    return W.launch(tmp, hf_dir)
+
+
+def tp1_engine(fused: bool, *, tied: bool, seam: str = "auto", lr: float = 0.0, vocab: int = W.VOCAB,
+               seq: int = 64) -> MegatronEngine:
+    cfg = EngineConfig(model=ModelConfig(preset="tiny", tie_word_embeddings=tied, max_seq_len=seq),
+                       optim=OptimConfig(lr=lr, clip_grad=0.0 if lr == 0 else 1.0),
+                       use_fused_linear_ce=fused, capture_seam=seam, lce_backend="torch")
+    return MegatronEngine(cfg, vocab_size=vocab)
+
+
+# TP=1, in process: tie x seam. "output_layer" forces the megatron-core <= 0.17 seam on 0.19.
+TP1_CASES = [
+    pytest.param(False, "auto", id="untied-output_processor"),
+    pytest.param(True, "auto", id="tied-output_processor"),
+    pytest.param(False, "output_layer", id="untied-legacy_seam"),
+    pytest.param(True, "output_layer", id="tied-legacy_seam"),
+]
+
+
+@pytest.mark.parametrize("tied,seam", TP1_CASES)
+def test_fused_matches_materialised_tp1(tied, seam):
+    ids, labels = W.batch(1)
+    res = {}
+    for fused in (True, False):
+        e = tp1_engine(fused, tied=tied, seam=seam)
+        st = e.token_stats(ids, labels, temperature=0.7)
+        e.train_step([{"input_ids": ids, "labels": labels, "temperature": 0.7}], W.pg_loss)
+        res[fused] = (st, e.grads())
+    (sa, ga), (sb, gb) = res[True], res[False]
+    for name, x, y in zip(sa._fields, sa, sb):
+        err = (x - y).abs().max().item()
+        assert err <= STATS_ATOL, f"{name}: fused vs materialised max |Δ| = {err:.3e}"
+    assert (sa.logprobs[labels == -100] == 0).all() and (sa.entropy[labels == -100] == 0).all()
+    assert (sa.logprobs[labels != -100] < 0).all(), "logprobs must be negative (padding rows masked)"
+    head = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
+    assert head in ga and ga[head].abs().max() > 0, "LM-head weight got no gradient in main_grad"
+    assert set(ga) == set(gb)
+    for n in gb:
+        rel = ((ga[n] - gb[n]).abs().max() / gb[n].abs().max().clamp(min=1e-12)).item()
+        assert rel <= GRAD_RTOL, f"grad of {n}: rel err {rel:.3e}"
+
+
+def test_legacy_seam_restores_output_layer_forward():
+    e = tp1_engine(True, tied=False, seam="output_layer")
+    layer = e.gpt.output_layer
+    calls = []
+    handle = layer.register_forward_hook(lambda *a: calls.append(1))
+    ids, labels = W.batch(2)
+    e.token_stats(ids, labels)
+    handle.remove()
+    assert calls == [1], "module hooks must still fire on the replaced forward"
+    assert "forward" not in vars(layer), "instance-level forward must be removed after the call"
+    logits, _ = layer(torch.randn(4, 1, 64))  # class forward is back: real logits
+    assert logits.shape == (4, 1, 512)
+
+
+def test_training_losses_equal_tp1():
+    losses = {}
+    for fused in (True, False):
+        e = tp1_engine(fused, tied=False, lr=3e-3)
+        losses[fused] = [e.train_step([{"input_ids": i, "labels": l} for i, l in (W.batch(100 + s),)],
+                                      W.pg_loss)["loss"] for s in range(10)]
+    for step, (a, b) in enumerate(zip(losses[True], losses[False])):
+        assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: fused {a} vs materialised {b}"
+    assert losses[True][-1] != losses[True][0], "parameters did not change"
+
+
+def _saved_tensor_bytes(e: MegatronEngine, ids, labels):
+    """(total bytes of activations autograd saved, largest saved tensor's shape) for one forward."""
+    params = {p.data_ptr() for p in e.gpt.parameters()}
+    seen, shapes = {}, []
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+            shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        st = e.token_stats(ids, labels, grad=True)
+    st.logprobs.sum().backward()
+    return sum(seen.values()), shapes
+
+
+def test_fused_route_saves_no_logits():
+    vocab, b, s = 8192, 2, 64  # logits [2, 64, 8192] fp32 = 4 MiB dwarf the tiny model's activations
+    ids, labels = W.batch(5, b=b, s=s, vocab=vocab)
+    fused_bytes, fused_shapes = _saved_tensor_bytes(tp1_engine(True, tied=False, vocab=vocab), ids, labels)
+    mat_bytes, mat_shapes = _saved_tensor_bytes(tp1_engine(False, tied=False, vocab=vocab), ids, labels)
+    has_logits = [sh for sh in mat_shapes if sh and sh[-1] == vocab and len(sh) >= 2]
+    assert has_logits, "materialised route should save [.., vocab] logits (test premise)"
+    leaked = [sh for sh in fused_shapes if sh and sh[-1] == vocab and len(sh) >= 2 and sh[0] != vocab]
+    assert not leaked, f"fused route saved logits-shaped tensors: {leaked}"
+    assert fused_bytes * 2 < mat_bytes, f"fused saved {fused_bytes} B vs materialised {mat_bytes} B"
+
+
+# ---------------------------------------------------------------------------------------- refusals
+
+
+def _fake_model(**cfg):
+    base = dict(mtp_num_layers=None, context_parallel_size=1, defer_embedding_wgrad_compute=False,
+                use_mup=False, mup_output_mult=1.0)
+    base.update(cfg)
+    layer = types.SimpleNamespace(gather_output=False)
+    return types.SimpleNamespace(config=types.SimpleNamespace(**base), post_process=True, parallel_output=True,
+                                 output_layer=layer)
+
+
+@pytest.mark.parametrize("cfg,seam,match", [
+    pytest.param(dict(mtp_num_layers=1), "output_processor", "mtp_num_layers", id="mtp"),
+    pytest.param(dict(context_parallel_size=2), "output_processor", "context_parallel", id="cp2"),
+    pytest.param(dict(defer_embedding_wgrad_compute=True), "output_processor", "defer_embedding", id="defer-wgrad"),
+    pytest.param(dict(use_mup=True, mup_output_mult=0.5), "output_layer", "MuP", id="mup-legacy-seam"),
+])
+def test_refusals(cfg, seam, match):
+    with pytest.raises(ValueError, match=match):
+        capture.check_capture_supported(_fake_model(**cfg), seam)
+    capture.check_capture_supported(_fake_model(), seam)  # the same model without the feature passes
+
+
+def test_refuses_parallel_output_false():
+    m = _fake_model()
+    m.parallel_output = False
+    with pytest.raises(ValueError, match="parallel_output"):
+        capture.check_capture_supported(m, "output_processor")
+
+
+def test_config_refusals():
+    with pytest.raises(ValueError, match="context_parallel"):
+        ParallelConfig(context_parallel=2)
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        ParallelConfig(sequence_parallel=True)
+    with pytest.raises(ValueError, match="capture_seam"):
+        EngineConfig(capture_seam="logits")
+    with pytest.raises(ValueError, match="pipeline_parallel"):
+        MegatronEngine(EngineConfig(parallel=ParallelConfig(pipeline_parallel=2)))
+
+
+def test_mup_folds_into_temperature():
+    """A positive constant logit multiplier m: stats of (m·z)/T == stats of z/(T/m), raw stats scaled."""
+    from areal_lce import logprobs_entropy_from_logits
+
+    torch.manual_seed(0)
+    h, w = torch.randn(6, 1, 16), torch.randn(40, 16)
+    labels = torch.randint(0, 40, (1, 6))
+    layer = types.SimpleNamespace(tp_group=None, sequence_parallel=False, weight=w,
+                                  config=types.SimpleNamespace(use_mup=True))
+    ctx = capture.CaptureContext(labels=labels, temperature=0.8, vocab_size=40, backend="torch")
+    cfg = types.SimpleNamespace(use_mup=True)
+    packed = capture.fused_output_processor(hidden_states=h, output_layer=layer, output_weight=None, context=ctx,
+                                            scale_logits=lambda z: z * 0.25, config=cfg)
+    ref = logprobs_entropy_from_logits((h[:, 0] @ w.t() * 0.25)[None], labels, temperature=0.8)
+    for got, want in zip(capture.unpack(packed), ref[:4]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="scale_logits"):
+        capture.fused_output_processor(hidden_states=h, output_layer=layer, output_weight=None, context=ctx,
+                                       scale_logits=lambda z: z * z, config=cfg)
+
+
+# ---------------------------------------------------------------------------------------- TP = 2
+
+TP2_CASES = ["tp2-sp0-untied-auto", "tp2-sp0-tied-auto", "tp2-sp1-untied-auto", "tp2-sp1-tied-auto",
+             "tp2-sp0-untied-legacy", "tp2-sp1-tied-legacy"]
+
+
+@pytest.mark.parametrize("case", TP2_CASES)
+def test_fused_matches_materialised_tp2(case):
+    r = worker_results()[case]
+    assert "error" not in r, r.get("error")
+    for k in ("d_logprobs", "d_entropy", "d_max_logit", "d_min_logit"):
+        assert r[k] <= STATS_ATOL, f"{case} {k} = {r[k]:.3e}"
+    assert r["d_grad_rel"] <= GRAD_RTOL, f"{case}: grads rel err {r['d_grad_rel']:.3e}"
+    assert r["head_grad_nonzero"] > 0
+    assert r["sp_active"] == float("-sp1-" in case), "sequence parallelism not in the expected state"
+
+
+def test_training_losses_equal_tp2():
+    r = worker_results()["tp2-train-sp1"]
+    assert "error" not in r, r.get("error")
+    assert r["max_rel_loss"] <= 1e-4, r
