@@ -282,7 +282,9 @@ def run_bad_input(group, device, backend: str) -> bool:
         # the unsharded weight handed in with tp_group: caught through the true vocabulary size
         expect_error("full_weight_with_tp_group", lambda: call(weight=full_w, vocab_size=v_shard * tp),
                      "vocab shard", rank),
-        expect_error("sp_local_labels", lambda: call(hidden=hidden[: n // tp], sequence_parallel=True),
+        # under SP, labels must cover the full sequence, not this rank's rows
+        expect_error("sp_local_labels", lambda: call(hidden=hidden[: n // tp], labels=labels[: n // tp],
+                                                     sequence_parallel=True),
                      "sequence_parallel", rank),
         expect_error("sp_without_reduce", lambda: call(hidden=hidden[: n // tp], sequence_parallel=True,
                                                         reduce_d_hidden=False), "reduce_d_hidden", rank),
