@@ -1,0 +1,133 @@
+"""MegatronEngine: HF config -> GPTModel mapping, HF checkpoint loading (TP=1 here, TP=2 through the
+shared worker launch), save/load round trip, generation and the lr schedule."""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import megatron_worker as W  # noqa: E402
+from test_megatron_capture import worker_results  # noqa: E402
+
+from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig  # noqa: E402
+from areal_lce.megatron.engine import MegatronEngine, lr_at  # noqa: E402
+from areal_lce.megatron.model import padded_vocab_size, resolve_arch  # noqa: E402
+
+HF_ATOL = 2e-5  # fp32; Megatron and transformers differ only in attention/matmul summation order
+
+
+def _engine(model: ModelConfig, *, fused: bool = True, lr: float = 0.0, vocab=None) -> MegatronEngine:
+    cfg = EngineConfig(model=model, optim=OptimConfig(lr=lr), use_fused_linear_ce=fused, lce_backend="torch")
+    return MegatronEngine(cfg, vocab_size=vocab)
+
+
+@pytest.mark.parametrize("family,tied", [pytest.param("qwen2", False, id="qwen2-untied"),
+                                         pytest.param("llama", True, id="llama-tied")])
+def test_hf_config_maps_to_gpt_model(tmp_path, family, tied):
+    from transformers import LlamaConfig, Qwen2Config
+
+    kw = dict(vocab_size=300, hidden_size=96, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6,
+              num_key_value_heads=2, rms_norm_eps=3e-6, rope_theta=12345.0, tie_word_embeddings=tied)
+    (Qwen2Config(**kw) if family == "qwen2" else LlamaConfig(**kw)).save_pretrained(tmp_path)
+    e = _engine(ModelConfig(hf_config_dir=str(tmp_path), max_seq_len=32))
+    c = e.gpt.config
+    assert (c.num_layers, c.hidden_size, c.ffn_hidden_size) == (3, 96, 160)
+    assert (c.num_attention_heads, c.num_query_groups, c.kv_channels) == (6, 2, 16)
+    assert c.layernorm_epsilon == 3e-6 and c.normalization == "RMSNorm" and c.gated_linear_unit
+    assert c.add_qkv_bias == (family == "qwen2") and not c.add_bias_linear
+    assert e.gpt.rotary_pos_emb.inv_freq[1].item() == pytest.approx(12345.0 ** (-2 / 16))
+    assert e.gpt.share_embeddings_and_output_weights == tied
+    assert e.gpt.vocab_size == padded_vocab_size(300, 128, 1) == 384 and e.vocab_size == 300
+
+
+def test_presets_have_real_shapes():
+    a = resolve_arch(ModelConfig(preset="qwen2.5-0.5b"))
+    assert (a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_heads, a.num_kv_heads) == (24, 896, 4864, 14, 2)
+    assert a.vocab_size == 151936 and a.tie_word_embeddings and a.rope_theta == 1e6 and a.qkv_bias
+    b = resolve_arch(ModelConfig(preset="qwen2.5-7b", num_layers=4))
+    assert (b.num_layers, b.hidden_size, b.ffn_hidden_size, b.num_heads, b.num_kv_heads) == (4, 3584, 18944, 28, 4)
+    assert b.vocab_size == 152064 and not b.tie_word_embeddings
+
+
+@pytest.mark.parametrize("family,tied", [pytest.param("qwen2", False, id="qwen2-untied"),
+                                         pytest.param("llama", True, id="llama-tied")])
+def test_hf_checkpoint_matches_transformers_tp1(tmp_path, family, tied):
+    W.make_hf_checkpoint(str(tmp_path), family=family, tied=tied)
+    ref = torch.load(tmp_path / "reference.pt")
+    mask = ref["labels"] != -100
+    for fused in (True, False):
+        e = _engine(ModelConfig(hf_checkpoint_dir=str(tmp_path), max_seq_len=64), fused=fused, vocab=ref["vocab"])
+        st = e.token_stats(ref["ids"], ref["labels"])
+        for name in ("logprobs", "entropy"):
+            err = (getattr(st, name) - ref[name])[mask].abs().max().item()
+            assert err <= HF_ATOL, f"fused={fused} {name}: engine vs transformers max |Δ| = {err:.3e}"
+
+
+def test_hf_checkpoint_matches_transformers_tp2():
+    r = worker_results()["tp2-hf-checkpoint"]
+    assert "error" not in r, r.get("error")
+    for k, v in r.items():
+        assert v <= HF_ATOL, f"TP=2 {k} = {v:.3e}"
+
+
+def test_save_load_roundtrip(tmp_path):
+    mbs = [[{"input_ids": i, "labels": l}] for i, l in (W.batch(10 + k) for k in range(4))]
+    model = ModelConfig(preset="tiny", max_seq_len=64)
+    cfg = EngineConfig(model=model, optim=OptimConfig(lr=1e-2, warmup_steps=2, lr_schedule="cosine",
+                                                       total_steps=6, weight_decay=0.1), lce_backend="torch")
+    e = MegatronEngine(cfg, vocab_size=W.VOCAB)
+    for k in range(2):
+        e.train_step(mbs[k], W.pg_loss)
+    e.save(str(tmp_path / "ckpt"))
+    cont = [e.train_step(mbs[k], W.pg_loss) for k in (2, 3)]
+    cfg2 = EngineConfig(model=model, optim=cfg.optim, lce_backend="torch", seed=99)  # different init
+    e2 = MegatronEngine(cfg2, vocab_size=W.VOCAB)
+    e2.load(str(tmp_path / "ckpt"))
+    resumed = [e2.train_step(mbs[k], W.pg_loss) for k in (2, 3)]
+    for a, b in zip(cont, resumed):
+        assert a["loss"] == b["loss"] and a["lr"] == b["lr"], (a, b)
+    for n, p in e.parameters_named().items():
+        assert torch.equal(p, e2.parameters_named()[n]), n
+    with pytest.raises(FileNotFoundError):
+        e2.load(str(tmp_path / "missing"))
+
+
+def test_train_step_reports():
+    e = _engine(ModelConfig(preset="tiny", max_seq_len=64), lr=1e-3, vocab=W.VOCAB)
+    ids, labels = W.batch(4)
+    out = e.train_step([{"input_ids": ids, "labels": labels}, {"input_ids": ids, "labels": labels}], W.pg_loss)
+    assert set(out) >= {"loss", "grad_norm", "lr", "peak_mem_gib", "tokens", "entropy"}
+    assert out["tokens"] == 2 * int((labels != -100).sum()) and out["grad_norm"] > 0 and out["peak_mem_gib"] > 0
+    with pytest.raises(ValueError, match="max_seq_len"):
+        e.token_stats(torch.zeros(1, 65, dtype=torch.long), torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_generate_is_seeded_and_stops_at_eos():
+    e = _engine(ModelConfig(preset="tiny", max_seq_len=64), vocab=W.VOCAB)
+    prompts = [[1, 2, 3], [4, 5]]
+    a = e.generate(prompts, 6, generator=torch.Generator().manual_seed(3))
+    b = e.generate(prompts, 6, generator=torch.Generator().manual_seed(3))
+    assert a == b and [len(x) for x in a] == [6, 6] and all(0 <= t < W.VOCAB for x in a for t in x)
+    greedy = e.generate([[1, 2, 3]], 1, temperature=0.0)[0][0]
+    every = torch.arange(W.VOCAB)  # logprob of every token after the prompt: greedy must be the argmax
+    labels = torch.full((W.VOCAB, 3), -100)
+    labels[:, 2] = every
+    lp = e.token_stats(torch.tensor([[1, 2, 3]]).expand(W.VOCAB, 3), labels).logprobs[:, 2]
+    assert int(lp.argmax()) == greedy
+    eos = a[0][0]
+    stopped = e.generate([[1, 2, 3]], 6, eos_id=eos, generator=torch.Generator().manual_seed(3))[0]
+    assert stopped == [eos]
+
+
+def test_lr_schedule():
+    o = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=2, lr_schedule="cosine", total_steps=12)
+    assert [lr_at(s, o) for s in (0, 1)] == [0.5, 1.0]
+    assert lr_at(2, o) == pytest.approx(1.0) and lr_at(7, o) == pytest.approx(0.55) and lr_at(12, o) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        OptimConfig(warmup_steps=5, total_steps=5, lr_schedule="cosine")
