@@ -290,10 +290,13 @@ def test_passthrough_and_remove_restores_original():
     ids, labels = batch()
     with torch.no_grad():
         before = model(input_ids=ids, labels=labels)
+        gen_before = model.generate(ids[:1, :6], max_new_tokens=3, do_sample=False)
         hf.apply(model, backend="torch")
         assert hf.is_patched(model) and "forward" in model.__dict__
         plain = model(ids)  # no labels, no flag: the original forward, logits and all
         assert torch.equal(plain.logits, before.logits)
+        gen = model.generate(ids[:1, :6], max_new_tokens=3, do_sample=False)  # generation is untouched
+        assert torch.equal(gen[:, 6:], gen_before[:, 6:])
         assert model(input_ids=ids, labels=labels).logits is None
         hf.remove(model)
         after = model(input_ids=ids, labels=labels)
@@ -414,33 +417,122 @@ def test_bad_options_and_calls():
         model(input_ids=ids, temperature=0.5)
 
 
-def test_refuses_uneven_or_unknown_dtensor_placement():
-    """DTensor weights are checked before any collective: a 1-rank gloo group is enough to see the errors."""
-    pytest.importorskip("torch.distributed.tensor")
+# --------------------------------------------------------------------------------------------------
+# distributed: FSDP2 and a vocab-sharded DTensor head, 2 gloo ranks on CPU (this file is the worker)
+
+
+def test_fsdp2_and_dtensor_tp_two_ranks(tmp_path):
+    """Launch `_dist_worker` on 2 CPU ranks (gloo); it raises on any mismatch."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch.distributed.fsdp")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        log = open(tmp_path / f"rank{rank}.log", "w+")
+        procs.append((subprocess.Popen([sys.executable, os.path.abspath(__file__)], env=env, stdout=log,
+                                       stderr=subprocess.STDOUT, cwd=root), log))
+    failed = []
+    for rank, (proc, log) in enumerate(procs):
+        try:
+            rc = proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "timeout"
+        log.seek(0)
+        text = log.read()
+        if rc != 0:
+            failed.append(f"rank {rank} exit {rc}:\n{text[-4000:]}")
+    assert not failed, "\n".join(failed)
+
+
+def _dist_worker():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
     from areal_lce.hf.patch import _resolve_dtensor
 
-    class FakeMesh:
-        def size(self, dim):
-            return 3
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
 
-    from torch.distributed.tensor import Replicate, Shard
+    def check(value, expected, what, tol=2e-5):
+        err = (value.double() - expected.double()).abs().max().item()
+        scale = max(expected.abs().max().item(), 1e-30)
+        if not err <= tol * scale + 1e-7:
+            raise AssertionError(f"rank {rank}: {what}: max abs err {err:.3e} (max |expected| {scale:.3e})")
 
-    class FakeDTensor:
-        def __init__(self, placements):
-            self.placements, self.device_mesh, self.shape = placements, FakeMesh(), (V, H)
+    # FSDP2: (a) untied, lm_head its own FSDP unit (sharded DTensor outside its forward: its hooks
+    # unshard it around the fused call); (b) tied, head and embedding in the root unit. Each rank has
+    # its own data; patched and unpatched FSDP models must agree on the loss and every gradient.
+    for tied in (False, True):
+        base = build("qwen2", tied)
+        ids, labels = batch(seed=10 + rank)
+        runs = []
+        for patched in (False, True):
+            m = copy.deepcopy(base)
+            for layer in m.model.layers:
+                fully_shard(layer, mesh=mesh)
+            if not tied:
+                fully_shard(m.lm_head, mesh=mesh)
+            fully_shard(m, mesh=mesh)
+            if patched:
+                hf.apply(m, backend="torch")
+            out = m(input_ids=ids, labels=labels)
+            out.loss.backward()
+            runs.append((m, out))
+        (ref_m, ref), (m, out) = runs
+        assert out.logits is None and isinstance(m.lm_head.weight, DTensor)
+        check(out.loss, ref.loss, f"fsdp tied={tied} loss")
+        for (n, p), (_, q) in zip(ref_m.named_parameters(), m.named_parameters()):
+            check(q.grad.full_tensor(), p.grad.full_tensor(), f"fsdp tied={tied} grad {n}")
 
-    import torch.distributed.tensor as dt
+    # Tensor parallel: lm_head.weight a DTensor Shard(0) over the vocabulary, the rest replicated; same
+    # data on every rank. The op's vocab-parallel path must reproduce the single-process model.
+    base = build("llama", tied=False)
+    ids, labels = batch(seed=20)
+    ref_m = copy.deepcopy(base)
+    ref = ref_m(input_ids=ids, labels=labels)
+    ref.loss.backward()
+    m = copy.deepcopy(base)
+    m.lm_head.weight = nn.Parameter(distribute_tensor(m.lm_head.weight.detach(), mesh, [Shard(0)]))
+    hf.apply(m, backend="torch")
+    out = m(input_ids=ids, labels=labels)
+    out.loss.backward()
+    check(out.loss, ref.loss, "tp loss")
+    exp = expected_from_logits(ref.logits, out.shift_labels)
+    for k in exp:
+        check(getattr(out, k), exp[k], f"tp {k}")
+    assert m.lm_head.weight.grad.placements == (Shard(0),)
+    check(m.lm_head.weight.grad.full_tensor(), ref_m.lm_head.weight.grad, "tp grad lm_head")
+    for (n, p), (_, q) in zip(ref_m.named_parameters(), m.named_parameters()):
+        if n != "lm_head.weight":
+            check(q.grad, p.grad, f"tp grad {n}")
 
-    orig = dt.DTensor
-    try:
-        dt.DTensor = FakeDTensor  # _resolve_dtensor imports the name at call time
-        with pytest.raises(ValueError, match="unevenly"):
-            _resolve_dtensor(FakeDTensor((Shard(0),)), torch.zeros(2, H))
-        with pytest.raises(ValueError, match="placements"):
-            _resolve_dtensor(FakeDTensor((Shard(1),)), torch.zeros(2, H))
-        with pytest.raises(ValueError, match="placements"):
-            _resolve_dtensor(FakeDTensor((Shard(0), Shard(0))), torch.zeros(2, H))
-    finally:
-        dt.DTensor = orig
-    assert not isinstance(torch.zeros(1), FakeDTensor)
-    _ = Replicate
+    # Layouts the op can't take are refused before any collective.
+    for tensor, placement, match in [(torch.zeros(7, H), Shard(0), "unevenly"),
+                                     (torch.zeros(8, H), Shard(1), "placements")]:
+        try:
+            _resolve_dtensor(distribute_tensor(tensor, mesh, [placement]), torch.zeros(2, H))
+        except ValueError as e:
+            assert match in str(e), str(e)
+        else:
+            raise AssertionError(f"no error for placement {placement}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _dist_worker()

@@ -79,6 +79,7 @@ class LCECausalLMOutput(CausalLMOutputWithPast):
 @dataclass(frozen=True)
 class _PatchState:
     original_forward: Any  # what `model.forward` resolved to before apply (bound method)
+    signature: inspect.Signature  # of original_forward, to name the arguments of each call
     previous_instance_forward: Any  # model.__dict__["forward"] before apply, or _MISSING
     patched_forward: Any
     op_options: Dict[str, Any]
@@ -131,6 +132,7 @@ def apply(
     original = model.forward
     state = _PatchState(
         original_forward=original,
+        signature=inspect.signature(original),
         previous_instance_forward=model.__dict__.get("forward", _MISSING),
         patched_forward=forward,
         op_options=dict(op_options),
@@ -197,11 +199,10 @@ def get_lm_head(model: nn.Module) -> nn.Linear:
 
 
 def _config_values(config, name):
-    seen = []
-    for cfg in (config, getattr(config, "get_text_config", lambda: None)()):
-        if cfg is not None and name in getattr(cfg, "__dict__", {}):
-            seen.append(getattr(cfg, name))
-    return seen
+    """Values of `name` on the config and on its text sub-config (multimodal wrappers)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    return [getattr(cfg, name) for cfg in {id(config): config, id(text): text}.values()
+            if cfg is not None and getattr(cfg, name, None) is not None]
 
 
 def check_supported(model: nn.Module, *, allow_unverified: bool = False) -> None:
@@ -239,7 +240,7 @@ def check_supported(model: nn.Module, *, allow_unverified: bool = False) -> None
 def _patched_forward(model, state: _PatchState, args, kwargs):
     return_token_stats = bool(kwargs.pop("return_token_stats", False))
     temperature = kwargs.pop("temperature", None)
-    call = _bind(state.original_forward, args, kwargs)
+    call = _bind(state.signature, args, kwargs)
     if not (return_token_stats or call.get("labels") is not None or call.get("shift_labels") is not None):
         if temperature is not None:
             raise TypeError("areal_lce.hf: temperature= applies to the fused path only (pass labels= or "
@@ -248,9 +249,8 @@ def _patched_forward(model, state: _PatchState, args, kwargs):
     return _fused_forward(model, state, call, temperature)
 
 
-def _bind(fn, args, kwargs) -> Dict[str, Any]:
-    """Name every argument of a call to `fn`; **kwargs entries are flattened in."""
-    sig = inspect.signature(fn)
+def _bind(sig: inspect.Signature, args, kwargs) -> Dict[str, Any]:
+    """Name every argument of a call; **kwargs entries are flattened in."""
     bound = sig.bind(*args, **kwargs)
     out: Dict[str, Any] = {}
     for name, value in bound.arguments.items():
