@@ -85,10 +85,10 @@ def pg_loss(stats, mb):
 
 
 def engine(fused: bool, *, sp: bool, tied: bool, seam: str = "auto", lr: float = 0.0, ckpt: str = "",
-           vocab: int = VOCAB):
+           vocab: int = VOCAB, tp: int = 2):
     model = ModelConfig(preset="tiny", tie_word_embeddings=None if ckpt else tied, hf_checkpoint_dir=ckpt,
                         max_seq_len=64)
-    cfg = EngineConfig(model=model, parallel=ParallelConfig(tensor_parallel=2, sequence_parallel=sp),
+    cfg = EngineConfig(model=model, parallel=ParallelConfig(tensor_parallel=tp, sequence_parallel=sp),
                        optim=OptimConfig(lr=lr, clip_grad=0.0 if lr == 0 else 1.0),
                        use_fused_linear_ce=fused, capture_seam=seam, lce_backend="torch")
     return MegatronEngine(cfg, vocab_size=vocab)
@@ -126,6 +126,28 @@ def train_case(sp: bool) -> dict:
     return {"max_rel_loss": rel, "first": losses[False][0], "last": losses[False][-1]}
 
 
+def dp_case() -> dict:
+    """TP=1 on 2 ranks = data parallel 2: each rank gets its own microbatch; DDP averages the grads,
+    so after a step the finalised grads and parameters agree across ranks, and both routes agree."""
+    rank = torch.distributed.get_rank()
+    res = {}
+    for fused in (True, False):
+        e = engine(fused, sp=False, tied=True, tp=1, lr=1e-3)
+        ids, labels = batch(300 + rank)  # different data per DP rank
+        out = e.train_step([{"input_ids": ids, "labels": labels}], pg_loss)
+        g = torch.cat([t.flatten() for t in e.grads().values()])
+        p = torch.cat([t.detach().flatten() for t in e.parameters_named().values()])
+        both = [torch.zeros_like(g) for _ in range(2)]
+        torch.distributed.all_gather(both, g)
+        pboth = [torch.zeros_like(p) for _ in range(2)]
+        torch.distributed.all_gather(pboth, p)
+        res[fused] = (out, g, float((both[0] - both[1]).abs().max()), float((pboth[0] - pboth[1]).abs().max()))
+    (oa, ga, dga, dpa), (ob, gb, dgb, dpb) = res[True], res[False]
+    return {"dp_grad_mismatch": max(dga, dgb), "dp_param_mismatch": max(dpa, dpb),
+            "route_grad_rel": float((ga - gb).abs().max() / gb.abs().max()),
+            "route_loss_rel": abs(oa["loss"] - ob["loss"]) / abs(ob["loss"]), "tokens": oa["tokens"]}
+
+
 def hf_case(hf_dir: str) -> dict:
     """Engine logprobs at TP=2 (both routes) vs transformers' log_softmax on the same checkpoint."""
     ref = torch.load(os.path.join(hf_dir, "reference.pt"))
@@ -155,6 +177,7 @@ def main() -> None:
         "tp2-sp0-untied-legacy": lambda: route_case(False, False, "output_layer"),
         "tp2-sp1-tied-legacy": lambda: route_case(True, True, "output_layer"),
         "tp2-train-sp1": lambda: train_case(True),
+        "dp2": dp_case,
     }
     if hf_dir:
         cases["tp2-hf-checkpoint"] = lambda: hf_case(hf_dir)

@@ -217,3 +217,10 @@ def test_training_losses_equal_tp2():
     r = worker_results()["tp2-train-sp1"]
     assert "error" not in r, r.get("error")
     assert r["max_rel_loss"] <= 1e-4, r
+
+
+def test_data_parallel_two_ranks():
+    r = worker_results()["dp2"]
+    assert "error" not in r, r.get("error")
+    assert r["dp_grad_mismatch"] == 0.0 and r["dp_param_mismatch"] == 0.0, r
+    assert r["route_grad_rel"] <= GRAD_RTOL and r["route_loss_rel"] <= 1e-6, r

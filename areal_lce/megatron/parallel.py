@@ -50,7 +50,9 @@ def _free_port() -> int:
 
 
 def init_distributed(parallel_cfg: ParallelConfig, seed: int = 1234) -> DistInfo:
-    """Initialise torch.distributed (if needed), Megatron's parallel_state and its RNG tracker."""
+    """Initialise torch.distributed and Megatron's parallel_state (each only if not already set up with
+    these sizes), then (re)seed torch and Megatron's RNG tracker with `seed`, so every engine built
+    right after this call starts from the same parameters for the same seed."""
     global _OWNS_PROCESS_GROUP
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
@@ -75,14 +77,18 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int = 1234) -> DistInfo
                          f"parallel.pipeline_parallel={pp}")
     if parallel_cfg.context_parallel != 1:
         raise ValueError("parallel.context_parallel > 1 is not supported")
-    if mpu.model_parallel_is_initialized():
-        mpu.destroy_model_parallel()
-    mpu.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        context_parallel_size=1,
-        create_gloo_process_groups=not cuda,
-    )
+    same = (mpu.model_parallel_is_initialized()
+            and mpu.get_tensor_model_parallel_world_size() == tp
+            and mpu.get_pipeline_model_parallel_world_size() == pp)
+    if not same:  # idempotent: a second engine (e.g. an RL reference policy) shares the groups
+        if mpu.model_parallel_is_initialized():
+            mpu.destroy_model_parallel()
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            context_parallel_size=1,
+            create_gloo_process_groups=not cuda,
+        )
     # The inference-style tracker keeps per-region seeds without CUDA generator states (CPU-safe).
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not cuda, force_reset_rng=True)
     torch.manual_seed(seed)
