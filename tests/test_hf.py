@@ -189,6 +189,11 @@ def test_temperature_per_call_override():
     assert_close(at_apply.logprobs, expected_from_logits(logits, shift, 2.0)["logprobs"], "T=2")
     assert_close(per_call.logprobs, expected_from_logits(logits, shift, 0.5)["logprobs"], "T=0.5")
     assert not torch.allclose(at_apply.logprobs, per_call.logprobs)
+    # per-sample temperatures [B, 1]
+    with torch.no_grad():
+        per_row = model(input_ids=ids, labels=labels, temperature=torch.tensor([[0.5], [2.0]]))
+    assert_close(per_row.logprobs[0], expected_from_logits(logits, shift, 0.5)["logprobs"][0], "row 0 T=0.5")
+    assert_close(per_row.logprobs[1], expected_from_logits(logits, shift, 2.0)["logprobs"][1], "row 1 T=2")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -350,6 +350,14 @@ def fused_head(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, *, i
     so the head's module hooks (FSDP2 unshard/reshard, gradient reduce-scatter) fire. Returns an
     `LCEOutput` whose fields are shaped like `labels`."""
     lead = labels.shape
+    temperature = op_options.get("temperature")
+    if torch.is_tensor(temperature):  # per sample / per token: flatten along with the labels
+        try:
+            temperature = torch.broadcast_to(temperature.to(labels.device), lead)
+        except RuntimeError as e:
+            raise ValueError(f"areal_lce.hf: temperature of shape {tuple(temperature.shape)} does not broadcast "
+                             f"to the labels' {tuple(lead)}") from e
+        op_options = dict(op_options, temperature=temperature.reshape(-1))
 
     def head_forward(h):
         return _run_op(head.weight, h, labels.reshape(-1), ignore_index, op_options)
