@@ -43,6 +43,7 @@ class Case:
     peaked: bool = False
     labels: str = "random"  # random | edges | outside
     g: str = "both"  # both | lp | ent (which upstream grads are nonzero)
+    shift: float = 0.0  # added to every raw logit (through hidden column 0 = 1, W column 0 = shift)
     ub: Optional[int] = None
     max_programs: Optional[int] = None
     extra: dict = field(default_factory=dict)
@@ -55,6 +56,8 @@ CASES = [
     Case("flat_temp", "flat logits with a scalar temperature", n=9, temp=0.7),
     Case("padding_shard", "shard_valid < V: padding rows must act as -inf, labels on padding give zy=0",
          n=20, v=200, shard_valid=131, peaked=True, labels="edges"),
+    Case("padding_shard_negative", "flat, all-negative logits: a padding column read as 0 instead of -inf "
+         "would win the max and add to s, a", n=9, v=300, shard_valid=201, temp=0.8, shift=-6.0),
     Case("offset_shard", "vocab_start != 0 and labels outside the shard on both sides",
          n=20, v=150, vocab_start=300, labels="outside", peaked=True),
     Case("per_token_temp", "per-token inv_t tensor", n=20, v=300, temp="tensor", peaked=True),
@@ -65,7 +68,7 @@ CASES = [
     Case("g_lp_zero", "logprob gradient off", n=12, v=130, g="ent", peaked=True),
     Case("tiny_ub_grid3", "minimal tiles and a 3-program grid: persistent loops over many tiles",
          n=52, h=20, v=70, shard_valid=67, vocab_start=16, ub=MIN_UB, max_programs=3,
-         peaked=True, labels="edges", temp="tensor"),
+         labels="edges", temp="tensor"),
     Case("empty_shard", "shard_valid = 0: m=-inf, s=a=0, mn=+inf, zero grads", n=5, v=64, shard_valid=0),
 ]
 
@@ -75,6 +78,9 @@ def make_inputs(c: Case, seed: int = 0):
     valid = c.v if c.shard_valid is None else c.shard_valid
     h = torch.randn(c.n, c.h, generator=g)
     w = torch.randn(c.v, c.h, generator=g) * 0.2
+    if c.shift:
+        h[:, 0] = 1.0
+        w[:, 0] = c.shift
     lo, hi = c.vocab_start, c.vocab_start + max(valid, 1)
     y = torch.randint(lo, hi, (c.n,), generator=g)
     if c.labels == "edges":
