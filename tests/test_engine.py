@@ -100,6 +100,9 @@ def test_save_load_roundtrip(tmp_path):
 
 def test_train_step_reports():
     e = _engine(ModelConfig(preset="tiny", max_seq_len=64), lr=1e-3, vocab=W.VOCAB)
+    ref = _engine(ModelConfig(preset="tiny", max_seq_len=64), vocab=W.VOCAB)  # e.g. an RL reference policy
+    for n, p in ref.parameters_named().items():  # same seed -> same initial parameters
+        assert torch.equal(p, e.parameters_named()[n]), n
     ids, labels = W.batch(4)
     out = e.train_step([{"input_ids": ids, "labels": labels}, {"input_ids": ids, "labels": labels}], W.pg_loss)
     assert set(out) >= {"loss", "grad_norm", "lr", "peak_mem_gib", "tokens", "entropy"}
