@@ -7,6 +7,7 @@ same fp32 GEMMs in a different order).
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -298,6 +299,9 @@ def test_passthrough_and_remove_restores_original():
         gen_before = model.generate(ids[:1, :6], max_new_tokens=3, do_sample=False)
         hf.apply(model, backend="torch")
         assert hf.is_patched(model) and "forward" in model.__dict__
+        # signature readers (e.g. the Trainer's column filter) still see the named parameters
+        params = inspect.signature(model.forward).parameters
+        assert {"input_ids", "labels", "position_ids", "return_token_stats", "temperature"} <= set(params)
         plain = model(ids)  # no labels, no flag: the original forward, logits and all
         assert torch.equal(plain.logits, before.logits)
         gen = model.generate(ids[:1, :6], max_new_tokens=3, do_sample=False)  # generation is untouched
@@ -306,6 +310,7 @@ def test_passthrough_and_remove_restores_original():
         hf.remove(model)
         after = model(input_ids=ids, labels=labels)
     assert "forward" not in model.__dict__ and not hf.is_patched(model)
+    assert model.lm_head.__dict__.get("forward") is None
     assert model.forward.__func__ is cls_forward
     assert type(model).forward is cls_forward  # the class was never touched
     assert torch.equal(after.logits, before.logits) and torch.equal(after.loss, before.loss)

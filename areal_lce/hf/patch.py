@@ -25,6 +25,7 @@ dimension's process group (no gather of the weight); anything else raises.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
@@ -130,9 +131,14 @@ def apply(
         return _patched_forward(model, state_holder["state"], args, kwargs)
 
     original = model.forward
+    signature = inspect.signature(original)
+    # Tools that read the forward's signature (e.g. the Trainer's unused-column filter) see the
+    # original parameters plus the two this patch adds.
+    functools.update_wrapper(forward, original)
+    forward.__signature__ = _with_patch_parameters(signature)
     state = _PatchState(
         original_forward=original,
-        signature=inspect.signature(original),
+        signature=signature,
         previous_instance_forward=model.__dict__.get("forward", _MISSING),
         patched_forward=forward,
         op_options=dict(op_options),
@@ -143,6 +149,15 @@ def apply(
     model.__dict__[_STATE_ATTR] = state
     model.forward = forward
     return model
+
+
+def _with_patch_parameters(sig: inspect.Signature) -> inspect.Signature:
+    params = list(sig.parameters.values())
+    at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+             for name, default in (("return_token_stats", False), ("temperature", None))
+             if name not in sig.parameters]
+    return sig.replace(parameters=params[:at] + extra + params[at:])
 
 
 def remove(model: nn.Module) -> nn.Module:
@@ -429,9 +444,13 @@ def _resolve_dtensor(weight, hidden):
         if any(not isinstance(p, Replicate) for p in hidden.placements):
             raise ValueError(f"areal_lce.hf: hidden states are a DTensor with placements {tuple(hidden.placements)};"
                              " only Replicate is supported")
+        if hidden.device_mesh != weight.device_mesh:
+            raise ValueError("areal_lce.hf: hidden states and lm_head.weight are DTensors on different meshes")
         from torch.distributed.tensor import Partial
 
-        # Each rank's d_hidden is then a vocab-shard partial; DTensor sums it where it needs the total.
-        hidden = hidden.to_local(grad_placements=[Partial()] * len(hidden.placements))
+        # Each rank's d_hidden is then a partial over the vocab shards of mesh_dim; DTensor sums it
+        # where it needs the total.
+        hidden = hidden.to_local(grad_placements=[Partial() if i == mesh_dim else Replicate()
+                                                  for i in range(len(placements))])
         tp["reduce_d_hidden"] = False
     return local_w, hidden, tp
