@@ -1,0 +1,206 @@
+"""Training-step benchmark: fused vs materialised LM-head route inside the Megatron engine.
+
+    # SFT step, Qwen2.5-0.5B-shaped, one GPU
+    torchrun --nproc_per_node=1 -m benchmark.bench_train --job sft --preset qwen2.5-0.5b --out DIR
+    # SFT step, Qwen2.5-7B-shaped at TP=2 (sequence parallel on)
+    torchrun --nproc_per_node=2 -m benchmark.bench_train --job sft --preset qwen2.5-7b --tp 2 --sp --out DIR
+    # one GRPO step (rollout, behaviour + reference logprob passes, PPO update), 0.5B-shaped
+    torchrun --nproc_per_node=1 -m benchmark.bench_train --job grpo --preset qwen2.5-0.5b --out DIR
+    # CPU smoke run: --preset tiny --device-check off
+
+For each route (use_fused_linear_ce true / false) it builds the same model from the same seed, runs
+`--steps` optimizer steps on the same random token batches, and reports the median step time of the
+steps after the first (per phase for GRPO), the peak GPU memory of a step, tokens/s and the first
+step's loss, which must agree between the routes (printed as a relative difference). The logits a
+materialised route holds are 4·N·V_shard bytes in fp32 per microbatch (N = micro_batch × seq); the
+target is: fused step not slower, peak memory lower by at least those bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+import torch
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _git_sha() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return os.environ.get("GIT_SHA", "unknown")
+
+
+def _engine(args, fused: bool):
+    from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
+    from areal_lce.megatron.engine import MegatronEngine
+
+    cfg = EngineConfig(
+        model=ModelConfig(preset=args.preset, dtype="auto", max_seq_len=max(args.seq, 64),
+                          vocab_size=args.vocab, num_layers=args.layers),
+        parallel=ParallelConfig(tensor_parallel=args.tp, sequence_parallel=args.sp),
+        optim=OptimConfig(lr=1e-5, clip_grad=1.0), use_fused_linear_ce=fused, seed=1234)
+    return MegatronEngine(cfg)
+
+
+def _batches(args, vocab: int, step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    mbs = []
+    for _ in range(args.micro_batches):
+        ids = torch.randint(0, vocab, (args.micro_batch, args.seq), generator=g)
+        labels = torch.roll(ids, -1, dims=1)
+        labels[:, -1] = -100
+        mbs.append({"input_ids": ids, "labels": labels})
+    return mbs
+
+
+def sft_loss(n_micro: int):
+    def loss_fn(stats, mb):
+        mask = mb["labels"].to(stats.logprobs.device) != -100
+        nll = -(stats.logprobs * mask).sum() / mask.sum().clamp_min(1)
+        return nll / n_micro, {"entropy": float((stats.entropy * mask).sum() / mask.sum().clamp_min(1))}
+    return loss_fn
+
+
+def run_sft(args, fused: bool) -> dict:
+    eng = _engine(args, fused)
+    times, losses, peaks = [], [], []
+    for step in range(args.steps):
+        mbs = _batches(args, eng.vocab_size, step)
+        _sync()
+        t0 = time.perf_counter()
+        out = eng.train_step(mbs, sft_loss(len(mbs)))
+        _sync()
+        times.append(time.perf_counter() - t0)
+        losses.append(out["loss"])
+        peaks.append(out["peak_mem_gib"])
+    tokens = args.micro_batch * args.seq * args.micro_batches
+    med = statistics.median(times[1:] if len(times) > 1 else times)
+    del eng
+    return {"route": "fused" if fused else "materialised", "step_s": med, "step_s_all": times,
+            "tokens_per_s": tokens / med, "peak_mem_gib": max(peaks[1:] or peaks), "loss": losses}
+
+
+def run_grpo(args, fused: bool) -> dict:
+    from areal_lce.train.rl_config import RLConfig
+    from areal_lce.train.rl_losses import group_advantages, rl_loss
+
+    eng = _engine(args, fused)
+    ref = _engine(args, fused)  # frozen reference policy: same init, never stepped
+    rl = RLConfig()
+    phases = {"rollout": [], "behaviour_logprobs": [], "reference_logprobs": [], "update": []}
+    peaks = []
+    g = torch.Generator().manual_seed(7)
+    for step in range(args.steps):
+        prompts = [torch.randint(0, eng.vocab_size, (args.prompt_len,), generator=g).tolist()
+                   for _ in range(args.prompts)]
+        prompts = [p for p in prompts for _ in range(args.group)]
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        _sync(); t0 = time.perf_counter()
+        gen = torch.Generator(device=eng.device).manual_seed(step) if torch.cuda.is_available() else \
+            torch.Generator().manual_seed(step)
+        resp = eng.generate(prompts, args.new_tokens, temperature=1.0, top_p=1.0, eos_id=None, generator=gen)
+        _sync(); t1 = time.perf_counter()
+        seqs = [p + r for p, r in zip(prompts, resp)]
+        s = max(len(x) for x in seqs)
+        ids = torch.zeros(len(seqs), s, dtype=torch.long)
+        labels = torch.full((len(seqs), s), -100, dtype=torch.long)
+        for i, (p, x) in enumerate(zip(prompts, seqs)):
+            ids[i, : len(x)] = torch.tensor(x)
+            labels[i, len(p) - 1: len(x) - 1] = torch.tensor(x[len(p):])
+        old = torch.cat([eng.token_stats(ids[i:i + args.micro_batch], labels[i:i + args.micro_batch]).logprobs
+                         for i in range(0, len(seqs), args.micro_batch)])
+        _sync(); t2 = time.perf_counter()
+        refl = torch.cat([ref.token_stats(ids[i:i + args.micro_batch], labels[i:i + args.micro_batch]).logprobs
+                          for i in range(0, len(seqs), args.micro_batch)])
+        _sync(); t3 = time.perf_counter()
+        rewards = torch.rand(len(seqs), generator=g)
+        adv = group_advantages(rewards, args.group)
+        n_tok = int((labels != -100).sum())
+        mbs = []
+        for i in range(0, len(seqs), args.micro_batch):
+            sl = slice(i, i + args.micro_batch)
+            mbs.append({"input_ids": ids[sl], "labels": labels[sl], "advantages": adv[sl].to(old.device),
+                        "old_logprobs": old[sl], "ref_logprobs": refl[sl], "num_tokens": n_tok,
+                        "num_seqs": len(seqs)})
+        out = eng.train_step(mbs, lambda st, mb: rl_loss(st, mb, rl))
+        _sync(); t4 = time.perf_counter()
+        for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            phases[k].append(v)
+        peaks.append(out["peak_mem_gib"] if not torch.cuda.is_available() else torch.cuda.max_memory_allocated() / 2**30)
+    med = {k: statistics.median(v[1:] if len(v) > 1 else v) for k, v in phases.items()}
+    del eng, ref
+    return {"route": "fused" if fused else "materialised", "phase_s": med, "phase_s_all": phases,
+            "step_s": sum(med.values()), "peak_mem_gib": max(peaks[1:] or peaks)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--job", choices=["sft", "grpo"], default="sft")
+    ap.add_argument("--preset", default="qwen2.5-0.5b")
+    ap.add_argument("--layers", type=int, default=0, help="override the preset's layer count (0: keep)")
+    ap.add_argument("--vocab", type=int, default=0, help="true vocab (0: the preset's)")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--sp", action="store_true")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--routes", default="fused,materialised")
+    ap.add_argument("--out", default="bench_out")
+    args = ap.parse_args()
+    runner = run_sft if args.job == "sft" else run_grpo
+    results = [runner(args, r == "fused") for r in args.routes.split(",")]
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        return
+    meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+            "torch": torch.__version__, "git": _git_sha(), "args": vars(args),
+            "world": int(os.environ.get("WORLD_SIZE", "1"))}
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    n_tok = args.micro_batch * args.seq
+    from areal_lce.megatron.model import padded_vocab_size  # noqa: F401  (documented padding rule)
+    print(f"\n{args.job} {args.preset} tp={args.tp} sp={args.sp} seq={args.seq} micro_batch={args.micro_batch} "
+          f"x{args.micro_batches} on {meta['device']} (git {meta['git']})")
+    for r in results:
+        extra = ("  " + "  ".join(f"{k}={v * 1e3:.0f}ms" for k, v in r["phase_s"].items())) if "phase_s" in r else ""
+        loss = f" loss[0]={r['loss'][0]:.6f}" if "loss" in r else ""
+        print(f"  {r['route']:>13}: step {r['step_s'] * 1e3:8.1f} ms  peak {r['peak_mem_gib']:7.2f} GiB{loss}{extra}")
+    if len(results) == 2:
+        f, m = results
+        meta["fused_over_materialised_time"] = f["step_s"] / m["step_s"]
+        meta["memory_saved_gib"] = m["peak_mem_gib"] - f["peak_mem_gib"]
+        print(f"  fused/materialised step time {meta['fused_over_materialised_time']:.3f} (target <= 1.0); "
+              f"memory saved {meta['memory_saved_gib']:.2f} GiB; fp32 logits of one microbatch "
+              f"(4·N·V/tp) = {4 * n_tok * 151936 / args.tp / 2**30:.2f} GiB for a 151936 vocab")
+        if "loss" in f:
+            rel = abs(f["loss"][0] - m["loss"][0]) / max(abs(m["loss"][0]), 1e-12)
+            meta["first_loss_rel_diff"] = rel
+            print(f"  first-step loss relative difference {rel:.2e}")
+    os.makedirs(args.out, exist_ok=True)
+    name = f"train_{args.job}_{args.preset}_tp{args.tp}.json"
+    with open(os.path.join(args.out, name), "w") as fh:
+        json.dump({"meta": meta, "results": results}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
