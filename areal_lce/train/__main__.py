@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -37,6 +38,13 @@ def parse_args(argv: Sequence[str]):
     return path, argv, wants_help
 
 
+def quiet_known_warnings() -> None:
+    """Hide megatron-core's start-up notices about optional packages absent on this machine."""
+    for pattern in (r".*(Apex|Transformer Engine|absl\.logging).* not installed", r".*is deprecated",
+                    r".*tp_group is None", r".*requires ffn_hidden_size"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def run_job(cfg: JobConfig) -> dict:
     if cfg.job == "sft":
         from .sft import run
@@ -62,6 +70,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    quiet_known_warnings()
     run_job(cfg)
     return 0
 

@@ -75,9 +75,6 @@ def _train(cfg: JobConfig, dist_info, engine_factory) -> dict:
                          f"trainer.micro_batch_size={tr.micro_batch_size} x data-parallel size {dp_size} "
                          f"(world {dist_info.world_size} / (tensor_parallel {dist_info.tp_size} x "
                          f"pipeline_parallel {dist_info.pp_size}))")
-    random.seed(tr.seed)
-    torch.manual_seed(tr.seed)
-
     tok = load_tokenizer(cfg.data.tokenizer)
     model_vocab = cfg.engine.model.vocab_size
     if model_vocab and model_vocab < tok.vocab_size:
@@ -96,18 +93,21 @@ def _train(cfg: JobConfig, dist_info, engine_factory) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_yaml(cfg))
 
-    engine = engine_factory(cfg.engine, tok.vocab_size)
+    # engine.model.vocab_size, when set, keeps a larger model vocabulary than the tokenizer's.
+    engine = engine_factory(cfg.engine, model_vocab or tok.vocab_size)
+    random.seed(tr.seed)  # after the engine, whose set-up seeds torch with engine.seed
+    torch.manual_seed(tr.seed)
     start = 0
     if resume_from is not None:
         state = ckpt.load_checkpoint(engine, resume_from)
         start = int(state["step"])
     metrics = MetricsLog(out / "metrics.jsonl", enabled=is_main, resume_step=start)
-    bar = ProgressBar(tr.steps, initial=start, enabled=tr.progress, is_main=is_main, desc="sft")
     if is_main:
         route = "fused linear op" if cfg.engine.use_fused_linear_ce else "materialised logits"
-        bar.write(f"[sft] {len(dataset)} examples, tokenizer {tok.name} ({tok.vocab_size} ids), "
+        print(f"[sft] {len(dataset)} examples, tokenizer {tok.name} ({tok.vocab_size} ids), "
                   f"world {dist_info.world_size} = TP {dist_info.tp_size} x PP {dist_info.pp_size} x DP {dp_size}, "
-                  f"LM-head route: {route}" + (f", resumed from {resume_from} (step {start})" if resume_from else ""))
+                  f"LM-head route: {route}" + (f", resumed from {resume_from} (step {start})" if resume_from else ""), flush=True)
+    bar = ProgressBar(tr.steps, initial=start, enabled=tr.progress, is_main=is_main, desc="sft")
 
     dp_group = _dp_group(dist_info)
     records, step = [], start
