@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -193,3 +194,28 @@ def test_torchrun_tp2_gloo():
     assert "PASS: " in proc.stdout and "runs within tolerance (tp=2)" in proc.stdout, proc.stdout
     assert "PASS bad-input: all clear errors" in proc.stdout, proc.stdout
     assert "FAIL" not in proc.stdout, proc.stdout
+
+
+def test_bench_tp_summarize(tmp_path, capsys):
+    """The TP scaling summary: ratios against the TP=1 run of the same shape and the printed targets."""
+    sys.path.insert(0, str(ROOT))
+    from benchmark.bench_tp import summarize
+
+    def run(tp, rows):
+        meta = {"device": "fake-gpu"}
+        res = [dict(shape="8x4x16", n=8, h=4, v=16, tp=tp, sp=sp, dtype="bf16", backend="triton", step_ms=ms,
+                    step_p20_ms=ms, step_p80_ms=ms, floor_ms=1.0, comm_total_ms=0.5, comm_in_op_ms=None,
+                    peak_mem_gib=None) for sp, ms in rows]
+        (tmp_path / f"bench_tp_tp{tp}.json").write_text(json.dumps({"meta": meta, "results": res}))
+
+    run(1, [(False, 100.0)])
+    run(2, [(False, 50.0), (True, 60.0)])
+    run(4, [(False, 25.0)])
+    assert summarize(str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    rows = {tuple(line.split()[1:3]): line for line in out.splitlines() if line.startswith("8x4x16")}
+    assert " 0.500 " in rows[("off", "2")] and "ok <=0.55" in rows[("off", "2")]
+    assert " 0.600 " in rows[("on", "2")] and "MISS <=0.55" in rows[("on", "2")]
+    assert " 0.250 " in rows[("off", "4")] and "ok <=0.30" in rows[("off", "4")]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["meets_target"] for r in summary["rows"] if r["tp"] > 1] == [True, True, False]
