@@ -85,10 +85,10 @@ def pg_loss(stats, mb):
 
 
 def engine(fused: bool, *, sp: bool, tied: bool, seam: str = "auto", lr: float = 0.0, ckpt: str = "",
-           vocab: int = VOCAB, tp: int = 2):
+           vocab: int = VOCAB, tp: int = 2, pp: int = 1):
     model = ModelConfig(preset="tiny", tie_word_embeddings=None if ckpt else tied, hf_checkpoint_dir=ckpt,
                         max_seq_len=64)
-    cfg = EngineConfig(model=model, parallel=ParallelConfig(tensor_parallel=tp, sequence_parallel=sp),
+    cfg = EngineConfig(model=model, parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp),
                        optim=OptimConfig(lr=lr, clip_grad=0.0 if lr == 0 else 1.0),
                        use_fused_linear_ce=fused, capture_seam=seam, lce_backend="torch")
     return MegatronEngine(cfg, vocab_size=vocab)
@@ -148,6 +148,29 @@ def dp_case() -> dict:
             "route_loss_rel": abs(oa["loss"] - ob["loss"]) / abs(ob["loss"]), "tokens": oa["tokens"]}
 
 
+def pp_case(hf_dir: str) -> dict:
+    """Pipeline parallel 2 (TP=1): forward statistics vs transformers on the checkpoint; training losses
+    fused vs materialised and vs PP=1 (DP=2 fed the same data on both ranks) on the same weights."""
+    ref = torch.load(os.path.join(hf_dir, "reference.pt"))
+    mask = ref["labels"] != -100
+    steps = [[{"input_ids": i, "labels": l} for i, l in (batch(400 + k), batch(500 + k, b=3, s=12))]
+             for k in range(3)]
+    out, losses, greedy = {}, {}, {}
+    for pp, fused in ((2, True), (2, False), (1, True)):
+        e = engine(fused, sp=False, tied=False, ckpt=hf_dir, vocab=ref["vocab"], tp=1, pp=pp, lr=1e-2)
+        if pp == 2:
+            st = e.token_stats(ref["ids"], ref["labels"])
+            out[f"d_logprobs_pp2_fused{int(fused)}"] = float((st.logprobs - ref["logprobs"])[mask].abs().max())
+            out[f"d_entropy_pp2_fused{int(fused)}"] = float((st.entropy - ref["entropy"])[mask].abs().max())
+        greedy[pp] = e.generate([[1, 2, 3], [4, 5, 6, 7, 8]], 4, temperature=0.0)
+        losses[(pp, fused)] = [e.train_step(mbs, pg_loss)["loss"] for mbs in steps]
+    out["greedy_pp2_differs_from_pp1"] = float(greedy[1] != greedy[2])
+    base = losses[(2, False)]
+    out["rel_loss_pp2_fused_vs_mat"] = max(abs(a - b) / abs(b) for a, b in zip(losses[(2, True)], base))
+    out["rel_loss_pp2_vs_pp1"] = max(abs(a - b) / abs(b) for a, b in zip(losses[(1, True)], base))
+    return out
+
+
 def hf_case(hf_dir: str) -> dict:
     """Engine logprobs at TP=2 (both routes) vs transformers' log_softmax on the same checkpoint."""
     ref = torch.load(os.path.join(hf_dir, "reference.pt"))
@@ -181,6 +204,7 @@ def main() -> None:
     }
     if hf_dir:
         cases["tp2-hf-checkpoint"] = lambda: hf_case(hf_dir)
+        cases["pp2"] = lambda: pp_case(hf_dir)
     results = {}
     for name, fn in cases.items():
         try:

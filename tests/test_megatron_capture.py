@@ -171,7 +171,7 @@ def test_config_refusals():
         ParallelConfig(sequence_parallel=True)
     with pytest.raises(ValueError, match="capture_seam"):
         EngineConfig(capture_seam="logits")
-    with pytest.raises(ValueError, match="pipeline_parallel"):
+    with pytest.raises(ValueError, match="pipeline_parallel"):  # world size 1 cannot hold 2 stages
         MegatronEngine(EngineConfig(parallel=ParallelConfig(pipeline_parallel=2)))
 
 

@@ -58,6 +58,20 @@ class _NullStream:
         return None
 
 
+class _CpuTorch:
+    """`torch` for megatron's schedules module on a CPU-only host: device="cuda" -> "cpu"."""
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name in ("zeros", "ones", "empty", "full", "tensor"):
+            def factory(*args, **kwargs):
+                if str(kwargs.get("device", "")).startswith("cuda"):
+                    kwargs["device"] = "cpu"
+                return attr(*args, **kwargs)
+            return factory
+        return attr
+
+
 def apply_cpu_shims() -> None:
     """Let megatron-core build and seed models on a host without CUDA.
 
@@ -65,6 +79,9 @@ def apply_cpu_shims() -> None:
       the CPU device instead of raising.
     * `torch.cuda.current_stream()` is asked for by DDP's grad sync before it waits on CUDA-graph
       events: answer a stream that has nothing to wait for.
+    * `torch.cuda.synchronize()` (pipeline p2p) is a no-op: CPU collectives complete on wait().
+    * megatron's pipeline schedules module gets a `torch` whose tensor factories map device="cuda"
+      to the CPU (its token counter is allocated with a hard-coded device).
     * `torch.cuda.manual_seed` / RNG state getters are harmless no-ops without CUDA already; the
       RNG tracker is created with `inference_rng_tracker=True` by `parallel.init_distributed`, which
       keeps it off CUDA generator states.
@@ -75,6 +92,13 @@ def apply_cpu_shims() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     # DDP's grad sync asks for the current stream to wait on CUDA-graph events (none exist here).
     torch.cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
+    # Pipeline p2p guards batch_isend_irecv with a device synchronize; CPU ops are synchronous.
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    # The pipeline schedules allocate their token counter with device="cuda": give that module a
+    # torch whose factory functions map "cuda" to the CPU (everything else is the real torch).
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _CpuTorch()
     _SHIMS_APPLIED = True
 
 

@@ -14,7 +14,8 @@ What runs where:
 
 Token statistics come from the fused capture seam (capture.py) when `use_fused_linear_ce`, else from
 GPTModel's vocab-parallel logits through `areal_lce.logprobs_entropy_from_logits`. Pipeline
-parallelism > 1 is refused by the engine (the capture seam itself only runs on the last stage).
+parallelism runs Megatron's 1F1B schedule (the capture seam only runs on the last stage; statistics
+and logits are shared with the other stages by a sum over the pipeline group).
 Packed sequences (THD) are refused: batches are right-padded with labels = -100.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ..materialised import logprobs_entropy_from_logits
 from . import capture
 from .config import EngineConfig
 from .model import build_gpt_model, load_hf_checkpoint, resolve_arch
-from .parallel import init_distributed
+from .parallel import init_distributed, object_from_last_stage
 
 
 class TokenStats(NamedTuple):
@@ -67,9 +68,6 @@ class MegatronEngine:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         self.cfg = cfg
-        if cfg.parallel.pipeline_parallel != 1:
-            raise ValueError(f"parallel.pipeline_parallel={cfg.parallel.pipeline_parallel}: MegatronEngine "
-                             "trains with pipeline_parallel=1 only (the capture seam itself supports PP)")
         self.dist = init_distributed(cfg.parallel, cfg.seed)
         self.device = self.dist.device
         self.dtype = _resolve_dtype(cfg.model.dtype)
@@ -98,6 +96,7 @@ class MegatronEngine:
         self.tp_group = mpu.get_tensor_model_parallel_group()
         self.mp_group = mpu.get_model_parallel_group()
         self.dp_group = mpu.get_data_parallel_group()
+        self.pp_group = mpu.get_pipeline_model_parallel_group()
         self._build_optimizer()
         self.step_count = 0
         self._gen_calls = 0
@@ -164,27 +163,108 @@ class MegatronEngine:
             mask = torch.triu(torch.ones(sp, sp, dtype=torch.bool, device=self.device), diagonal=1)[None, None]
         return ids, lab, pos, mask, s
 
-    def _forward_stats(self, input_ids, labels, temperature: float) -> TokenStats:
-        ids, lab, pos, mask, s = self._prepare(input_ids, labels)
+    def _call_model(self, ids, lab, pos, mask, temperature: float):
+        """One model call: packed stats [b, s, 4] (fused) or vocab-parallel logits (materialised) on the
+        last pipeline stage, hidden states on the others."""
         if self.cfg.use_fused_linear_ce:
             ctx = capture.CaptureContext(labels=lab, temperature=float(temperature), vocab_size=self.vocab_size,
                                          backend=self.cfg.lce_backend, cache_bytes=self.cfg.lce_cache_bytes)
-            packed = capture.run_fused(self.model, self.gpt, self.seam, ctx, ids, pos, mask)
-            lp, ent, mx, mn = capture.unpack(packed)
+            return capture.run_fused(self.model, self.gpt, self.seam, ctx, ids, pos, mask)
+        return self.model(ids, pos, mask)  # [b, s, V_pad / tp] on the last stage
+
+    def _stats_of_output(self, out, lab, temperature: float, b: int, s: int) -> TokenStats:
+        if self.cfg.use_fused_linear_ce:
+            lp, ent, mx, mn = capture.unpack(out)
         else:
-            logits = self.model(ids, pos, mask)  # [b, s, V_pad / tp]
-            out = logprobs_entropy_from_logits(logits, lab, temperature=float(temperature),
-                                               vocab_size=self.vocab_size, tp_group=self.tp_group)
-            lp, ent, mx, mn = out.logprobs, out.entropy, out.max_logit, out.min_logit
-        return TokenStats(lp[:, :s], ent[:, :s], mx[:, :s], mn[:, :s])
+            r = logprobs_entropy_from_logits(out, lab, temperature=float(temperature), vocab_size=self.vocab_size,
+                                             tp_group=self.tp_group)
+            lp, ent, mx, mn = r.logprobs, r.entropy, r.max_logit, r.min_logit
+        return TokenStats(lp[:b, :s], ent[:b, :s], mx[:b, :s], mn[:b, :s])
+
+    def _forward_stats(self, input_ids, labels, temperature: float) -> TokenStats:
+        ids, lab, pos, mask, s = self._prepare(input_ids, labels)
+        out = self._call_model(ids, lab, pos, mask, temperature)
+        return self._stats_of_output(out, lab, temperature, input_ids.shape[0], s)
 
     def token_stats(self, input_ids: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
                     grad: bool = False) -> TokenStats:
-        """Per-token stats of `labels` (next-token targets aligned with input positions; -100 ignored)."""
+        """Per-token stats of `labels` (next-token targets aligned with input positions; -100 ignored).
+        Under pipeline parallelism (grad=False only) every stage receives the last stage's values."""
+        if self.dist.pp_size > 1:
+            if grad:
+                raise ValueError("token_stats(grad=True) needs parallel.pipeline_parallel=1; under pipeline "
+                                 "parallelism gradients flow only through train_step")
+            packed = self._pipeline_forward([(input_ids, labels, float(temperature))])[0]
+            return TokenStats(*packed.unbind(-1))
         if grad:
             return self._forward_stats(input_ids, labels, temperature)
         with torch.no_grad():
             return self._forward_stats(input_ids, labels, temperature)
+
+    # ------------------------------------------------------------------------------ pipeline
+    def _pipeline_shapes(self, batches):
+        b = max(x[0].shape[0] for x in batches)
+        s = max(x[0].shape[1] for x in batches)
+        if self.cfg.parallel.sequence_parallel:
+            s += (-s) % self.dist.tp_size
+        return b, s
+
+    @staticmethod
+    def _pad_to(input_ids, labels, b: int, s: int):
+        """Pad a microbatch to the pipeline's fixed [b, s] (p2p tensors have one shape per step)."""
+        ids = torch.zeros(b, s, dtype=torch.long)
+        lab = torch.full((b, s), -100, dtype=torch.long)
+        ids[: input_ids.shape[0], : input_ids.shape[1]] = input_ids
+        lab[: labels.shape[0], : labels.shape[1]] = labels
+        return ids, lab
+
+    def _run_schedule(self, batches, on_stats, forward_only: bool, logits: bool = False) -> None:
+        """Megatron's pipeline schedule over `batches` = [(input_ids, labels, temperature)];
+        `on_stats(i, TokenStats)` runs on the last stage and returns microbatch i's loss tensor
+        (with `logits`, the model runs its plain output layer and on_stats gets the raw logits)."""
+        from functools import partial
+
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        b, s = self._pipeline_shapes(batches)
+        n = len(batches)
+
+        def loss_func(i, lab, temperature, real_b, real_s, out):
+            if logits:
+                return on_stats(i, out), {}
+            loss = on_stats(i, self._stats_of_output(out, lab, temperature, real_b, real_s))
+            # The schedule divides each microbatch's loss by the microbatch count; the caller has
+            # already normalised it (the engine sums), so undo that division.
+            return loss * n, {}
+
+        def forward_step(data_iterator, model):
+            i, (input_ids, labels, temperature) = next(data_iterator)
+            ids, lab = self._pad_to(input_ids, labels, b, s)
+            ids, lab, pos, mask, _ = self._prepare(ids, lab)
+            out = self.model(ids, pos, mask) if logits else self._call_model(ids, lab, pos, mask, temperature)
+            return out, partial(loss_func, i, lab, temperature, input_ids.shape[0], input_ids.shape[1])
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(list(enumerate(batches))), model=[self.model],
+            num_microbatches=n, seq_length=s, micro_batch_size=b, forward_only=forward_only)
+
+    def _pipeline_forward(self, batches) -> List[torch.Tensor]:
+        """Forward-only pipeline pass; per microbatch packed [b, s, 4] stats on EVERY stage."""
+        store: Dict[int, torch.Tensor] = {}
+
+        def keep(i, stats):
+            store[i] = torch.stack(list(stats), -1).detach()
+            return stats.logprobs.sum() * 0.0
+
+        with torch.no_grad():
+            self._run_schedule(batches, keep, forward_only=True)
+        outs = []
+        for i, (ids, _lab, _t) in enumerate(batches):
+            t = store.get(i, torch.zeros(ids.shape[0], ids.shape[1], 4, device=self.device)).contiguous()
+            comms.all_reduce_sum_(t, self.pp_group)  # SUM over stages: only the last stage holds values
+            outs.append(t)
+        return outs
+
 
     # ------------------------------------------------------------------------------ training
     def train_step(self, microbatches: List[dict], loss_fn: Callable) -> Dict[str, float]:
@@ -197,16 +277,25 @@ class MegatronEngine:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss_sum, tokens, sums = 0.0, 0, {}
-        for mb in microbatches:
-            stats = self.token_stats(mb["input_ids"], mb["labels"], temperature=float(mb.get("temperature", 1.0)),
-                                     grad=True)
+        loss_sum, sums = 0.0, {}
+        tokens = sum(int((mb["labels"] != -100).sum()) for mb in microbatches)
+
+        def account(mb, stats):
+            nonlocal loss_sum
             loss, metrics = loss_fn(stats, mb)
-            loss.backward()
             loss_sum += float(loss.detach())
-            tokens += int((mb["labels"] != -100).sum())
             for k, v in (metrics or {}).items():
                 sums[k] = sums.get(k, 0.0) + float(v)
+            return loss
+
+        if self.dist.pp_size > 1:
+            batches = [(mb["input_ids"], mb["labels"], float(mb.get("temperature", 1.0))) for mb in microbatches]
+            self._run_schedule(batches, lambda i, st: account(microbatches[i], st), forward_only=False)
+        else:
+            for mb in microbatches:
+                stats = self.token_stats(mb["input_ids"], mb["labels"],
+                                         temperature=float(mb.get("temperature", 1.0)), grad=True)
+                account(mb, stats).backward()
         # DP all-reduce of the grad buffers, SP norm grads over TP, tied embeddings across stages.
         finalize_model_grads([self.model])
         lr = lr_at(self.step_count, self.cfg.optim)
@@ -222,10 +311,15 @@ class MegatronEngine:
             self.optimizer.step()
         self.step_count += 1
         # Report the data-parallel mean of the per-rank numbers (every rank prints the same values).
-        keys = sorted(sums)
-        vec = torch.tensor([loss_sum, float(tokens)] + [sums[k] / len(microbatches) for k in keys],
+        keys = object_from_last_stage(sorted(sums))  # under PP only the last stage ran loss_fn
+        vec = torch.tensor([loss_sum, float(tokens)] + [sums.get(k, 0.0) / len(microbatches) for k in keys],
                            dtype=torch.float64)
-        comms.all_reduce_sum_(vec, self.dp_group)  # SUM over data-parallel ranks (gloo-safe on CPU)
+        if self.dist.pp_size > 1:
+            if not self.dist.is_last_stage:
+                vec[0] = 0.0
+                vec[2:] = 0.0
+            comms.all_reduce_sum_(vec, self.pp_group)  # SUM over stages: values live on the last one
+        comms.all_reduce_sum_(vec, self.dp_group)  # SUM over data-parallel ranks
         dp = self.dist.dp_size
         out = {k: float(vec[2 + i]) / dp for i, k in enumerate(keys)}
         out.update(loss=float(vec[0]) / dp, grad_norm=grad_norm, lr=lr, tokens=float(vec[1]),
@@ -249,11 +343,26 @@ class MegatronEngine:
         ids = torch.zeros(len(seqs), s, dtype=torch.long)
         for i, x in enumerate(seqs):
             ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-        ids, _, pos, mask, _ = self._prepare(ids, torch.full_like(ids, -100))
-        logits = self.model(ids, pos, mask)  # [n, s, V_pad / tp]
-        last = logits[torch.arange(len(seqs), device=logits.device), torch.tensor(lengths, device=logits.device) - 1]
-        full = tensor_parallel.gather_from_tensor_model_parallel_region(last.float().contiguous(), group=self.tp_group)
-        return full[:, : self.vocab_size]
+
+        def last_logits(logits):  # [n, s, V_pad / tp] -> full-vocabulary [n, vocab] on every TP rank
+            rows = torch.arange(len(seqs), device=logits.device)
+            last = logits[rows, torch.tensor(lengths, device=logits.device) - 1].float().contiguous()
+            full = tensor_parallel.gather_from_tensor_model_parallel_region(last, group=self.tp_group)
+            return full[:, : self.vocab_size]
+
+        if self.dist.pp_size == 1:
+            ids, _, pos, mask, _ = self._prepare(ids, torch.full_like(ids, -100))
+            return last_logits(self.model(ids, pos, mask))
+        store = {}
+
+        def keep(i, out):
+            store[i] = last_logits(out)
+            return out.float().sum() * 0.0
+
+        self._run_schedule([(ids, torch.full_like(ids, -100), 1.0)], keep, forward_only=True, logits=True)
+        t = store.get(0, torch.zeros(len(seqs), self.vocab_size, device=self.device)).contiguous()
+        comms.all_reduce_sum_(t, self.pp_group)  # SUM over stages: only the last stage holds logits
+        return t
 
     @torch.no_grad()
     def generate(self, prompts: List[List[int]], max_new_tokens: int, *, temperature: float = 1.0,

@@ -174,6 +174,8 @@ def build_transformer_config(arch: ArchSpec, parallel: ParallelConfig, dtype: to
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, cross_entropy_loss_fusion=False,
         attention_softmax_in_fp32=True,
+        # CPU/gloo: plain isend/irecv between pipeline stages (no batched p2p + device sync).
+        batch_p2p_comm=not cpu,
     )
 
 

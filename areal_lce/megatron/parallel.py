@@ -112,3 +112,16 @@ def destroy_distributed() -> None:
     if _OWNS_PROCESS_GROUP and dist.is_initialized():
         dist.destroy_process_group()
         _OWNS_PROCESS_GROUP = False
+
+
+def object_from_last_stage(obj):
+    """The last pipeline stage's `obj` (a small picklable value) on every stage of this pipeline."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    box = [obj]
+    # Broadcast of a tiny pickled object (metric names) from the last stage to the other stages.
+    dist.broadcast_object_list(box, src=mpu.get_pipeline_model_parallel_last_rank(),
+                               group=mpu.get_pipeline_model_parallel_group())
+    return box[0]
