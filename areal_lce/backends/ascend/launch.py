@@ -12,6 +12,7 @@ remaining tiles.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Tuple
 
 import torch
@@ -23,16 +24,28 @@ from . import configs
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _npu_core_count(device: torch.device) -> Optional[int]:
-    """AI-core (cube) count of the NPU running `device`, None when it can't be read."""
+    """AI-core (cube) count of the NPU holding `device`, None off-NPU or when it can't be read."""
     if device.type != "npu":
         return None
+    index = device.index
+    if index is None:
+        index = torch.npu.current_device()  # torch.npu exists whenever an npu device does (torch_npu)
+    return _core_count_of(int(index))
+
+
+@functools.lru_cache(maxsize=None)
+def _core_count_of(index: int) -> Optional[int]:
     try:
         import triton
 
-        props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+        props = triton.runtime.driver.active.utils.get_device_properties(index)
         cores = int(props.get("num_aicore", -1))
-    except Exception:  # driver without the query (non-Ascend Triton, older CANN): no extra cap
+    except Exception:  # a driver without this query (non-Ascend Triton, older CANN): no extra cap
         return None
     return cores if cores > 0 else None
 
@@ -46,7 +59,7 @@ def _aligned_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 class AscendBackend:
-    """Triton-Ascend backend (also runs on CPU under TRITON_INTERPRET=1 and on CUDA Triton).
+    """Triton-Ascend backend (the same kernels run on CPU tensors under TRITON_INTERPRET=1).
 
     ub_bytes      unified-buffer budget per program for the tile calculator (None: env / 192 KiB).
     max_programs  cap on programs per launch (None: env / 65535); work past it is looped over.
@@ -109,7 +122,7 @@ class AscendBackend:
         outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(5)]
         if n > 0:
             t = self.tiles("fwd", hidden, n, params.shard_valid)
-            grid = (self.programs(triton_cdiv(n, t.block_n), dev),)
+            grid = (self.programs(_cdiv(n, t.block_n), dev),)
             self._k.lce_fwd_kernel[grid](
                 hidden, weight, labels, inv_t if inv_t is not None else hidden, *outs,
                 n, h, params.shard_valid, params.vocab_start, scalar,
@@ -139,7 +152,7 @@ class AscendBackend:
             else:
                 d_hidden = torch.empty(n, h, dtype=torch.float32, device=dev)
                 t = self.tiles("bwd_dh", hidden, n, valid)
-                grid = (self.programs(triton_cdiv(n, t.block_n), dev),)
+                grid = (self.programs(_cdiv(n, t.block_n), dev),)
                 self._k.lce_bwd_dh_kernel[grid](
                     hidden, weight, labels, t_arg, *rows, d_hidden,
                     n, h, valid, params.vocab_start, scalar,
@@ -154,7 +167,7 @@ class AscendBackend:
             else:
                 acc = torch.empty(v_shard, h, dtype=torch.float32, device=dev)
                 t = self.tiles("bwd_dw", hidden, n, valid)
-                grid = (self.programs(triton_cdiv(valid, t.block_v), dev),)
+                grid = (self.programs(_cdiv(valid, t.block_v), dev),)
                 self._k.lce_bwd_dw_kernel[grid](
                     hidden, weight, labels, t_arg, *rows, acc,
                     n, h, valid, params.vocab_start, scalar,
@@ -165,7 +178,3 @@ class AscendBackend:
                 acc[valid:].zero_()  # vocabulary padding rows: exactly 0 (the kernel skips them)
                 d_weight = acc.to(weight.dtype)  # the single cast of the fp32 accumulation
         return d_hidden, d_weight
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
