@@ -196,9 +196,9 @@ def test_torchrun_tp2_gloo():
     assert "FAIL" not in proc.stdout, proc.stdout
 
 
-def test_bench_tp_summarize(tmp_path, capsys):
+def test_bench_tp_summarize(tmp_path, capsys, monkeypatch):
     """The TP scaling summary: ratios against the TP=1 run of the same shape and the printed targets."""
-    sys.path.insert(0, str(ROOT))
+    monkeypatch.syspath_prepend(str(ROOT))
     from benchmark.bench_tp import summarize
 
     def run(tp, rows):

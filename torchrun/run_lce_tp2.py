@@ -94,7 +94,7 @@ class CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        g = g.contiguous()
+        g = g.contiguous().clone()  # never reduce autograd's incoming buffer in place
         dist.all_reduce(g, group=ctx.group)  # vocab-partial d_hidden -> total, once
         return g, None
 
