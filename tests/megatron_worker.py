@@ -62,14 +62,17 @@ def make_hf_checkpoint(path: str, family: str = "qwen2", tied: bool = False, voc
                 "entropy": torch.where(mask, ent, 0.0)}, os.path.join(path, "reference.pt"))
 
 
-def launch(out_dir: str, hf_dir: str = "", timeout: int = 400) -> dict:
-    """Run this worker on 2 gloo ranks and return its results (raises with the log on failure)."""
+def launch(out_dir: str, hf_dir: str = "", timeout: int = 400, pythonpath: str = "") -> dict:
+    """Run this worker on 2 gloo ranks and return its results (raises with the log on failure).
+    `pythonpath` is prepended to PYTHONPATH (e.g. a `pip install --target` dir of another megatron-core)."""
     import subprocess
 
     out = os.path.join(out_dir, "worker.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.abspath(__file__), out] + ([hf_dir] if hf_dir else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (pythonpath, env.get("PYTHONPATH", "")) if x)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0 or not os.path.exists(out):
         raise RuntimeError(f"worker failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
@@ -205,7 +208,10 @@ def main() -> None:
     if hf_dir:
         cases["tp2-hf-checkpoint"] = lambda: hf_case(hf_dir)
         cases["pp2"] = lambda: pp_case(hf_dir)
-    results = {}
+    from areal_lce.megatron.capture import resolve_seam
+    from areal_lce.megatron.compat import megatron_version
+
+    results = {"meta": {"megatron_version": list(megatron_version()), "auto_seam": resolve_seam("auto")}}
     for name, fn in cases.items():
         try:
             results[name] = fn()

@@ -204,6 +204,7 @@ TP2_CASES = ["tp2-sp0-untied-auto", "tp2-sp0-tied-auto", "tp2-sp1-untied-auto", 
 
 @pytest.mark.parametrize("case", TP2_CASES)
 def test_fused_matches_materialised_tp2(case):
+    assert worker_results()["meta"]["auto_seam"] == capture.resolve_seam("auto")
     r = worker_results()[case]
     assert "error" not in r, r.get("error")
     for k in ("d_logprobs", "d_entropy", "d_max_logit", "d_min_logit"):
@@ -224,3 +225,21 @@ def test_data_parallel_two_ranks():
     assert "error" not in r, r.get("error")
     assert r["dp_grad_mismatch"] == 0.0 and r["dp_param_mismatch"] == 0.0, r
     assert r["route_grad_rel"] <= GRAD_RTOL and r["route_loss_rel"] <= 1e-6, r
+
+
+LEGACY_DIR = os.environ.get("AREAL_LCE_MEGATRON_LEGACY", "")
+
+
+@pytest.mark.skipif(not LEGACY_DIR, reason="optional: set AREAL_LCE_MEGATRON_LEGACY to a "
+                    "`pip install --no-deps --target DIR megatron-core==0.16.1` directory")
+def test_worker_cases_on_legacy_megatron(tmp_path):
+    """Every 2-rank case on megatron-core 0.16/0.17, where `auto` must pick the output_layer seam."""
+    hf_dir = str(tmp_path / "hf")
+    W.make_hf_checkpoint(hf_dir)
+    r = W.launch(str(tmp_path), hf_dir, pythonpath=LEGACY_DIR)
+    assert tuple(r["meta"]["megatron_version"][:2]) < (0, 18) and r["meta"]["auto_seam"] == "output_layer", r["meta"]
+    for case, v in r.items():
+        assert "error" not in v, f"{case}: {v.get('error')}"
+    for case in TP2_CASES:
+        assert r[case]["d_logprobs"] <= STATS_ATOL and r[case]["d_grad_rel"] <= GRAD_RTOL, (case, r[case])
+    assert r["tp2-train-sp1"]["max_rel_loss"] <= 1e-4 and r["pp2"]["rel_loss_pp2_vs_pp1"] <= 1e-5
