@@ -99,12 +99,12 @@ class Step:
     """One forward+backward of the op on this rank's shard, inputs rotated over a few copies."""
 
     def __init__(self, n, h, v, tp, rank, sp, dtype, backend, device, group, copies=2, seed=0):
-        g = torch.Generator(device="cpu").manual_seed(seed + rank)
+        g = torch.Generator(device=device).manual_seed(seed + rank)  # on device: GiB-sized weights
         n_local = n // tp if sp else n
         v_shard = v // tp
-        self.hiddens = [torch.randn(n_local, h, generator=g).to(device, dtype).requires_grad_()
+        self.hiddens = [torch.randn(n_local, h, generator=g, device=device).to(dtype).requires_grad_()
                         for _ in range(copies)]
-        self.weight = (torch.randn(v_shard, h, generator=g) * 0.02).to(device, dtype).requires_grad_()
+        self.weight = (torch.randn(v_shard, h, generator=g, device=device) * 0.02).to(dtype).requires_grad_()
         # labels and upstream grads are replicated: same seed on every rank
         g0 = torch.Generator(device="cpu").manual_seed(seed)
         self.labels = torch.randint(0, v, (n,), generator=g0).to(device)
@@ -171,12 +171,14 @@ def bench_shape(n, h, v, sp, args, device, group) -> dict:
     if v % tp or (sp and n % tp):
         return {**row, "error": f"V={v} (and N={n} under SP) must be divisible by tp={tp}"}
     step = Step(n, h, v, tp, rank, sp, dtype, args.backend, device, group)
+    step()  # compiles / autotunes kernels outside the memory and time measurements
+    _sync(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         _sync(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-    step()  # also the first warmup: compiles kernels
+    step()
     _sync(device)
     peak = [float("nan"), float("nan")]
     if device.type == "cuda":
