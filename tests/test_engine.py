@@ -107,6 +107,8 @@ def test_train_step_reports():
     out = e.train_step([{"input_ids": ids, "labels": labels}, {"input_ids": ids, "labels": labels}], W.pg_loss)
     assert set(out) >= {"loss", "grad_norm", "lr", "peak_mem_gib", "tokens", "entropy"}
     assert out["tokens"] == 2 * int((labels != -100).sum()) and out["grad_norm"] > 0 and out["peak_mem_gib"] > 0
+    with pytest.raises(ValueError, match="packed sequences"):
+        e.train_step([{"input_ids": ids, "labels": labels, "cu_seqlens": torch.tensor([0, 5])}], W.pg_loss)
     with pytest.raises(ValueError, match="max_seq_len"):
         e.token_stats(torch.zeros(1, 65, dtype=torch.long), torch.zeros(1, 65, dtype=torch.long))
 

@@ -272,6 +272,11 @@ class MegatronEngine:
 
         if not microbatches:
             raise ValueError("train_step needs at least one microbatch")
+        for mb in microbatches:
+            packed = {"cu_seqlens", "packed_seq_params", "cu_seqlens_q", "seq_lens"} & set(mb)
+            if packed:
+                raise ValueError(f"microbatch key(s) {sorted(packed)}: packed sequences (THD) are not supported; "
+                                 "pass right-padded [batch, seq] input_ids with labels = -100 on padding")
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         self.model.train()
