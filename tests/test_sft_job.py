@@ -19,8 +19,8 @@ from areal_lce.train.logging_utils import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "sft_tiny.yaml"
-FIELDS = ("step", "loss", "entropy", "max_logit", "min_logit", "grad_norm", "lr", "tokens", "tokens_per_s",
-          "peak_mem_gib")
+FIELDS = ("step", "loss", "entropy", "max_logit", "min_logit", "grad_norm", "lr", "tokens", "input_tokens",
+          "tokens_per_s", "peak_mem_gib")
 
 
 def _cfg(out, *overrides):

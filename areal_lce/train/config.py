@@ -150,9 +150,6 @@ class JobConfig:
         if self.data.max_seq_len > self.engine.model.max_seq_len:
             raise ConfigError(f"data.max_seq_len={self.data.max_seq_len} exceeds "
                               f"engine.model.max_seq_len={self.engine.model.max_seq_len}")
-        if self.engine.parallel.pipeline_parallel != 1:
-            raise ConfigError(f"engine.parallel.pipeline_parallel={self.engine.parallel.pipeline_parallel}: "
-                              "the train jobs support pipeline_parallel=1 only")
         optim = self.engine.optim
         if self.job == "sft" and optim.total_steps != self.trainer.steps:
             # One optimizer step per SFT step: the lr schedule spans the run (trainer.steps wins).

@@ -151,6 +151,10 @@ class SFTDataset:
         """Training-target tokens in global batch `step` (the SFT loss's normaliser)."""
         return sum(self.examples[i].n_targets for i in self.global_batch_indices(step, global_batch_size))
 
+    def global_batch_input_tokens(self, step: int, global_batch_size: int) -> int:
+        """Non-padding input tokens in global batch `step` (the throughput count)."""
+        return sum(len(self.examples[i].ids) for i in self.global_batch_indices(step, global_batch_size))
+
     def microbatches(self, step: int, global_batch_size: int, micro_batch_size: int,
                      dp_rank: int = 0, dp_size: int = 1, pad_to_multiple_of: Optional[int] = None) -> list[dict]:
         """This data-parallel rank's slice of global batch `step`, split into right-padded micro-batches."""

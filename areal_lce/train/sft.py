@@ -26,26 +26,33 @@ from .losses import SFTLoss
 from .tokenizer import load_tokenizer
 
 
-def _reduce_over_dp(sums: dict, dp_group) -> dict:
-    """Sum nll/entropy/tokens and take max/min of the logit extremes over the data-parallel ranks."""
+def _reduce_metrics(sums: dict, groups) -> dict:
+    """Global batch sums (nll, entropy, tokens) and extremes (max/min logit) from every rank's share.
+
+    `groups`: the pipeline group (only the last stage ran the loss; the others hold zeros and
+    -inf/+inf) and the data-parallel group (each rank holds a slice of the batch). TP ranks hold
+    identical values and are not reduced over.
+    """
     from areal_lce import comms
 
-    if comms.group_size(dp_group) == 1:
-        return dict(sums)
     t = torch.tensor([sums["nll"], sums["entropy"], float(sums["tokens"])], dtype=torch.float64)
-    comms.all_reduce_sum_(t, dp_group)  # per-rank partial sums -> global batch sums (metrics only)
     ext = torch.tensor([sums["max_logit"], -sums["min_logit"]], dtype=torch.float64)
-    comms.all_reduce_max_(ext, dp_group)  # per-rank extremes -> global extremes (metrics only)
-    return {"nll": float(t[0]), "entropy": float(t[1]), "tokens": int(t[2]),
+    for g in groups:
+        comms.all_reduce_sum_(t, g)  # partial sums of stages / DP slices -> global batch sums (metrics only)
+        comms.all_reduce_max_(ext, g)  # per-rank extremes -> global extremes (metrics only)
+    return {"nll": float(t[0]), "entropy": float(t[1]), "tokens": int(round(float(t[2]))),
             "max_logit": float(ext[0]), "min_logit": -float(ext[1])}
 
 
-def _dp_group(dist_info):
-    if dist_info.dp_size == 1:
-        return None
+def _metric_groups(dist_info) -> list:
     from megatron.core import parallel_state as mpu
 
-    return mpu.get_data_parallel_group()
+    groups = []
+    if dist_info.pp_size > 1:
+        groups.append(mpu.get_pipeline_model_parallel_group())
+    if dist_info.dp_size > 1:
+        groups.append(mpu.get_data_parallel_group())
+    return groups
 
 
 def _default_engine(engine_cfg, vocab_size: int):
@@ -109,17 +116,18 @@ def _train(cfg: JobConfig, dist_info, engine_factory) -> dict:
                   f"LM-head route: {route}" + (f", resumed from {resume_from} (step {start})" if resume_from else ""), flush=True)
     bar = ProgressBar(tr.steps, initial=start, enabled=tr.progress, is_main=is_main, desc="sft")
 
-    dp_group = _dp_group(dist_info)
+    groups = _metric_groups(dist_info)
     records, step = [], start
     for step in range(start + 1, tr.steps + 1):
         data_step = step - 1  # global batches are numbered from 0
         mbs = dataset.microbatches(data_step, tr.global_batch_size, tr.micro_batch_size, dp_rank, dp_size, pad_mult)
         global_tokens = dataset.global_batch_targets(data_step, tr.global_batch_size)
+        input_tokens = dataset.global_batch_input_tokens(data_step, tr.global_batch_size)
         loss_fn = SFTLoss(global_tokens / dp_size)
         t0 = time.perf_counter()
         result = engine.train_step(mbs, loss_fn)
         dt = time.perf_counter() - t0
-        s = _reduce_over_dp(loss_fn.sums(), dp_group)
+        s = _reduce_metrics(loss_fn.sums(), groups)
         n = max(s["tokens"], 1)
         rec = {
             "step": step,
@@ -129,8 +137,9 @@ def _train(cfg: JobConfig, dist_info, engine_factory) -> dict:
             "min_logit": s["min_logit"],
             "grad_norm": float(result.get("grad_norm", float("nan"))),
             "lr": float(result.get("lr", float("nan"))),
-            "tokens": s["tokens"],
-            "tokens_per_s": s["tokens"] / dt if dt > 0 else 0.0,
+            "tokens": s["tokens"],  # loss (target) tokens of the global batch
+            "input_tokens": input_tokens,  # non-padding input tokens of the global batch
+            "tokens_per_s": input_tokens / dt if dt > 0 else 0.0,
             "step_time_s": dt,
             "peak_mem_gib": float(result.get("peak_mem_gib", float("nan"))),
         }
