@@ -17,6 +17,15 @@ import torch
 import torch.distributed as dist
 
 
+
+def _flat_collective(new: str, old: str):
+    """torch >= 2.13 names the flat-tensor collectives *_single (the old names warn); same semantics.
+    Looked up at call time so a patched torch.distributed (tests' fake groups) is honoured."""
+    return getattr(dist, new, None) or getattr(dist, old)
+
+_CHECKED = set()  # (group, value, what) already found equal: the check runs once per group and size
+
+
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -46,7 +55,7 @@ def all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
         return t
     t = t.contiguous()
     out = torch.empty((world * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.all_gather_into_tensor(out, t, group=group)
+    _flat_collective("all_gather_single", "all_gather_into_tensor")(out, t, group=group)
     return out
 
 
@@ -57,13 +66,13 @@ def reduce_scatter_rows(t: torch.Tensor, group) -> torch.Tensor:
         return t
     t = t.contiguous()
     out = torch.empty((t.shape[0] // world,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.reduce_scatter_tensor(out, t, op=dist.ReduceOp.SUM, group=group)
+    _flat_collective("reduce_scatter_single", "reduce_scatter_tensor")(out, t, op=dist.ReduceOp.SUM, group=group)
     return out
 
 
 def check_same_across_group(value: int, group, what: str) -> None:
     """Raise on every rank if an integer (e.g. the vocab shard size) differs across the group."""
-    if group_size(group) == 1:
+    if group_size(group) == 1 or (id(group), value, what) in _CHECKED:
         return
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     t = torch.tensor([value, -value], dtype=torch.int64, device=device)
@@ -71,6 +80,7 @@ def check_same_across_group(value: int, group, what: str) -> None:
     if int(t[0]) != value or -int(t[1]) != value:
         raise ValueError(f"{what} differs across the tensor-parallel group (this rank: {value}, "
                          f"max {int(t[0])}, min {-int(t[1])}); Megatron shards must be equal")
+    _CHECKED.add((id(group), value, what))
 
 
 class AllReduceSumReplicatedGrad(torch.autograd.Function):
@@ -91,3 +101,26 @@ class AllReduceSumReplicatedGrad(torch.autograd.Function):
 
 def all_reduce_sum_replicated_grad(t: torch.Tensor, group: Optional[object]) -> torch.Tensor:
     return t if group_size(group) == 1 else AllReduceSumReplicatedGrad.apply(t, group)
+
+
+class AllReduceSumPartialGrad(torch.autograd.Function):
+    """forward: SUM of vocab-shard partials over the group; backward: SUM of the gradient over the group.
+
+    For a sum that every rank then feeds into its own shard-local terms (the exp-sum behind lse, which
+    each rank's log-probs of its vocab columns use): each rank's gradient holds only its shard's part,
+    so the parts are summed.
+    """
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return all_reduce_sum_(t.clone(), group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        # SUM: per-shard partial gradients of the replicated sum -> its full gradient on every rank
+        return all_reduce_sum_(g.contiguous().clone(), ctx.group), None
+
+
+def all_reduce_sum_partial_grad(t: torch.Tensor, group: Optional[object]) -> torch.Tensor:
+    return t if group_size(group) == 1 else AllReduceSumPartialGrad.apply(t, group)

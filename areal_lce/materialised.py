@@ -49,7 +49,8 @@ def logprobs_entropy_from_logits(
         comms.all_reduce_max_(mm, tp_group)
         big_m, mn = mm[0], -mm[1]
     e = torch.exp(z - big_m[..., None])
-    s = comms.all_reduce_sum_replicated_grad(e.sum(-1), tp_group)  # SUM: full-vocab exp-sum
+    # SUM: full-vocab exp-sum; its gradient is summed too (every rank's own log-probs use lse)
+    s = comms.all_reduce_sum_partial_grad(e.sum(-1), tp_group)
     lse = big_m + torch.log(s)
     logp = z - lse[..., None]
     p = torch.exp(logp)
