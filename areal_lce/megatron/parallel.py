@@ -90,8 +90,12 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int = 1234) -> DistInfo
             create_gloo_process_groups=not cuda,
         )
     # The inference-style tracker keeps per-region seeds without CUDA generator states (CPU-safe).
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not cuda, force_reset_rng=True)
-    torch.manual_seed(seed)
+    # Pipeline stages get distinct seeds (as Megatron-LM does), so their layers are not initialised
+    # alike; data-parallel replicas share the seed and therefore the initial parameters.
+    stage_seed = seed + 100 * mpu.get_pipeline_model_parallel_rank()
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed, inference_rng_tracker=not cuda,
+                                                    force_reset_rng=True)
+    torch.manual_seed(stage_seed)
     return DistInfo(
         rank=dist.get_rank(), world_size=world, local_rank=local_rank,
         tp_rank=mpu.get_tensor_model_parallel_rank(), tp_size=tp,
