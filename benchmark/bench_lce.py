@@ -327,9 +327,10 @@ def sweep(shapes, args):
     from areal_lce.backends.triton import configs
     from areal_lce.backends.triton.configs import TileConfig as T
 
-    cands = [
-        T(128, 128, 64, 16, 8, 4), T(128, 256, 64, 16, 8, 3), T(256, 128, 64, 16, 8, 3),
-        T(128, 64, 64, 16, 4, 4), T(128, 128, 128, 16, 8, 3), T(64, 256, 64, 16, 4, 4),
+    cands = [  # (tile, TMA loads)
+        (T(128, 256, 64, 16, 8, 3), True), (T(128, 256, 64, 16, 8, 3), False), (T(128, 128, 64, 16, 8, 4), True),
+        (T(256, 128, 64, 16, 8, 3), True), (T(128, 128, 64, 16, 8, 3, 128), True), (T(128, 256, 64, 8, 8, 4), True),
+        (T(128, 256, 128, 16, 8, 2), True),
     ]
     rows = []
     for name, (N, H, V) in shapes:
@@ -346,9 +347,10 @@ def sweep(shapes, args):
         st = be.forward(h, W, y, None, p, False)
         lse, ent = st.m + st.s.log(), st.s.log() - st.a / st.s
         gg = -torch.ones(N, device=h.device)
-        for c in cands:
+        for c, tma in cands:
             for kind in ("fwd", "bwd"):
                 configs.override(**{kind: c})
+                configs.USE_TMA = tma
                 orig = launch._Gemms.d_weight, launch._Gemms.d_hidden
                 try:
                     if kind == "fwd":
@@ -358,12 +360,15 @@ def sweep(shapes, args):
                         launch._Gemms.d_hidden = lambda self, dl, w, dh, first: None
                         ms = bench(lambda: be.backward(h, W, y, None, p, None, lse, ent, gg, gg, True, True),
                                    rep=200)["ms"]
-                    rows.append({"shape": name, "kind": kind, "tile": str(c), "ms": ms, "x_gemm": ms / fl["fwd_gemm"]})
+                    rows.append({"shape": name, "kind": kind, "tile": str(c), "tma": tma, "ms": ms,
+                                 "x_gemm": ms / fl["fwd_gemm"]})
                 except Exception as e:  # noqa: BLE001
-                    rows.append({"shape": name, "kind": kind, "tile": str(c), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                    rows.append({"shape": name, "kind": kind, "tile": str(c), "tma": tma,
+                                 "error": f"{type(e).__name__}: {str(e)[:200]}"})
                 finally:
                     launch._Gemms.d_weight, launch._Gemms.d_hidden = orig
                     configs.override()
+                    configs.USE_TMA = True
                 log(json.dumps(rows[-1]))
         clean()
     return rows

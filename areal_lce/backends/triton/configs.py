@@ -18,6 +18,7 @@ class TileConfig:
     group_n: int = 8  # token blocks that walk the same vocab tiles together (L2 reuse of W)
     num_warps: int = 8
     num_stages: int = 3
+    maxnreg: int = 0  # >0: cap registers per thread (e.g. 128 lets two 8-warp programs share an SM)
 
 
 # Hopper (sm_90) bf16/fp16 defaults. Forward keeps five running statistics per row next to the
@@ -38,6 +39,9 @@ MERGE_BLOCK_N = 128
 # Backward d_logits workspace [N, V_chunk] budget (bytes). 256 MiB keeps the extra memory of a
 # zero-cache step at N=32768, H=2048 near 0.5 GiB together with the fp32 d_hidden accumulator.
 WORKSPACE_BYTES = int(os.environ.get("AREAL_LCE_TRITON_WORKSPACE_MB", "256")) * (1 << 20)
+
+# Load GEMM operands with TMA tensor descriptors where the layout allows (else pointer loads).
+USE_TMA = os.environ.get("AREAL_LCE_TRITON_TMA", "1") == "1"
 
 _OVERRIDES: dict = {}
 

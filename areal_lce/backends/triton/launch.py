@@ -35,6 +35,11 @@ from ..base import ShardStats, scalar_inv_t
 from . import configs
 from .kernels import lce_bwd_kernel, lce_fwd_kernel, lce_fwd_merge_kernel
 
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: pointer loads only
+    TensorDescriptor = None
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -127,6 +132,25 @@ class _NullCtx:
         return False
 
 
+def _descriptors(hidden, weight_valid, cfg):
+    """TMA descriptors of hidden [N, H] and the shard's valid weight rows, or (None, None) when the
+    layout does not allow them (TMA needs 16-byte aligned bases and row strides) or they are off."""
+    if not configs.USE_TMA or TensorDescriptor is None:
+        return None, None
+    for t in (hidden, weight_valid):
+        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 or t.stride(1) != 1:
+            return None, None
+    return (TensorDescriptor.from_tensor(hidden, [cfg.block_n, cfg.block_k]),
+            TensorDescriptor.from_tensor(weight_valid, [cfg.block_v, cfg.block_k]))
+
+
+def _launch_opts(cfg) -> dict:
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.maxnreg and not INTERPRET:
+        opts["maxnreg"] = cfg.maxnreg
+    return opts
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs must give IEEE fp32 logits (TF32 would cost ~1e-3 relative); the interpreter computes
     # exact fp32 dots for any precision name.
@@ -159,14 +183,15 @@ class TritonBackend:
         cache = _alloc((N, valid), torch.float32, dev) if use_cache else None
         out = _alloc((5, N), torch.float32, dev)
         grid = (triton.cdiv(N, cfg.block_n) * n_splits,)
+        d_h, d_w = _descriptors(hidden, weight[:valid], cfg)
         with _device_ctx(dev):
             lce_fwd_kernel[grid](
-                hidden, weight, y, it if it is not None else part, part, cache if use_cache else part,
+                hidden, weight, d_h, d_w, y, it if it is not None else part, part, cache if use_cache else part,
                 N, H, valid, split_v, n_splits, n_splits * N, scale,
                 HAS_INV_T=it is not None, HAS_CACHE=use_cache, EVEN_K=H % cfg.block_k == 0,
-                UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype),
+                UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
                 BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **_launch_opts(cfg),
             )
             lce_fwd_merge_kernel[(triton.cdiv(N, configs.MERGE_BLOCK_N),)](
                 part, out, N, n_splits, n_splits * N, BLOCK_N=configs.MERGE_BLOCK_N, num_warps=4,
@@ -209,19 +234,20 @@ class TritonBackend:
         chunk = _chunk_width(N, valid, esize)
         ws = _alloc((N * chunk,), ws_dtype, dev)
         gemm = _Gemms(hidden, weight, ws_dtype)
+        d_h, d_w = _descriptors(hidden, weight[:valid], cfg) if cache is None else (None, None)
         with _device_ctx(dev):
             for c0 in range(0, valid, chunk):
                 width = min(chunk, valid - c0)
                 dl = ws[: N * width].view(N, width)
                 grid = (triton.cdiv(N, cfg.block_n) * triton.cdiv(width, cfg.block_v),)
                 lce_bwd_kernel[grid](
-                    hidden, weight, y, it if it is not None else vecs[0], *vecs,
+                    hidden, weight, d_h, d_w, y, it if it is not None else vecs[0], *vecs,
                     cache if cache is not None else vecs[0], dl,
                     N, H, valid, c0, width, width, scale,
                     HAS_INV_T=it is not None, USE_CACHE=cache is not None, EVEN_K=H % cfg.block_k == 0,
-                    UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype),
+                    UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
                     BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                    **_launch_opts(cfg),
                 )
                 if dw is not None:
                     gemm.d_weight(dl, dw[c0:c0 + width])
