@@ -168,6 +168,18 @@ def pp_case(hf_dir: str) -> dict:
         greedy[pp] = e.generate([[1, 2, 3], [4, 5, 6, 7, 8]], 4, temperature=0.0)
         losses[(pp, fused)] = [e.train_step(mbs, pg_loss)["loss"] for mbs in steps]
     out["greedy_pp2_differs_from_pp1"] = float(greedy[1] != greedy[2])
+    # Tied embeddings across stages: the last stage's LM-head copy must stay equal to the first
+    # stage's embedding (Megatron all-reduces their grads) with the fused op producing the head grad.
+    tied = {}
+    for fused in (True, False):
+        e = engine(fused, sp=False, tied=True, tp=1, pp=2, lr=1e-2)
+        tied[fused] = [e.train_step(mbs, pg_loss)["loss"] for mbs in steps]
+        w = dict(e.parameters_named())
+        mine = (w.get("embedding.word_embeddings.weight") if e.dist.pp_rank == 0 else w["output_layer.weight"])
+        both = [torch.zeros_like(mine) for _ in range(2)]
+        torch.distributed.all_gather(both, mine.detach().contiguous())
+        out[f"tied_copy_mismatch_fused{int(fused)}"] = float((both[0] - both[1]).abs().max())
+    out["rel_loss_pp2_tied_fused_vs_mat"] = max(abs(a - b) / abs(b) for a, b in zip(tied[True], tied[False]))
     base = losses[(2, False)]
     out["rel_loss_pp2_fused_vs_mat"] = max(abs(a - b) / abs(b) for a, b in zip(losses[(2, True)], base))
     out["rel_loss_pp2_vs_pp1"] = max(abs(a - b) / abs(b) for a, b in zip(losses[(1, True)], base))

@@ -147,3 +147,5 @@ def test_pipeline_parallel_two_stages():
         assert r[k] <= HF_ATOL, f"{k} = {r[k]:.3e}"
     assert r["rel_loss_pp2_fused_vs_mat"] <= 1e-5 and r["rel_loss_pp2_vs_pp1"] <= 1e-5, r
     assert r["greedy_pp2_differs_from_pp1"] == 0.0
+    assert r["tied_copy_mismatch_fused1"] == 0.0 and r["tied_copy_mismatch_fused0"] == 0.0, r
+    assert r["rel_loss_pp2_tied_fused_vs_mat"] <= 1e-5, r

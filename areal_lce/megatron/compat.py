@@ -9,6 +9,7 @@ is available.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Tuple
@@ -104,3 +105,21 @@ def apply_cpu_shims() -> None:
 
 def on_cpu() -> bool:
     return not torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def tensor_cuda_is_identity():
+    """While building a model on a CPU-only host, `Tensor.cuda()` returns the tensor itself.
+
+    GPTModel moves the last pipeline stage's copy of tied embeddings to CUDA before all-reducing it
+    with the first stage's; on CPU the copy stays where it is. Restored on exit; no-op with CUDA.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]

@@ -123,13 +123,15 @@ class MegatronEngine:
                 lr=o.lr, betas=tuple(o.betas), eps=o.eps)
 
     def _grad_norm_and_clip(self) -> float:
-        """Global L2 norm of main_grad (TP duplicates once, summed over model-parallel ranks); clip."""
+        """Global L2 norm of main_grad (TP duplicates and the last stage's copy of tied embeddings
+        counted once, summed over model-parallel ranks); clip."""
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
 
         params = [p for p in self.model.parameters() if p.requires_grad]
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for p in params:
-            if param_is_not_tensor_parallel_duplicate(p):
+            if param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p):
                 sq += p.main_grad.float().pow(2).sum()
         comms.all_reduce_sum_(sq, self.mp_group)  # SUM of squared norms over TP x PP shards
         norm = float(sq.sqrt())

@@ -24,6 +24,7 @@ from typing import Dict, Optional
 import torch
 import torch.nn.functional as F
 
+from .compat import tensor_cuda_is_identity
 from .config import ModelConfig, ParallelConfig
 
 TINY_VOCAB = 512
@@ -207,13 +208,14 @@ def build_gpt_model(arch: ArchSpec, model_cfg: ModelConfig, parallel: ParallelCo
             layer_specs=[layer_spec] * get_num_layers_to_build(config), layer_norm=norm
         )
     vocab = padded_vocab_size(arch.vocab_size, model_cfg.make_vocab_size_divisible_by, parallel.tensor_parallel)
-    model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec, vocab_size=vocab,
-        max_sequence_length=max(model_cfg.max_seq_len, 1),
-        pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
-        parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope", rotary_base=arch.rope_theta,
-    )
+    with tensor_cuda_is_identity():  # tied embeddings under PP: megatron moves the copy to CUDA
+        model = GPTModel(
+            config=config, transformer_layer_spec=layer_spec, vocab_size=vocab,
+            max_sequence_length=max(model_cfg.max_seq_len, 1),
+            pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
+            parallel_output=True, share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="rope", rotary_base=arch.rope_theta,
+        )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
