@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=N -m areal_lce.train CONFIG.yaml [key=value ...]
     python -m areal_lce.train                      # the embedded default: configs/sft_tiny.yaml
     python -m areal_lce.train --help               # every option with its help string
+    python -m areal_lce.train help-markdown        # the same as Markdown tables (docs/training.md)
 
 `job:` in the config picks the loop: sft -> areal_lce.train.sft, grpo | ppo -> areal_lce.train.rl.
 """
@@ -13,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .config import ConfigError, JobConfig, format_help, load_config
+from .config import ConfigError, JobConfig, format_help, format_markdown, load_config
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "sft_tiny.yaml"
 USAGE = """usage: torchrun --nproc_per_node=N -m areal_lce.train [CONFIG.yaml] [key=value ...]
@@ -55,6 +56,9 @@ def run_job(cfg: JobConfig) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if list(argv) == ["help-markdown"]:  # the options reference of docs/training.md
+        print(format_markdown(JobConfig), end="")
+        return 0
     try:
         path, overrides, wants_help = parse_args(argv)
         if wants_help:

@@ -441,3 +441,19 @@ def format_help(cls=None) -> str:
         if text:
             lines.append(f"      {text}")
     return "\n".join(lines)
+
+
+def format_markdown(cls=None) -> str:
+    """Markdown tables of every option (one per top-level section), from the help strings."""
+    cls = JobConfig if cls is None else cls
+    out, section = [], None
+    for name, tp, default, text in iter_fields(cls):
+        top = name.split(".")[0] if "." in name else ""
+        if top != section:
+            section = top
+            out += ["", f"### `{top}`" if top else "### top level", "",
+                    "| option | type | default | meaning |", "|---|---|---|---|"]
+        shown = "required" if default is dataclasses.MISSING else repr(default)
+        cell = text.replace("|", "\\|")
+        out.append(f"| `{name}` | {_type_name(tp)} | `{shown}` | {cell} |")
+    return "\n".join(out).strip() + "\n"
