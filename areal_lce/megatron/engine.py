@@ -314,7 +314,9 @@ class MegatronEngine:
             grad_norm = self._grad_norm_and_clip()
             for p in self.model.parameters():
                 if p.requires_grad:
-                    p.grad = p.main_grad
+                    # fp32 on CPU: a view of the grad buffer. (bf16 on CPU has no fp32 master weights;
+                    # it exists to exercise the Float16Module path, not to train.)
+                    p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
             self.optimizer.step()
         self.step_count += 1
         # Report the data-parallel mean of the per-rank numbers (every rank prints the same values).
