@@ -214,6 +214,14 @@ def test_fused_matches_materialised_tp2(case):
     assert r["sp_active"] == float("-sp1-" in case), "sequence parallelism not in the expected state"
 
 
+def test_fused_matches_materialised_tp2_bf16():
+    r = worker_results()["tp2-sp1-tied-bf16"]
+    assert "error" not in r, r.get("error")
+    for k in ("d_logprobs", "d_entropy", "d_max_logit", "d_min_logit"):
+        assert r[k] <= 1e-2, f"bf16 {k} = {r[k]:.3e}"
+    assert r["d_grad_rel"] <= 5e-2 and r["sp_active"] == 1.0 and r["head_grad_nonzero"] > 0, r
+
+
 def test_training_losses_equal_tp2():
     r = worker_results()["tp2-train-sp1"]
     assert "error" not in r, r.get("error")
