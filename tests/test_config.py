@@ -217,3 +217,23 @@ def test_byte_tokenizer_round_trips():
     assert tok.decode(tok.encode(text)) == text
     assert tok.decode([tok.BOS] + tok.encode("a") + [tok.EOS]) == "a"
     assert max(tok.encode(text)) < tok.vocab_size == 259
+
+
+def test_hf_tokenizer_directory(tmp_path):
+    # A local Hugging Face tokenizer directory (built offline) goes through AutoTokenizer.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from areal_lce.train.tokenizer import load_tokenizer
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "hello": 4, "world": 5, "!": 6}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(tmp_path)
+    tok = load_tokenizer(str(tmp_path))
+    assert (tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id) == (7, 0, 1, 2)
+    ex = tokenize_example({"prompt": "hello", "response": "world !"}, DataConfig(), tok)
+    assert list(ex.ids) == [1, 4, 5, 6, 2] and ex.loss_start == 2
+    with pytest.raises(FileNotFoundError, match="data.tokenizer"):
+        load_tokenizer(str(tmp_path / "missing"))
