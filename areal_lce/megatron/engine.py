@@ -112,7 +112,8 @@ class MegatronEngine:
                                    adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps,
                                    clip_grad=o.clip_grad, bf16=self.dtype == torch.bfloat16,
                                    params_dtype=self.dtype, use_distributed_optimizer=False)
-            self.optimizer = get_megatron_optimizer(ocfg, [self.model])
+            # Non-distributed optimizer: no Gloo groups needed (init_distributed creates none on GPU).
+            self.optimizer = get_megatron_optimizer(ocfg, [self.model], use_gloo_process_groups=False)
         else:
             decay, no_decay = [], []
             for p in self.model.parameters():
