@@ -374,6 +374,36 @@ def sweep(shapes, args):
     return rows
 
 
+def chunk_gemms(shapes, widths, args):
+    """cuBLAS time of the backward's two GEMMs summed over the vocabulary, per chunk width: d_weight
+    rows = dlᵀ·h (bf16 out) and d_hidden += dl·W_chunk (fp32 accumulator, out_dtype GEMMs)."""
+    rows = []
+    for name, (N, H, V) in shapes:
+        h = torch.randn(N, H, device="cuda").to(torch.bfloat16)
+        W = torch.randn(V, H, device="cuda").to(torch.bfloat16)
+        dW = torch.empty_like(W)
+        dh = torch.empty(N, H, device="cuda")
+        for wdt in widths:
+            dl = torch.randn(N * wdt, device="cuda").to(torch.bfloat16)
+
+            def run():
+                for c0 in range(0, V, wdt):
+                    w = min(wdt, V - c0)
+                    d = dl[: N * w].view(N, w)
+                    torch.mm(d.t(), h, out=dW[c0:c0 + w])
+                    if c0 == 0:
+                        torch.mm(d, W[c0:c0 + w], out_dtype=torch.float32, out=dh)
+                    else:
+                        torch.addmm(dh, d, W[c0:c0 + w], out_dtype=torch.float32, out=dh)
+
+            ms = bench(run, rep=args.rep)["ms"]
+            rows.append({"shape": name, "width": wdt, "chunks": -(-V // wdt), "ms": ms})
+            log(json.dumps(rows[-1]))
+            del dl
+        clean()
+    return rows
+
+
 # -------------------------------------------------------------------------------------------- main
 def meta():
     m = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -492,6 +522,7 @@ def main():
     ap.add_argument("--rep", type=int, default=400, help="do_bench rep (ms) per measurement")
     ap.add_argument("--peers-script", default=os.environ.get("PEERS_SCRIPT", "/work/shared/peers/bench_peers.py"))
     ap.add_argument("--sweep", action="store_true", help="tile sweep of the Triton kernels instead")
+    ap.add_argument("--chunks", default="", help="comma list of backward chunk widths: time the GEMMs only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_lce: needs a CUDA device")
@@ -499,6 +530,12 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     m = meta()
     shapes = parse_shapes(args.shapes)
+    if args.chunks:
+        rows = chunk_gemms(shapes, [int(x) for x in args.chunks.split(",")], args)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "chunks.json"), "w") as f:
+            json.dump({"meta": m, "rows": rows}, f, indent=1)
+        return 0
     if args.sweep:
         rows = sweep(shapes, args)
         os.makedirs(args.out, exist_ok=True)

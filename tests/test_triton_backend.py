@@ -30,6 +30,7 @@ STATS = ("m", "s", "a", "zy", "mn")
 def small_workspace(monkeypatch):
     """A 64 KiB d_logits budget: every case runs several vocab chunks (the multi-chunk path)."""
     monkeypatch.setattr(configs, "WORKSPACE_BYTES", 64 * 1024)
+    monkeypatch.setattr(configs, "MIN_WORKSPACE_BYTES", 64 * 1024)
 
 
 def make(N, H, V, dtype=torch.float32, *, valid=None, start=0, peaked=False, flat=False, temp="scalar",
@@ -261,6 +262,16 @@ def test_split_plan_fills_the_gpu():
         assert (n - 1) * width < valid <= n * width
         if N == 1 and valid > 100000:
             assert n >= 100  # one wave of ~132 programs
+
+
+def test_backward_chunks_cover_the_shard_within_budget():
+    for N, H, valid in ((8192, 4096, 151936), (32768, 2048, 151936), (17, 32, 1001), (1, 64, 100)):
+        w = launch._chunk_width(N, H, valid, 2)
+        assert w % configs.SPLIT_UNIT == 0 and w >= min(valid, configs.SPLIT_UNIT)
+        n_chunks = -(-valid // w)
+        assert (n_chunks - 1) * w < valid  # no empty chunk
+        if N >= 8192:  # workspace + fp32 d_hidden within the backward budget
+            assert N * w * 2 + 4 * N * H <= configs.BACKWARD_BYTES
 
 
 def test_public_op_with_triton_backend():

@@ -37,9 +37,12 @@ MIN_PROGRAMS_PER_SM = 4  # forward: split the vocabulary until the grid has this
 MAX_SPLIT = 8192  # forward: cap on split width, so large N still gets a few splits (tail balance)
 MERGE_BLOCK_N = 128
 
-# Backward d_logits workspace [N, V_chunk] budget (bytes). 256 MiB keeps the extra memory of a
-# zero-cache step at N=32768, H=2048 near 0.5 GiB together with the fp32 d_hidden accumulator.
+# Backward d_logits workspace [N, V_chunk] budget (bytes): at most WORKSPACE_BYTES, and shrunk so that
+# workspace + fp32 d_hidden (4·N·H) stay within BACKWARD_BYTES (never below MIN_WORKSPACE_BYTES).
+# At N=32768, H=2048 that keeps the backward's extra memory under 0.5 GiB.
 WORKSPACE_BYTES = int(os.environ.get("AREAL_LCE_TRITON_WORKSPACE_MB", "256")) * (1 << 20)
+BACKWARD_BYTES = 480 * (1 << 20)
+MIN_WORKSPACE_BYTES = 64 * (1 << 20)
 
 # Load GEMM operands with TMA tensor descriptors where the layout allows (else pointer loads).
 USE_TMA = os.environ.get("AREAL_LCE_TRITON_TMA", "1") == "1"

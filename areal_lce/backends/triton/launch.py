@@ -15,11 +15,11 @@ Backward, per vocab chunk [c0, c1) of the shard (fixed chunk order, no atomics: 
 Extra device memory (bytes), beyond inputs and the returned gradients:
     forward   20·N·n_splits + 24·N            (partials, merged stats, int32 labels)
               + 4·N·shard_valid               only when the logits cache is kept
-    backward  N·V_chunk·e  <=  max(WORKSPACE_BYTES, 256·N·e)
-              with e = 2 (bf16/fp16) or 4 (fp32, interpreter),
-              V_chunk <= clamp(floor(WORKSPACE_BYTES / (N·e)) rounded down to 256, 256, shard_valid),
-              narrowed by at most half so the recompute grid fills its last wave of SMs
-    (WORKSPACE_BYTES = configs.WORKSPACE_BYTES, 256 MiB by default.) The returned d_hidden is fp32
+    backward  N·V_chunk·e  <=  max(B, 256·N·e),  B = min(WORKSPACE_BYTES, max(MIN_WORKSPACE_BYTES,
+              BACKWARD_BYTES - 4·N·H)), with e = 2 (bf16/fp16) or 4 (fp32, interpreter) and
+              V_chunk = shard_valid split into the fewest equal multiples of 256 that fit B
+    (configs: WORKSPACE_BYTES 256 MiB, BACKWARD_BYTES 480 MiB, MIN_WORKSPACE_BYTES 64 MiB by default:
+    the d_logits workspace plus the fp32 d_hidden stay under 480 MiB while d_hidden is under 416 MiB.) The returned d_hidden is fp32
     [N, H] (4·N·H bytes); d_weight is [V_shard, H] in the weight dtype.
 """
 from __future__ import annotations
@@ -232,7 +232,7 @@ class TritonBackend:
         cfg = configs.tile("bwd", fp32=fp32, interpret=INTERPRET, H=H)
         ws_dtype = torch.float32 if (fp32 or INTERPRET) else hidden.dtype
         esize = torch.finfo(ws_dtype).bits // 8
-        chunk = _chunk_width(N, valid, esize, cfg.block_n, cfg.block_v, _slots(dev))
+        chunk = _chunk_width(N, H, valid, esize, cfg.block_v)
         ws = _alloc((N * chunk,), ws_dtype, dev)
         gemm = _Gemms(hidden, weight, ws_dtype)
         d_h, d_w = _descriptors(hidden, weight[:valid], cfg) if cache is None else (None, None)
@@ -257,22 +257,16 @@ class TritonBackend:
         return dh, dw
 
 
-def _chunk_width(N: int, valid: int, esize: int, block_n: int = 128, block_v: int = 256, slots: int = 1) -> int:
-    """Vocab columns per backward chunk: the widest multiple of block_v within WORKSPACE_BYTES, narrowed
-    (by at most half) to the width whose grid fills the last wave of the recompute kernel best."""
+def _chunk_width(N: int, H: int, valid: int, esize: int, block_v: int = 256) -> int:
+    """Vocab columns per backward chunk: the fewest equal chunks whose [N, width] workspace fits the
+    budget. Wide chunks matter: each chunk re-reads and re-writes the fp32 d_hidden accumulator
+    (8·N·H bytes) in its cuBLAS GEMM, so halving the width costs ~5 ms at 8192x4096x151936 (H100)."""
     unit = max(configs.SPLIT_UNIT, block_v)
-    t_max = max(1, configs.WORKSPACE_BYTES // max(1, N * esize) // unit)
-    t_max = min(t_max, triton.cdiv(valid, unit))
-    if slots <= 1:
-        return int(t_max * unit)
-    per_tile = triton.cdiv(N, block_n) * (unit // block_v)
-    best_t, best_eff = t_max, -1.0
-    for t in range(t_max, max(1, t_max // 2) - 1, -1):
-        progs = per_tile * t
-        eff = progs / (triton.cdiv(progs, slots) * slots)
-        if eff > best_eff + 1e-9:
-            best_t, best_eff = t, eff
-    return int(best_t * unit)
+    budget = min(configs.WORKSPACE_BYTES, max(configs.MIN_WORKSPACE_BYTES, configs.BACKWARD_BYTES - 4 * N * H))
+    t_max = max(1, budget // max(1, N * esize) // unit)
+    tiles = triton.cdiv(valid, unit)
+    n_chunks = triton.cdiv(tiles, t_max)
+    return int(triton.cdiv(tiles, n_chunks) * unit)
 
 
 def _empty_stats(N: int, dev) -> ShardStats:
