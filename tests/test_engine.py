@@ -149,3 +149,16 @@ def test_pipeline_parallel_two_stages():
     assert r["greedy_pp2_differs_from_pp1"] == 0.0
     assert r["tied_copy_mismatch_fused1"] == 0.0 and r["tied_copy_mismatch_fused0"] == 0.0, r
     assert r["rel_loss_pp2_tied_fused_vs_mat"] <= 1e-5, r
+
+
+def test_sdpa_attention_matches_megatron_attention():
+    """The default SDPA core attention gives the same statistics as megatron's DotProductAttention."""
+    ids, labels = W.batch(6)
+    st = {}
+    for attn in ("sdpa", "megatron"):
+        e = _engine(ModelConfig(preset="tiny", max_seq_len=64, attention=attn), vocab=W.VOCAB)
+        kind = type(e.gpt.decoder.layers[0].self_attention.core_attention).__name__
+        assert kind == {"sdpa": "SDPAttention", "megatron": "DotProductAttention"}[attn]
+        st[attn] = e.token_stats(ids, labels)
+    for name, a, b in zip(st["sdpa"]._fields, st["sdpa"], st["megatron"]):
+        assert (a - b).abs().max().item() <= 1e-5, name

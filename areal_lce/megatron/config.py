@@ -53,6 +53,12 @@ class ModelConfig:
         metadata={"help": "Megatron pads the vocabulary to a multiple of this times tensor_parallel; "
                   "padded rows never enter logprobs or entropy"},
     )
+    attention: str = field(
+        default="sdpa",
+        metadata={"help": "core attention of the local layer spec: sdpa (torch scaled_dot_product_attention, "
+                  "flash kernels on GPU, causal) | megatron (megatron-core DotProductAttention, stores the "
+                  "[b, heads, s, s] probabilities); ignored when the Transformer Engine spec is used"},
+    )
     vocab_size: int = field(
         default=0,
         metadata={"help": "true vocabulary size override (0: from the tokenizer passed to the engine, "
@@ -76,6 +82,8 @@ class ModelConfig:
             raise ValueError(f"model.max_seq_len={self.max_seq_len} must be > 0")
         if self.make_vocab_size_divisible_by <= 0:
             raise ValueError("model.make_vocab_size_divisible_by must be > 0")
+        if self.attention not in ("sdpa", "megatron"):
+            raise ValueError(f"model.attention={self.attention!r}: expected 'sdpa' or 'megatron'")
         if self.vocab_size < 0:
             raise ValueError(f"model.vocab_size={self.vocab_size} must be >= 0")
 
