@@ -21,6 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
 
+GREEDY_PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]]
+GREEDY_TOKENS = 5
 VOCAB = 500  # true vocab; Megatron pads it to 512 at TP=2 -> the last shard holds 12 padding rows
 
 
@@ -58,8 +60,15 @@ def make_hf_checkpoint(path: str, family: str = "qwen2", tied: bool = False, voc
     lp = logp.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1)
     mask = labels != -100
+    greedy = []
+    for prompt in GREEDY_PROMPTS:  # transformers' greedy continuation, one token at a time
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in range(GREEDY_TOKENS):
+                seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+        greedy.append(seq[len(prompt):])
     torch.save({"ids": ids, "labels": labels, "vocab": vocab, "logprobs": torch.where(mask, lp, 0.0),
-                "entropy": torch.where(mask, ent, 0.0)}, os.path.join(path, "reference.pt"))
+                "entropy": torch.where(mask, ent, 0.0), "greedy": greedy}, os.path.join(path, "reference.pt"))
 
 
 def launch(out_dir: str, hf_dir: str = "", timeout: int = 400, pythonpath: str = "") -> dict:
@@ -187,18 +196,21 @@ def pp_case(hf_dir: str) -> dict:
     return out
 
 
-def hf_case(hf_dir: str) -> dict:
-    """Engine logprobs at TP=2 (both routes) vs transformers' log_softmax on the same checkpoint."""
+def hf_case(hf_dir: str, sp: bool = True) -> dict:
+    """Engine logprobs and greedy generation at TP=2 (+SP; both routes) vs transformers on the same
+    checkpoint."""
     ref = torch.load(os.path.join(hf_dir, "reference.pt"))
     out = {}
     for fused in (True, False):
-        e = engine(fused, sp=False, tied=False, ckpt=hf_dir, vocab=ref["vocab"])
+        e = engine(fused, sp=sp, tied=False, ckpt=hf_dir, vocab=ref["vocab"])
         st = e.token_stats(ref["ids"], ref["labels"])
         mask = ref["labels"] != -100
         out[f"d_logprobs_{'fused' if fused else 'materialised'}"] = float(
             (st.logprobs - ref["logprobs"])[mask].abs().max())
         out[f"d_entropy_{'fused' if fused else 'materialised'}"] = float(
             (st.entropy - ref["entropy"])[mask].abs().max())
+        out[f"greedy_differs_{'fused' if fused else 'materialised'}"] = float(
+            e.generate(GREEDY_PROMPTS, GREEDY_TOKENS, temperature=0.0) != ref["greedy"])
     return out
 
 

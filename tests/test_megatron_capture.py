@@ -90,6 +90,11 @@ def test_legacy_seam_restores_output_layer_forward():
     assert "forward" not in vars(layer), "instance-level forward must be removed after the call"
     logits, _ = layer(torch.randn(4, 1, 64))  # class forward is back: real logits
     assert logits.shape == (4, 1, 512)
+    # Sampling also goes through the seam (last-position logits only): same tokens as the 0.18+ seam.
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    legacy = e.generate(prompts, 4, temperature=0.0)
+    assert "forward" not in vars(layer)
+    assert legacy == tp1_engine(True, tied=False, seam="auto").generate(prompts, 4, temperature=0.0)
 
 
 def test_training_losses_equal_tp1():

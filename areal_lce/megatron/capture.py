@@ -185,3 +185,70 @@ def run_fused(model, gpt_model, seam: str, ctx: CaptureContext, input_ids, posit
         return model(input_ids, position_ids, attention_mask)
     with legacy_capture(gpt_model.output_layer, ctx):
         return model(input_ids, position_ids, attention_mask)
+
+
+# ------------------------------------------------------------------------------------ generation
+
+
+@dataclass
+class LastTokenContext:
+    """Positions whose next-token logits are wanted (one per sequence of the batch)."""
+
+    positions: torch.Tensor  # [b] long, index into the sequence dimension
+
+
+def _last_token_logits(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx: LastTokenContext):
+    """[s_local, b, H] hidden -> full-vocabulary [b, V_pad] fp32 logits at ctx.positions (no grad),
+    on every TP rank. Only b rows of logits are ever built."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    tp_group = getattr(output_layer, "tp_group", None)
+    if tp_group is None:
+        tp_group = mpu.get_tensor_model_parallel_group()
+    tp = mpu.get_tensor_model_parallel_world_size()
+    if output_layer.sequence_parallel and tp > 1:
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, group=tp_group)
+    rows = torch.arange(hidden.shape[1], device=hidden.device)
+    picked = hidden[ctx.positions.to(hidden.device), rows]  # [b, H]
+    logits = (picked.to(weight.dtype) @ weight.t()).float()  # [b, V_pad / tp]
+    if tp > 1:
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits.contiguous(), group=tp_group)
+    return logits
+
+
+def last_token_output_processor(*, hidden_states, output_layer, output_weight, context, scale_logits=None,
+                                **_unused) -> torch.Tensor:
+    """GPTModel output_processor for sampling: [b, V_pad] fp32 logits of the positions in context."""
+    weight = output_weight if output_weight is not None else output_layer.weight
+    logits = _last_token_logits(hidden_states, weight, output_layer, context)
+    return scale_logits(logits) if scale_logits is not None else logits
+
+
+@contextlib.contextmanager
+def legacy_last_token(output_layer, ctx: LastTokenContext):
+    """output_layer seam for sampling; GPTModel applies its own logit scaling and [s,b]->[b,s] transpose
+    to our [1, b, V_pad] result, giving [b, 1, V_pad]."""
+    if "forward" in vars(output_layer):
+        raise RuntimeError("output_layer.forward is already replaced on this instance (nested capture?)")
+
+    def forward(input_, weight: Optional[torch.Tensor] = None, runtime_gather_output: Optional[bool] = None):
+        w = weight if weight is not None else output_layer.weight
+        return _last_token_logits(input_, w, output_layer, ctx).unsqueeze(0), None
+
+    output_layer.forward = forward
+    try:
+        yield
+    finally:
+        del output_layer.forward
+
+
+def run_last_token(model, gpt_model, seam: str, ctx: LastTokenContext, input_ids, position_ids, attention_mask):
+    """[b, V_pad] fp32 logits at ctx.positions on the last stage (hidden states on other stages)."""
+    if seam == "output_processor":
+        return model(input_ids, position_ids, attention_mask,
+                     output_processor=last_token_output_processor, output_processor_context=ctx)
+    if not gpt_model.post_process:
+        return model(input_ids, position_ids, attention_mask)
+    with legacy_last_token(gpt_model.output_layer, ctx):
+        return model(input_ids, position_ids, attention_mask)[:, 0]

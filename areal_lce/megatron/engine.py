@@ -221,10 +221,10 @@ class MegatronEngine:
         lab[: labels.shape[0], : labels.shape[1]] = labels
         return ids, lab
 
-    def _run_schedule(self, batches, on_stats, forward_only: bool, logits: bool = False) -> None:
+    def _run_schedule(self, batches, on_stats, forward_only: bool, last_token=None) -> None:
         """Megatron's pipeline schedule over `batches` = [(input_ids, labels, temperature)];
         `on_stats(i, TokenStats)` runs on the last stage and returns microbatch i's loss tensor
-        (with `logits`, the model runs its plain output layer and on_stats gets the raw logits)."""
+        (with `last_token`, a LastTokenContext, on_stats gets [b, V_pad] next-token logits instead)."""
         from functools import partial
 
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -233,7 +233,7 @@ class MegatronEngine:
         n = len(batches)
 
         def loss_func(i, lab, temperature, real_b, real_s, out):
-            if logits:
+            if last_token is not None:
                 return on_stats(i, out), {}
             loss = on_stats(i, self._stats_of_output(out, lab, temperature, real_b, real_s))
             # The schedule divides each microbatch's loss by the microbatch count; the caller has
@@ -244,7 +244,10 @@ class MegatronEngine:
             i, (input_ids, labels, temperature) = next(data_iterator)
             ids, lab = self._pad_to(input_ids, labels, b, s)
             ids, lab, pos, mask, _ = self._prepare(ids, lab)
-            out = self.model(ids, pos, mask) if logits else self._call_model(ids, lab, pos, mask, temperature)
+            if last_token is not None:
+                out = capture.run_last_token(self.model, self.gpt, self.seam, last_token, ids, pos, mask)
+            else:
+                out = self._call_model(ids, lab, pos, mask, temperature)
             return out, partial(loss_func, i, lab, temperature, input_ids.shape[0], input_ids.shape[1])
 
         get_forward_backward_func()(
@@ -345,31 +348,25 @@ class MegatronEngine:
     # ------------------------------------------------------------------------------ generation
     @torch.no_grad()
     def _next_logits(self, seqs: List[List[int]]) -> torch.Tensor:
-        """Full-vocabulary fp32 logits [n, vocab] of the token after each sequence (all TP ranks)."""
-        from megatron.core import tensor_parallel
-
+        """Full-vocabulary fp32 logits [n, vocab] of the token after each sequence, on every rank.
+        Only the n last-position rows of logits are computed (LM-head seam), never [n, s, vocab]."""
         lengths = [len(x) for x in seqs]
         s = max(lengths)
         ids = torch.zeros(len(seqs), s, dtype=torch.long)
         for i, x in enumerate(seqs):
             ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-
-        def last_logits(logits):  # [n, s, V_pad / tp] -> full-vocabulary [n, vocab] on every TP rank
-            rows = torch.arange(len(seqs), device=logits.device)
-            last = logits[rows, torch.tensor(lengths, device=logits.device) - 1].float().contiguous()
-            full = tensor_parallel.gather_from_tensor_model_parallel_region(last, group=self.tp_group)
-            return full[:, : self.vocab_size]
-
+        ctx = capture.LastTokenContext(positions=torch.tensor(lengths, device=self.device) - 1)
         if self.dist.pp_size == 1:
             ids, _, pos, mask, _ = self._prepare(ids, torch.full_like(ids, -100))
-            return last_logits(self.model(ids, pos, mask))
+            out = capture.run_last_token(self.model, self.gpt, self.seam, ctx, ids, pos, mask)
+            return out[:, : self.vocab_size]
         store = {}
 
         def keep(i, out):
-            store[i] = last_logits(out)
+            store[i] = out[:, : self.vocab_size].float()
             return out.float().sum() * 0.0
 
-        self._run_schedule([(ids, torch.full_like(ids, -100), 1.0)], keep, forward_only=True, logits=True)
+        self._run_schedule([(ids, torch.full_like(ids, -100), 1.0)], keep, forward_only=True, last_token=ctx)
         t = store.get(0, torch.zeros(len(seqs), self.vocab_size, device=self.device)).contiguous()
         comms.all_reduce_sum_(t, self.pp_group)  # SUM over stages: only the last stage holds logits
         return t
