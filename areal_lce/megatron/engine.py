@@ -296,7 +296,7 @@ class MegatronEngine:
             loss, metrics = loss_fn(stats, mb)
             loss_sum += float(loss.detach())
             for k, v in (metrics or {}).items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+                sums[k] = sums.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
             return loss
 
         if self.dist.pp_size > 1:
