@@ -421,6 +421,44 @@ def meta():
     return m
 
 
+def merge(files, out_dir):
+    """Combine result files (e.g. two device runs) into one CSV/PNG and a markdown table on stdout."""
+    results, metas = [], []
+    for f in files:
+        with open(f) as fh:
+            d = json.load(fh)
+        metas.append(d["meta"])
+        for s in d["shapes"]:
+            s["source"] = f"{os.path.basename(os.path.dirname(f))} ({d['meta'].get('git_sha', '?')})"
+            results.append(s)
+    m = dict(metas[0])
+    m["git_sha"] = ",".join(sorted({x.get("git_sha", "?") for x in metas}))
+    write_outputs(results, out_dir, m)
+    f2 = lambda v, f: (f % v) if isinstance(v, (int, float)) else "-"  # noqa: E731
+    print("| N×H×V | provider | fwd ms | ×2NHV | fwd+bwd ms (p20–p80) | ×8NHV | extra GiB | max abs Δlogp | "
+          "max abs Δent | dh rel-L2 | dW rel-L2 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for s in results:
+        for p, r in s["providers"].items():
+            fb = r.get("fwdbwd", {})
+            if r.get("error"):
+                print(f"| {s['N']}×{s['H']}×{s['V']} | {p} | {r['error'][:40]} | | | | | | | | |")
+                continue
+            print(f"| {s['N']}×{s['H']}×{s['V']} | {p} | {f2(r['fwd']['ms'], '%.2f')} | {f2(r['fwd_x_floor'], '%.2f')} | "
+                  f"{fb['ms']:.2f} ({fb['p20']:.2f}–{fb['p80']:.2f}) | {f2(r['fwdbwd_x_8nhv'], '%.2f')} | "
+                  f"{f2(r['fwdbwd_peak_extra_gib'], '%.2f')} | {f2(r.get('logp_maxabs'), '%.1e')} | "
+                  f"{f2(r.get('ent_maxabs'), '%.1e')} | {f2(r['dh_rel'], '%.2e')} | {f2(r['dw_rel'], '%.2e')} |")
+    print()
+    print("| N×H×V | fwd GEMM ms | 8NHV floor ms | 6NHV floor ms | Triton fwd ms | recompute kernel ms | cuBLAS dh+dW ms | source |")
+    print("|---|---|---|---|---|---|---|---|")
+    for s in results:
+        fl, bd = s["floors"], s.get("breakdown", {})
+        print(f"| {s['N']}×{s['H']}×{s['V']} | {fl['fwd_gemm']:.2f} | {fl['floor_8nhv']:.2f} | {fl['floor_6nhv']:.2f} | "
+              f"{f2(bd.get('fwd_backend'), '%.2f')} | {f2(bd.get('bwd_kernel_only'), '%.2f')} | "
+              f"{f2(bd.get('bwd_gemms'), '%.2f')} | {s['source']} |")
+    return 0
+
+
 def parse_shapes(s):
     out = []
     for tok in s.split(","):
@@ -522,8 +560,12 @@ def main():
     ap.add_argument("--rep", type=int, default=400, help="do_bench rep (ms) per measurement")
     ap.add_argument("--peers-script", default=os.environ.get("PEERS_SCRIPT", "/work/shared/peers/bench_peers.py"))
     ap.add_argument("--sweep", action="store_true", help="tile sweep of the Triton kernels instead")
+    ap.add_argument("--merge", default="", help="comma list of bench_lce.json files: write one combined "
+                    "CSV/PNG and print a markdown table (no GPU needed)")
     ap.add_argument("--chunks", default="", help="comma list of backward chunk widths: time the GEMMs only")
     args = ap.parse_args()
+    if args.merge:
+        return merge(args.merge.split(","), args.out)
     if not torch.cuda.is_available():
         print("bench_lce: needs a CUDA device")
         return 1
