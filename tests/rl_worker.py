@@ -86,7 +86,6 @@ def route_parity(tp: int = 1, temperature: float = 0.7) -> dict:
 
 
 def main(out_dir: str) -> None:
-    from areal_lce.megatron.parallel import destroy_distributed
     from areal_lce.train.__main__ import main as train_main
 
     import torch.distributed as dist
@@ -94,7 +93,7 @@ def main(out_dir: str) -> None:
     report = route_parity(tp=2)
     rank = dist.get_rank()
     print(f"[rank {rank}] route parity tp=2: {report}", flush=True)
-    destroy_distributed()
+    # the job's init_distributed reuses these TP=2 groups (re-creating a torchrun process group hangs)
     rc = train_main([str(GRPO_TINY), "engine.parallel.tensor_parallel=2", "trainer.steps=3",
                      "trainer.save_interval=0", f"trainer.output_dir={out_dir}", "trainer.progress=false"])
     if rank == 0:

@@ -41,7 +41,7 @@ from .tasks import build_task
 from .tokenizer import load_tokenizer
 
 RL_LOG_KEYS = ("step", "reward", "entropy", "kl", "clip_frac", "approx_kl", "response_len", "max_logit",
-               "min_logit", "grad_norm", "lr", "step_s")
+               "min_logit", "grad_norm", "lr", "step_time_s")
 RL_PLOT_KEYS = ("reward", "entropy", "kl", "clip_frac", "response_len", "max_logit", "min_logit", "grad_norm")
 
 
@@ -146,14 +146,17 @@ class RLJob:
         self.tok = load_tokenizer(cfg.data.tokenizer)
         self.task = build_task(rl.task, rl.task_options)
         self.reward_fn = load_reward(rl.reward_fn or self.task.default_reward)
-        pad_mult = cfg.data.pad_to_multiple_of
-        if cfg.engine.parallel.sequence_parallel:
-            pad_mult = pad_mult * cfg.engine.parallel.tensor_parallel // math.gcd(pad_mult, cfg.engine.parallel.tensor_parallel)
-        self.pad_mult = pad_mult
+        self.pad_mult = cfg.data.pad_to_multiple_of
+        if cfg.engine.parallel.sequence_parallel:  # the sequence is split over TP ranks
+            self.pad_mult = math.lcm(self.pad_mult, dist_info.tp_size)
 
+        model_vocab = cfg.engine.model.vocab_size  # when set, a model vocabulary larger than the tokenizer's
+        if model_vocab and model_vocab < self.tok.vocab_size:
+            raise ValueError(f"engine.model.vocab_size={model_vocab} is smaller than the tokenizer's "
+                             f"{self.tok.vocab_size} ids (data.tokenizer={cfg.data.tokenizer!r})")
         factory = engine_factory or _default_engine
-        self.policy = factory(cfg.engine, self.tok.vocab_size)
-        self.reference = factory(cfg.engine, self.tok.vocab_size)
+        self.policy = factory(cfg.engine, model_vocab or self.tok.vocab_size)
+        self.reference = factory(cfg.engine, model_vocab or self.tok.vocab_size)
         _copy_parameters(self.policy, self.reference)
 
         from megatron.core import parallel_state as mpu
@@ -240,7 +243,7 @@ class RLJob:
         rec["min_logit"] = _extreme_over_dp(float(behav["min_logit"][mask].min()), self.dp_group,
                                             self.dist.dp_size, "min")
         rec.update(lr=upd.get("lr", 0.0), peak_mem_gib=upd.get("peak_mem_gib", 0.0),
-                   tokens=int(n_tok) * self.dist.dp_size, gen_s=t_gen, step_s=time.perf_counter() - t0,
+                   tokens=int(n_tok) * self.dist.dp_size, gen_time_s=t_gen, step_time_s=time.perf_counter() - t0,
                    sample=repr(ro["items"][0].text + ro["texts"][0]))
         return rec
 
@@ -259,47 +262,61 @@ def run(cfg, engine_factory: Optional[Callable] = None) -> dict:
     """
     from areal_lce.megatron.parallel import destroy_distributed, init_distributed
 
-    from .config import dump_yaml
-
     if cfg.job not in ("grpo", "ppo"):
         raise ValueError(f"job={cfg.job!r}: the RL runner handles grpo and ppo")
-    tr = cfg.trainer
-    torch.manual_seed(tr.seed)
-    random.seed(tr.seed)
     dist_info = init_distributed(cfg.engine.parallel, seed=cfg.engine.seed)
     try:
-        job = RLJob(cfg, dist_info, engine_factory)
-        out_dir = Path(tr.output_dir)
-        main = dist_info.is_main
-        resume_path = resolve_resume(tr.resume, out_dir)
-        start = 0
-        if resume_path is None:
-            clear_run_dir(out_dir, main)
-        else:
-            start = int(load_checkpoint(job.policy, resume_path)["step"])
-        if main:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "config.yaml").write_text(dump_yaml(cfg))
-        log = MetricsLog(out_dir / "metrics.jsonl", enabled=main, resume_step=start)
-        bar = ProgressBar(tr.steps, initial=start, enabled=tr.progress, is_main=main, desc=cfg.job)
-        records = []
-        state = {"job": cfg.job}
-        for step in range(start + 1, tr.steps + 1):
-            rec = {"step": step, **job.step(step)}
-            records.append(rec)
-            log.write(rec)
-            bar.update({"reward": f"{rec['reward']:.3f}", "kl": f"{rec['kl']:.2e}"})
-            if step % tr.log_interval == 0 or step == tr.steps:
-                bar.write(format_record(rec, RL_LOG_KEYS) + f"  sample={rec['sample']}")
-            if (tr.save_interval and step % tr.save_interval == 0) or (step == tr.steps and tr.save_final):
-                save_checkpoint(job.policy, out_dir, step, state, main)
-            if tr.stop_at and step == tr.stop_at:
-                break
-        bar.close()
-        if main and tr.plot:
-            plot_metrics(read_metrics(out_dir / "metrics.jsonl"), out_dir / "metrics.png", RL_PLOT_KEYS,
-                         title=f"{cfg.job} {cfg.rl.task}")
-        return {"output_dir": str(out_dir), "step": records[-1]["step"] if records else start,
-                "records": records}
+        return _train(cfg, dist_info, engine_factory)
     finally:
         destroy_distributed()
+
+
+def _train(cfg, dist_info, engine_factory) -> dict:
+    from .config import dump_yaml
+
+    tr, main = cfg.trainer, dist_info.is_main
+    out = Path(tr.output_dir)
+    resume_from = resolve_resume(tr.resume, out)
+    if resume_from is None:
+        clear_run_dir(out, main)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(dump_yaml(cfg))
+    job = RLJob(cfg, dist_info, engine_factory)
+    random.seed(tr.seed)  # after the engines, whose set-up seeds torch with engine.seed
+    torch.manual_seed(tr.seed)
+    start = 0
+    if resume_from is not None:
+        start = int(load_checkpoint(job.policy, resume_from)["step"])
+    log = MetricsLog(out / "metrics.jsonl", enabled=main, resume_step=start)
+    if main:
+        route = "fused linear op" if cfg.engine.use_fused_linear_ce else "materialised logits"
+        print(f"[{cfg.job}] task {cfg.rl.task} {cfg.rl.task_options or ''}, reward "
+              f"{cfg.rl.reward_fn or job.task.default_reward}, advantage {job.advantage}, tokenizer "
+              f"{job.tok.name} ({job.tok.vocab_size} ids), world {dist_info.world_size} = TP {dist_info.tp_size} "
+              f"x PP {dist_info.pp_size} x DP {dist_info.dp_size}, LM-head route: {route}"
+              + (f", resumed from {resume_from} (step {start})" if resume_from else ""), flush=True)
+    bar = ProgressBar(tr.steps, initial=start, enabled=tr.progress, is_main=main, desc=cfg.job)
+    records, step = [], start
+    for step in range(start + 1, tr.steps + 1):
+        rec = {"step": step, **job.step(step)}
+        records.append(rec)
+        log.write(rec)
+        bar.update({"reward": f"{rec['reward']:.3f}", "kl": f"{rec['kl']:.2e}"})
+        if main and (step % tr.log_interval == 0 or step == tr.steps):
+            bar.write(format_record(rec, RL_LOG_KEYS) + f"  sample={rec['sample']}")
+        if (tr.save_interval and step % tr.save_interval == 0) or (step == tr.steps and tr.save_final):
+            path = save_checkpoint(job.policy, out, step, {"config": dump_yaml(cfg)}, main)
+            if main:
+                bar.write(f"[{cfg.job}] saved checkpoint {path}")
+        if tr.stop_at and step == tr.stop_at:
+            if main:
+                bar.write(f"[{cfg.job}] stopping after step {step} (trainer.stop_at)")
+            break
+    bar.close()
+    if main and tr.plot and step == tr.steps:
+        png = plot_metrics(read_metrics(out / "metrics.jsonl"), out / "metrics.png", RL_PLOT_KEYS,
+                           title=f"{cfg.job} {cfg.rl.task} {out.name}")
+        if png:
+            print(f"[{cfg.job}] wrote {out / 'metrics.jsonl'} and {png}", flush=True)
+    return {"output_dir": str(out), "step": step, "records": records}
