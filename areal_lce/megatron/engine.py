@@ -325,8 +325,9 @@ class MegatronEngine:
         self.step_count += 1
         # Report the data-parallel mean of the per-rank numbers (every rank prints the same values).
         keys = object_from_last_stage(sorted(sums))  # under PP only the last stage ran loss_fn
+        # on the engine's device: NCCL groups reduce CUDA tensors only
         vec = torch.tensor([loss_sum, float(tokens)] + [sums.get(k, 0.0) / len(microbatches) for k in keys],
-                           dtype=torch.float64)
+                           dtype=torch.float64, device=self.device)
         if self.dist.pp_size > 1:
             if not self.dist.is_last_stage:
                 vec[0] = 0.0
