@@ -27,7 +27,7 @@ def _cfg(out, *overrides):
     # Small batches and few steps: a few seconds per run on a 2-core CPU.
     return load_config(TINY, [f"trainer.output_dir={out}", "trainer.global_batch_size=4",
                               "trainer.micro_batch_size=2", "trainer.progress=false", "trainer.log_interval=100",
-                              "engine.optim.warmup_steps=1", *overrides])
+                              "engine.optim.warmup_steps=1", "trainer.sample_prompts=0", *overrides])
 
 
 def test_sft_runs_on_both_routes_and_writes_metrics(tmp_path, monkeypatch):
@@ -103,7 +103,8 @@ def test_torchrun_launch(tmp_path, tp):
     out = tmp_path / f"tp{tp}"
     overrides = [f"engine.parallel.tensor_parallel={tp}", "trainer.steps=4", "engine.optim.warmup_steps=1",
                  "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "trainer.save_interval=0",
-                 f"trainer.output_dir={out}", "trainer.progress=false", "trainer.log_interval=1"]
+                 f"trainer.output_dir={out}", "trainer.progress=false", "trainer.log_interval=1",
+                 "trainer.sample_prompts=2"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "areal_lce.train", str(TINY), *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -116,6 +117,10 @@ def test_torchrun_launch(tmp_path, tp):
     # every rank wrote its engine file of the final checkpoint
     assert len(list((out / "checkpoints" / "step_00000004" / "engine").glob("rank*.pt"))) == 2
     assert (out / "metrics.png").is_file()
+    # greedy completions after the last step (generation runs on every rank, printed by rank 0)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["prompt"] for s in samples] == ["Upper: robot\n", "Reverse: north\n"]
+    assert all(s["reference"] for s in samples) and proc.stdout.count(" -> ") == 2
     if tp == 1:  # data parallel: same global batches, same init -> the single-process run's losses
         single = sft.run(load_config(TINY, [o.replace(str(out), str(tmp_path / "single")) for o in overrides]))
         assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in single["records"]], rel=1e-5)

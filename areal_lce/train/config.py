@@ -113,6 +113,11 @@ class TrainerConfig:
     seed: int = field(default=1234, metadata=_help("seed of the trainer (torch/python RNG before the engine)"))
     progress: bool = field(default=True, metadata=_help("show a tqdm progress bar on rank 0"))
     plot: bool = field(default=True, metadata=_help("write metrics.png (matplotlib) at the end of the run"))
+    sample_prompts: int = field(
+        default=0, metadata=_help("after the last step, greedily complete this many prompts of the dataset "
+                                  "(file order) and print them with their reference responses; also "
+                                  "written to samples.jsonl (0: off; format prompt_response only)")
+    )
 
     def __post_init__(self):
         if self.steps < 1:
@@ -157,6 +162,10 @@ class JobConfig:
             if optim.lr_schedule == "cosine" and optim.warmup_steps >= optim.total_steps:
                 raise ConfigError(f"engine.optim.warmup_steps={optim.warmup_steps} must be < trainer.steps="
                                   f"{self.trainer.steps} for the cosine schedule")
+        if self.trainer.sample_prompts < 0:
+            raise ConfigError(f"trainer.sample_prompts={self.trainer.sample_prompts} must be >= 0")
+        if self.trainer.sample_prompts and self.data.format != "prompt_response":
+            raise ConfigError("trainer.sample_prompts needs data.format=prompt_response (prompts to complete)")
         if self.trainer.stop_at and self.trainer.stop_at >= self.trainer.steps:
             raise ConfigError(f"trainer.stop_at={self.trainer.stop_at} must be < trainer.steps="
                               f"{self.trainer.steps} (0 disables it)")

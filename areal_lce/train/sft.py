@@ -10,6 +10,7 @@ Rank 0 writes metrics.jsonl, config.yaml, metrics.png and shows the progress bar
 """
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -158,8 +159,29 @@ def _train(cfg: JobConfig, dist_info, engine_factory) -> dict:
                 bar.write(f"[sft] stopping after step {step} (trainer.stop_at)")
             break
     bar.close()
+    if tr.sample_prompts and step == tr.steps:
+        _print_samples(engine, dataset, tok, tr.sample_prompts, cfg.engine.model.max_seq_len, out, is_main)
     if is_main and tr.plot and step == tr.steps:
         png = plot_metrics(read_metrics(out / "metrics.jsonl"), out / "metrics.png", title=f"SFT {out.name}")
         if png:
             print(f"[sft] wrote {out / 'metrics.jsonl'} and {png}", flush=True)
     return {"output_dir": str(out), "step": step, "records": records}
+
+
+def _print_samples(engine, dataset: SFTDataset, tok, n: int, max_seq_len: int, out: Path, is_main: bool) -> None:
+    """Greedy completions of the first `n` prompts (every rank generates: TP ranks share the work)."""
+    examples = dataset.examples[:n]
+    prompts = [list(e.ids[:e.loss_start]) for e in examples]
+    longest = max(e.n_targets for e in examples)
+    new = engine.generate(prompts, max_new_tokens=min(longest + 2, max_seq_len), temperature=0.0, eos_id=tok.eos_id)
+    if not is_main:
+        return
+    rows = []
+    print("[sft] greedy completions of the first prompts (-> completion | reference):", flush=True)
+    for e, p, c in zip(examples, prompts, new):
+        row = {"prompt": tok.decode(p), "completion": tok.decode(c), "reference": tok.decode(e.ids[e.loss_start:])}
+        rows.append(row)
+        print(f"  {row['prompt']!r} -> {row['completion']!r} | {row['reference']!r}", flush=True)
+    with open(out / "samples.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
