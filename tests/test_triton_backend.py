@@ -137,16 +137,24 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES) + ["pointer_loads"])
+@pytest.mark.parametrize("case", list(CASES) + ["pointer_loads", "tiles_per_program"])
 def test_matches_reference(case, monkeypatch):
     if case == "pointer_loads":  # the non-TMA load path on an aligned layout
         monkeypatch.setattr(configs, "USE_TMA", False)
         case = "pad_shard"
+    if case == "tiles_per_program":  # backward programs looping over 3 vocab tiles (ragged last group)
+        monkeypatch.setattr(configs, "BWD_TILES_PER_PROGRAM", 3)
+        case = "bf16_cache"
     kw, mode = CASES[case]
     h, w, y, it, p = make(**kw)
     be = TritonBackend()
     st = be.forward(h, w, y, it, p, keep_cache=True)
     assert (st.cache is not None) == kw.get("cache", False)
+    if st.cache is not None:  # the cache holds exactly the tempered logits of the valid columns
+        from areal_lce.backends.reference import shard_logits
+
+        z = shard_logits(h.float(), w.float(), it, p)[:, : p.shard_valid]
+        assert (launch.cache_logits(st.cache, p.shard_valid) - z).abs().max() < 1e-4
     lse64, ent64 = check_forward(st, h, w, y, it, p)
     g_lp, g_ent = upstream(h.shape[0], mode)
     dh, dw = be.backward(h, w, y, it, p, st.cache, lse64.float(), ent64.float(), g_lp, g_ent, True, True)
@@ -190,7 +198,7 @@ def test_poisoned_buffers_are_fully_written(monkeypatch):
     for k in STATS:
         assert torch.isfinite(getattr(st, k)).all(), k
         assert torch.equal(getattr(st, k), getattr(clean, k)), k
-    assert torch.isfinite(st.cache).all()
+    assert torch.isfinite(launch.cache_logits(st.cache, p.shard_valid)).all()
     dh, dw = be.backward(h, w, y, it, p, st.cache, lse, ent, g_lp, g_ent, True, True)
     assert torch.isfinite(dh).all() and torch.isfinite(dw).all()
     assert torch.equal(dh, dh0) and torch.equal(dw, dw0)

@@ -35,7 +35,11 @@ INTERPRET = TileConfig(block_n=32, block_v=128, block_k=32, group_n=4, num_warps
 SPLIT_UNIT = 256  # vocab split widths are multiples of this (every block_v divides it)
 MIN_PROGRAMS_PER_SM = 4  # forward: split the vocabulary until the grid has this many programs per SM
 MAX_SPLIT = 8192  # forward: cap on split width, so large N still gets a few splits (tail balance)
+BWD_TILES_PER_PROGRAM = 1  # backward: consecutive vocab tiles per program
 MERGE_BLOCK_N = 128
+LABEL_BLOCK_N, LABEL_BLOCK_K = 32, 128  # z_label: one row dot per token
+LABEL_FIX_BLOCK_N = 256  # backward one-hot term
+CACHE_COLS = 256  # logits-cache column slab (kernels.py): one [BLOCK_N, 256] tile is contiguous
 
 # Backward d_logits workspace [N, V_chunk] budget (bytes): at most WORKSPACE_BYTES, and shrunk so that
 # workspace + fp32 d_hidden (4·N·H) stay within BACKWARD_BYTES (never below MIN_WORKSPACE_BYTES).

@@ -1,14 +1,22 @@
 """Triton kernels of the fused linear logprobs + entropy op (CUDA and the CPU interpreter).
 
-Three kernels, no allocation or host logic here (launch.py owns both):
+No allocation or host logic here (launch.py owns both):
 
   lce_fwd_kernel        one program = BLOCK_N tokens x one vocab split of SPLIT_V columns. For each
                         BLOCK_V tile it runs a tensor-core GEMM over H (fp32 accumulator) and folds the
                         tile into running per-token statistics (online softmax). Writes per-split
-                        partials (m, s, a, zy, mn), and optionally the fp32 tempered logits (cache).
+                        partials (m, s, a, mn), and optionally the fp32 tempered logits (cache).
+  lce_label_logit_kernel  z_label per token (one row dot over H), so the forward's per-element epilogue
+                        carries no label compare.
   lce_fwd_merge_kernel  merges the per-split partials of each token in a fixed split order.
   lce_bwd_kernel        recomputes (or reads from the cache) one logits tile in fp32 registers and
-                        writes d_logits = dz / T into a [N, V_chunk] workspace; cuBLAS does the rest.
+                        writes d_logits = dz / T without the one-hot term into a [N, V_chunk] workspace.
+  lce_bwd_label_kernel  adds the one-hot term g_lp / T at each row's label column of the chunk;
+                        cuBLAS does the rest.
+
+Cache layout. The fp32 logits cache is column-slab major, [ceil(V / CACHE_COLS), N, CACHE_COLS]: a
+[BLOCK_N, CACHE_COLS] tile is one contiguous block, so reading a 20 GB cache back touches few pages
+per program (a row-major [N, V] cache strides 600 KB between rows at V=151936).
 
 Units. The accumulator holds raw logits r = h . w. With c = inv_t * log2(e), the softmax terms are
 exp2((r - r_max) * c); subtracting in raw units first keeps (r - r_max) exact near the max. The partial
@@ -77,11 +85,11 @@ def _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, col0, H, BLOCK_N: tl.constexp
 
 
 @triton.jit
-def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, V, H, b_y, b_it, b_c,
-              b_m, b_s, b_a, b_zy, b_mn,
+def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, N, V, H, b_it, b_c,
+              b_m, b_s, b_a, b_mn,
               MASKED: tl.constexpr, HAS_CACHE: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, CACHE_COLS: tl.constexpr):
     """Fold one [BLOCK_N, BLOCK_V] logits tile into the running statistics. MASKED only for the ragged
     last tile of the shard: full tiles skip the column masks (2 of ~12 ops per element)."""
     o_v = v0 + tl.arange(0, BLOCK_V)  # int32: shard-local column
@@ -89,12 +97,11 @@ def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, V, H, b_
     b_r = _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, v0, H, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, UPCAST,
                        DOT_PRECISION, USE_TMA)
     if HAS_CACHE:
-        p_c = z_cache + o_n[:, None] * V + o_v[None, :]
+        p_c = z_cache + _cache_offsets(o_n, o_v, N, CACHE_COLS)
         if MASKED:
             tl.store(p_c, b_r * b_it[:, None], mask=m_n[:, None] & (o_v < v_end)[None, :])
         else:
             tl.store(p_c, b_r * b_it[:, None], mask=m_n[:, None])
-    b_zy += tl.sum(tl.where(o_v[None, :] == b_y[:, None], b_r, 0.0), 1)
     if MASKED:
         m_v = o_v < v_end
         b_mn = tl.minimum(b_mn, tl.min(tl.where(m_v[None, :], b_r, float("inf")), 1))
@@ -112,19 +119,27 @@ def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, V, H, b_
     b_alpha = tl.exp2(b_dm)
     b_a = b_alpha * (b_a + tl.where(b_s == 0.0, 0.0, b_dm * b_s)) + b_de
     b_s = b_s * b_alpha + tl.sum(b_e, 1)
-    return b_mnew, b_s, b_a, b_zy, b_mn
+    return b_mnew, b_s, b_a, b_mn
+
+
+@triton.jit
+def _cache_offsets(o_n, o_v, N, CACHE_COLS: tl.constexpr):
+    """Element offsets of (rows o_n, columns o_v) in the [ceil(V / CACHE_COLS), N, CACHE_COLS] cache."""
+    o_v = o_v.to(tl.int64)
+    return (o_v // CACHE_COLS)[None, :] * (N * CACHE_COLS) + o_n[:, None] * CACHE_COLS + (o_v % CACHE_COLS)[None, :]
 
 
 @triton.jit
 def lce_fwd_kernel(
-    h, w, d_h, d_w, y, inv_t, part, z_cache,
+    h, w, d_h, d_w, inv_t, part, z_cache,
     N, H, V, SPLIT_V, n_splits, stride_part, scale,
     HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    CACHE_COLS: tl.constexpr,
 ):
-    """part: fp32 [5, n_splits, N] = (m, s, a, zy, mn) of each split; z_cache: fp32 [N, V] or unused.
-    V here is the number of valid columns; y holds local label columns (int32, -1 = not owned).
+    """part: fp32 [4, n_splits, N] = (m, s, a, mn) of each split; z_cache: fp32 cache (module
+    docstring) or unused. V here is the number of valid columns.
     d_h / d_w: TMA descriptors of hidden [N, H] and weight [V, H] when USE_TMA, else unused."""
     i_pid = tl.program_id(0)
     n_blocks_n = tl.cdiv(N, BLOCK_N)
@@ -133,7 +148,6 @@ def lce_fwd_kernel(
     o_n = row0.to(tl.int64) + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_nc = tl.minimum(o_n, N - 1)
-    b_y = tl.load(y + o_nc)
     if HAS_INV_T:
         b_it = tl.load(inv_t + o_nc)
     else:
@@ -143,35 +157,60 @@ def lce_fwd_kernel(
     b_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)  # raw units
     b_s = tl.zeros([BLOCK_N], dtype=tl.float32)
     b_a = tl.zeros([BLOCK_N], dtype=tl.float32)  # base-2 units, relative to b_m
-    b_zy = tl.zeros([BLOCK_N], dtype=tl.float32)  # raw units
     b_mn = tl.full([BLOCK_N], float("inf"), dtype=tl.float32)  # raw units
 
     v_begin = i_s * SPLIT_V
     v_end = tl.minimum(v_begin + SPLIT_V, V)
     n_full = (v_end - v_begin) // BLOCK_V
     for i_t in range(0, n_full):
-        b_m, b_s, b_a, b_zy, b_mn = _fwd_tile(
-            h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v_begin + i_t * BLOCK_V, v_end, V, H, b_y, b_it, b_c,
-            b_m, b_s, b_a, b_zy, b_mn, False, HAS_CACHE, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA,
-            BLOCK_N, BLOCK_V, BLOCK_K)
+        b_m, b_s, b_a, b_mn = _fwd_tile(
+            h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v_begin + i_t * BLOCK_V, v_end, N, V, H, b_it, b_c,
+            b_m, b_s, b_a, b_mn, False, HAS_CACHE, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA,
+            BLOCK_N, BLOCK_V, BLOCK_K, CACHE_COLS)
     if v_begin + n_full * BLOCK_V < v_end:
-        b_m, b_s, b_a, b_zy, b_mn = _fwd_tile(
-            h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v_begin + n_full * BLOCK_V, v_end, V, H, b_y, b_it,
-            b_c, b_m, b_s, b_a, b_zy, b_mn, True, HAS_CACHE, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA,
-            BLOCK_N, BLOCK_V, BLOCK_K)
+        b_m, b_s, b_a, b_mn = _fwd_tile(
+            h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v_begin + n_full * BLOCK_V, v_end, N, V, H, b_it,
+            b_c, b_m, b_s, b_a, b_mn, True, HAS_CACHE, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA,
+            BLOCK_N, BLOCK_V, BLOCK_K, CACHE_COLS)
 
     p_part = part + i_s * N + o_n
     stride = stride_part  # n_splits * N, from the host (a scalar 1 arrives as a constexpr)
     tl.store(p_part, b_m * b_it, mask=m_n)
     tl.store(p_part + stride, b_s, mask=m_n)
     tl.store(p_part + 2 * stride, b_a * LN2, mask=m_n)
-    tl.store(p_part + 3 * stride, b_zy * b_it, mask=m_n)
-    tl.store(p_part + 4 * stride, b_mn * b_it, mask=m_n)
+    tl.store(p_part + 3 * stride, b_mn * b_it, mask=m_n)
+
+
+@triton.jit
+def lce_label_logit_kernel(h, w, y, inv_t, out, N, H, scale, HAS_INV_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+    """out[n] = (h[n] . w[y[n]]) * inv_t[n] in fp32 where y[n] >= 0 (label owned by the shard), else 0.
+    Products of the (exactly upcast) inputs summed in fp32: the same value as the GEMM's logit up to
+    summation order (~1e-7 relative)."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    b_y = tl.load(y + o_n, mask=m_n, other=-1)
+    m_own = m_n & (b_y >= 0)
+    o_y = tl.maximum(b_y, 0).to(tl.int64)
+    b_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m = m_own[:, None] & (o_k < H)[None, :]
+        b_h = tl.load(h + o_n[:, None] * H + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        b_w = tl.load(w + o_y[:, None] * H + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        b_acc += tl.sum(b_h * b_w, 1)
+    if HAS_INV_T:
+        b_it = tl.load(inv_t + o_n, mask=m_n, other=1.0)
+    else:
+        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + scale
+    tl.store(out + o_n, b_acc * b_it, mask=m_n)
 
 
 @triton.jit
 def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, BLOCK_N: tl.constexpr):
-    """out: fp32 [5, N] = (m, s, a, zy, mn) over all splits, merged in split order (deterministic)."""
+    """out: fp32 [5, N] = (m, s, a, zy, mn): m, s, a, mn merged over the splits in split order
+    (deterministic); the zy row is lce_label_logit_kernel's."""
     i_n = tl.program_id(0).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -181,16 +220,14 @@ def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, BLOCK_N: tl.conste
     for i_s in range(0, n_splits):
         p = part + i_s * N + o_n
         b_m = tl.maximum(b_m, tl.load(p, mask=m_n, other=float("-inf")))
-        b_mn = tl.minimum(b_mn, tl.load(p + 4 * stride, mask=m_n, other=float("inf")))
+        b_mn = tl.minimum(b_mn, tl.load(p + 3 * stride, mask=m_n, other=float("inf")))
     b_s = tl.zeros([BLOCK_N], dtype=tl.float32)
     b_a = tl.zeros([BLOCK_N], dtype=tl.float32)
-    b_zy = tl.zeros([BLOCK_N], dtype=tl.float32)
     for i_s in range(0, n_splits):
         p = part + i_s * N + o_n
         b_mi = tl.load(p, mask=m_n, other=0.0)
         b_si = tl.load(p + stride, mask=m_n, other=0.0)
         b_ai = tl.load(p + 2 * stride, mask=m_n, other=0.0)
-        b_zy += tl.load(p + 3 * stride, mask=m_n, other=0.0)
         b_dm = b_mi - b_m
         b_f = tl.exp(b_dm)
         b_s += b_si * b_f
@@ -203,36 +240,33 @@ def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, BLOCK_N: tl.conste
     tl.store(p_out, b_m, mask=m_n)
     tl.store(p_out + N, b_s, mask=m_n)
     tl.store(p_out + 2 * N, b_a, mask=m_n)
-    tl.store(p_out + 3 * N, b_zy, mask=m_n)
     tl.store(p_out + 4 * N, b_mn, mask=m_n)
 
 
 @triton.jit
 def lce_bwd_kernel(
-    h, w, d_h, d_w, y, inv_t, lse, ent, g_lp, g_ent, z_cache, dl,
-    N, H, V, v_begin, width, stride_dl, scale,
+    h, w, d_h, d_w, inv_t, lse, ent, g_lp, g_ent, z_cache, dl,
+    N, H, V, v_begin, width, stride_dl, tiles_per_program, scale,
     HAS_INV_T: tl.constexpr, USE_CACHE: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    CACHE_COLS: tl.constexpr,
 ):
     """dl[n, j - v_begin] = dz[n, j] * inv_t[n] for the chunk j in [v_begin, v_begin + width).
 
     dz_j = g_lp (1[j = y] - p_j) - g_ent p_j (log p_j + ent), p_j = exp(z_j - lse). In base 2 with
     x = log2(e) (z_j - lse): d_logits = -p (A + B x) + C 1[j = y], A = (g_lp + g_ent ent) / T,
-    B = ln2 g_ent / T, C = g_lp / T. V is the cache row stride (valid columns of the shard)."""
+    B = ln2 g_ent / T, C = g_lp / T. This kernel writes -p (A + B x); lce_bwd_label_kernel adds C.
+    V is the number of valid columns of the shard."""
     i_pid = tl.program_id(0)
     n_blocks_n = tl.cdiv(N, BLOCK_N)
     n_blocks_v = tl.cdiv(width, BLOCK_V)
-    i_n, i_v = _tile_coords(i_pid, n_blocks_n, n_blocks_v, GROUP_N)
+    n_groups = tl.cdiv(n_blocks_v, tiles_per_program)
+    i_n, i_g = _tile_coords(i_pid, n_blocks_n, n_groups, GROUP_N)
     row0 = i_n * BLOCK_N
     o_n = row0.to(tl.int64) + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_nc = tl.minimum(o_n, N - 1)
-    o_j = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # int32: column inside the chunk
-    m_j = o_j < width
-    o_v = v_begin + o_j  # int32: column inside the shard
-
-    b_y = tl.load(y + o_nc)
     if HAS_INV_T:
         b_it = tl.load(inv_t + o_nc)
     else:
@@ -243,19 +277,42 @@ def lce_bwd_kernel(
     b_gent = tl.load(g_ent + o_nc)
     b_A = (b_glp + b_gent * b_ent) * b_it
     b_B = b_gent * b_it * LN2
-    b_C = b_glp * b_it
 
-    if USE_CACHE:
-        p_c = z_cache + o_nc[:, None] * V + tl.minimum(o_v, V - 1).to(tl.int64)[None, :]
-        b_z = tl.load(p_c)
-        b_x = (b_z - b_lse[:, None]) * LOG2E
+    # consecutive vocab tiles of one token block: the next tile's loads start while this one's
+    # d_logits stores drain
+    for i_v in range(i_g * tiles_per_program, tl.minimum(i_g * tiles_per_program + tiles_per_program, n_blocks_v)):
+        o_j = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # int32: column inside the chunk
+        m_j = o_j < width
+        o_v = v_begin + o_j  # int32: column inside the shard
+        if USE_CACHE:
+            b_z = tl.load(z_cache + _cache_offsets(o_nc, tl.minimum(o_v, V - 1), N, CACHE_COLS))
+            b_x = (b_z - b_lse[:, None]) * LOG2E
+        else:
+            o_vc = tl.minimum(o_v, V - 1).to(tl.int64)
+            b_r = _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, v_begin + i_v * BLOCK_V, H, BLOCK_N, BLOCK_V,
+                               BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA)
+            b_x = b_r * (b_it * LOG2E)[:, None] - (b_lse * LOG2E)[:, None]
+        b_p = tl.exp2(b_x)
+        b_dl = -b_p * (b_A[:, None] + b_B[:, None] * b_x)
+        p_dl = dl + o_n[:, None] * stride_dl + o_j[None, :]
+        tl.store(p_dl, b_dl.to(dl.dtype.element_ty), mask=m_n[:, None] & m_j[None, :])
+
+
+@triton.jit
+def lce_bwd_label_kernel(dl, y, inv_t, g_lp, N, v_begin, width, stride_dl, scale, HAS_INV_T: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    """dl[n, y[n] - v_begin] += g_lp[n] * inv_t[n] where the label falls inside this chunk (runs after
+    lce_bwd_kernel on the same stream; one element per row, so no write conflicts)."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_j = tl.load(y + o_n, mask=m_n, other=-1) - v_begin
+    m = m_n & (o_j >= 0) & (o_j < width)
+    if HAS_INV_T:
+        b_it = tl.load(inv_t + o_n, mask=m, other=0.0)
     else:
-        o_vc = tl.minimum(o_v, V - 1).to(tl.int64)
-        b_r = _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, v_begin + i_v * BLOCK_V, H, BLOCK_N, BLOCK_V,
-                           BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA)
-        b_x = b_r * (b_it * LOG2E)[:, None] - (b_lse * LOG2E)[:, None]
-    b_p = tl.exp2(b_x)
-    b_dl = -b_p * (b_A[:, None] + b_B[:, None] * b_x)
-    b_dl += tl.where(o_v[None, :] == b_y[:, None], b_C[:, None], 0.0)
-    p_dl = dl + o_n[:, None] * stride_dl + o_j[None, :]
-    tl.store(p_dl, b_dl.to(dl.dtype.element_ty), mask=m_n[:, None] & m_j[None, :])
+        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + scale
+    b_c = tl.load(g_lp + o_n, mask=m, other=0.0) * b_it
+    p = dl + o_n * stride_dl + tl.maximum(o_j, 0)
+    b = tl.load(p, mask=m, other=0.0).to(tl.float32) + b_c
+    tl.store(p, b.to(dl.dtype.element_ty), mask=m)

@@ -13,8 +13,8 @@ Backward, per vocab chunk [c0, c1) of the shard (fixed chunk order, no atomics: 
                         fp32 output via torch's out_dtype GEMMs)
 
 Extra device memory (bytes), beyond inputs and the returned gradients:
-    forward   20·N·n_splits + 24·N            (partials, merged stats, int32 labels)
-              + 4·N·shard_valid               only when the logits cache is kept
+    forward   16·N·n_splits + 24·N            (partials, merged stats, int32 labels)
+              + 4·N·ceil(shard_valid / 256)·256   only when the logits cache is kept
     backward  N·V_chunk·e  <=  max(B, 256·N·e),  B = min(WORKSPACE_BYTES, max(MIN_WORKSPACE_BYTES,
               BACKWARD_BYTES - 4·N·H)), with e = 2 (bf16/fp16) or 4 (fp32, interpreter) and
               V_chunk = shard_valid split into the fewest equal multiples of 256 that fit B
@@ -34,7 +34,8 @@ import triton
 from ...types import LCEParams
 from ..base import ShardStats, scalar_inv_t
 from . import configs
-from .kernels import lce_bwd_kernel, lce_fwd_kernel, lce_fwd_merge_kernel
+from .kernels import (lce_bwd_kernel, lce_bwd_label_kernel, lce_fwd_kernel, lce_fwd_merge_kernel,
+                      lce_label_logit_kernel)
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -180,19 +181,23 @@ class TritonBackend:
 
         cfg = configs.tile("fwd", fp32=hidden.dtype == torch.float32, interpret=INTERPRET, H=H)
         split_v, n_splits = _split_plan(N, valid, cfg.block_n, _slots(dev), INTERPRET)
-        part = _alloc((5, n_splits, N), torch.float32, dev)
-        cache = _alloc((N, valid), torch.float32, dev) if use_cache else None
+        part = _alloc((4, n_splits, N), torch.float32, dev)
+        cache = _alloc(_cache_shape(N, valid), torch.float32, dev) if use_cache else None
         out = _alloc((5, N), torch.float32, dev)
         grid = (triton.cdiv(N, cfg.block_n) * n_splits,)
         d_h, d_w = _descriptors(hidden, weight[:valid], cfg)
         with _device_ctx(dev):
             lce_fwd_kernel[grid](
-                hidden, weight, d_h, d_w, y, it if it is not None else part, part, cache if use_cache else part,
+                hidden, weight, d_h, d_w, it if it is not None else part, part, cache if use_cache else part,
                 N, H, valid, split_v, n_splits, n_splits * N, scale,
                 HAS_INV_T=it is not None, HAS_CACHE=use_cache, EVEN_K=H % cfg.block_k == 0,
                 UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
                 BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
-                **_launch_opts(cfg),
+                CACHE_COLS=configs.CACHE_COLS, **_launch_opts(cfg),
+            )
+            lce_label_logit_kernel[(triton.cdiv(N, configs.LABEL_BLOCK_N),)](
+                hidden, weight, y, it if it is not None else part, out[3], N, H, scale, HAS_INV_T=it is not None,
+                BLOCK_N=configs.LABEL_BLOCK_N, BLOCK_K=configs.LABEL_BLOCK_K, num_warps=4,
             )
             lce_fwd_merge_kernel[(triton.cdiv(N, configs.MERGE_BLOCK_N),)](
                 part, out, N, n_splits, n_splits * N, BLOCK_N=configs.MERGE_BLOCK_N, num_warps=4,
@@ -219,9 +224,9 @@ class TritonBackend:
             if dw is not None:
                 dw.zero_()
             return dh, dw
-        if cache is not None and (not torch.is_tensor(cache) or cache.shape != (N, valid)):
-            raise ValueError(f"triton backend: logits cache must be fp32 [N, shard_valid]=({N}, {valid}), "
-                             f"got {getattr(cache, 'shape', type(cache))}")
+        if cache is not None and (not torch.is_tensor(cache) or tuple(cache.shape) != _cache_shape(N, valid)):
+            raise ValueError(f"triton backend: logits cache must be this backend's fp32 "
+                             f"{_cache_shape(N, valid)} forward cache, got {getattr(cache, 'shape', type(cache))}")
         hidden, weight = hidden.contiguous(), weight.contiguous()
         y = _local_labels(labels, params)
         it = inv_t.to(torch.float32).contiguous() if inv_t is not None else None
@@ -240,15 +245,20 @@ class TritonBackend:
             for c0 in range(0, valid, chunk):
                 width = min(chunk, valid - c0)
                 dl = ws[: N * width].view(N, width)
-                grid = (triton.cdiv(N, cfg.block_n) * triton.cdiv(width, cfg.block_v),)
+                tpp = configs.BWD_TILES_PER_PROGRAM
+                grid = (triton.cdiv(N, cfg.block_n) * triton.cdiv(triton.cdiv(width, cfg.block_v), tpp),)
                 lce_bwd_kernel[grid](
-                    hidden, weight, d_h, d_w, y, it if it is not None else vecs[0], *vecs,
+                    hidden, weight, d_h, d_w, it if it is not None else vecs[0], *vecs,
                     cache if cache is not None else vecs[0], dl,
-                    N, H, valid, c0, width, width, scale,
+                    N, H, valid, c0, width, width, tpp, scale,
                     HAS_INV_T=it is not None, USE_CACHE=cache is not None, EVEN_K=H % cfg.block_k == 0,
                     UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
                     BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
-                    **_launch_opts(cfg),
+                    CACHE_COLS=configs.CACHE_COLS, **_launch_opts(cfg),
+                )
+                lce_bwd_label_kernel[(triton.cdiv(N, configs.LABEL_FIX_BLOCK_N),)](
+                    dl, y, it if it is not None else vecs[0], vecs[2], N, c0, width, width, scale,
+                    HAS_INV_T=it is not None, BLOCK_N=configs.LABEL_FIX_BLOCK_N, num_warps=4,
                 )
                 if dw is not None:
                     gemm.d_weight(dl, dw[c0:c0 + width])
@@ -267,6 +277,17 @@ def _chunk_width(N: int, H: int, valid: int, esize: int, block_v: int = 256) -> 
     tiles = triton.cdiv(valid, unit)
     n_chunks = triton.cdiv(tiles, t_max)
     return int(triton.cdiv(tiles, n_chunks) * unit)
+
+
+def _cache_shape(N: int, valid: int) -> Tuple[int, int, int]:
+    """The forward's logits cache: column slabs [ceil(valid / CACHE_COLS), N, CACHE_COLS] (kernels.py)."""
+    return (triton.cdiv(valid, configs.CACHE_COLS), N, configs.CACHE_COLS)
+
+
+def cache_logits(cache: torch.Tensor, valid: int) -> torch.Tensor:
+    """The cached fp32 tempered logits as an [N, valid] view-copy (for tests and debugging)."""
+    t, n, c = cache.shape
+    return cache.permute(1, 0, 2).reshape(n, t * c)[:, :valid]
 
 
 def _empty_stats(N: int, dev) -> ShardStats:
