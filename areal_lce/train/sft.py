@@ -112,9 +112,10 @@ def _train(cfg: JobConfig, dist_info, engine_factory) -> dict:
     metrics = MetricsLog(out / "metrics.jsonl", enabled=is_main, resume_step=start)
     if is_main:
         route = "fused linear op" if cfg.engine.use_fused_linear_ce else "materialised logits"
-        print(f"[sft] {len(dataset)} examples, tokenizer {tok.name} ({tok.vocab_size} ids), "
-                  f"world {dist_info.world_size} = TP {dist_info.tp_size} x PP {dist_info.pp_size} x DP {dp_size}, "
-                  f"LM-head route: {route}" + (f", resumed from {resume_from} (step {start})" if resume_from else ""), flush=True)
+        resumed = f", resumed from {resume_from} (step {start})" if resume_from else ""
+        print(f"[sft] {len(dataset)} examples, tokenizer {tok.name} ({tok.vocab_size} ids), world "
+              f"{dist_info.world_size} = TP {dist_info.tp_size} x PP {dist_info.pp_size} x DP {dp_size}, "
+              f"LM-head route: {route}{resumed}", flush=True)
     bar = ProgressBar(tr.steps, initial=start, enabled=tr.progress, is_main=is_main, desc="sft")
 
     groups = _metric_groups(dist_info)
