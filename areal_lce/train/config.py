@@ -110,7 +110,8 @@ class TrainerConfig:
                                   "as if the process were killed (0: off); used to exercise resume")
     )
     log_interval: int = field(default=1, metadata=_help("print a metrics line every this many steps"))
-    seed: int = field(default=1234, metadata=_help("seed of the trainer (torch/python RNG before the engine)"))
+    seed: int = field(default=1234, metadata=_help("seeds python's and torch's RNGs once the engine is built "
+                                                   "(engine.seed seeds the model init)"))
     progress: bool = field(default=True, metadata=_help("show a tqdm progress bar on rank 0"))
     plot: bool = field(default=True, metadata=_help("write metrics.png (matplotlib) at the end of the run"))
     sample_prompts: int = field(
