@@ -37,7 +37,6 @@ MIN_PROGRAMS_PER_SM = 4  # forward: split the vocabulary until the grid has this
 MAX_SPLIT = 8192  # forward: cap on split width, so large N still gets a few splits (tail balance)
 BWD_TILES_PER_PROGRAM = 1  # backward: consecutive vocab tiles per program
 MERGE_BLOCK_N = 128
-LABEL_BLOCK_N, LABEL_BLOCK_K = 32, 128  # z_label: one row dot per token
 LABEL_FIX_BLOCK_N = 256  # backward one-hot term
 CACHE_COLS = 256  # logits-cache column slab (kernels.py): one [BLOCK_N, 256] tile is contiguous
 

@@ -5,18 +5,20 @@ No allocation or host logic here (launch.py owns both):
   lce_fwd_kernel        one program = BLOCK_N tokens x one vocab split of SPLIT_V columns. For each
                         BLOCK_V tile it runs a tensor-core GEMM over H (fp32 accumulator) and folds the
                         tile into running per-token statistics (online softmax). Writes per-split
-                        partials (m, s, a, mn), and optionally the fp32 tempered logits (cache).
-  lce_label_logit_kernel  z_label per token (one row dot over H), so the forward's per-element epilogue
-                        carries no label compare.
+                        partials (m, s, a, zy, mn), and optionally the fp32 tempered logits (cache).
+                        z_label comes from the same accumulator as the max and the sum, so logprob =
+                        z_label - lse keeps their rounding correlated (a separate row dot measured 7x
+                        worse max |dlogp| on an H100, benchmark/notes.md).
   lce_fwd_merge_kernel  merges the per-split partials of each token in a fixed split order.
   lce_bwd_kernel        recomputes (or reads from the cache) one logits tile in fp32 registers and
                         writes d_logits = dz / T without the one-hot term into a [N, V_chunk] workspace.
   lce_bwd_label_kernel  adds the one-hot term g_lp / T at each row's label column of the chunk;
                         cuBLAS does the rest.
 
-Cache layout. The fp32 logits cache is column-slab major, [ceil(V / CACHE_COLS), N, CACHE_COLS]: a
-[BLOCK_N, CACHE_COLS] tile is one contiguous block, so reading a 20 GB cache back touches few pages
-per program (a row-major [N, V] cache strides 600 KB between rows at V=151936).
+Cache layout. The fp32 logits cache is column-slab major, [ceil(V / CACHE_COLS), N, CACHE_COLS], and
+BLOCK_V divides CACHE_COLS: a tile's addresses are a slab base plus row * CACHE_COLS plus a column
+arange, so the loads and stores vectorise (no clamps or div/mod per element), and a [BLOCK_N,
+CACHE_COLS] tile is one contiguous block.
 
 Units. The accumulator holds raw logits r = h . w. With c = inv_t * log2(e), the softmax terms are
 exp2((r - r_max) * c); subtracting in raw units first keeps (r - r_max) exact near the max. The partial
@@ -85,8 +87,8 @@ def _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, col0, H, BLOCK_N: tl.constexp
 
 
 @triton.jit
-def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, N, V, H, b_it, b_c,
-              b_m, b_s, b_a, b_mn,
+def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, N, V, H, b_y, b_it, b_c,
+              b_m, b_s, b_a, b_zy, b_mn,
               MASKED: tl.constexpr, HAS_CACHE: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, CACHE_COLS: tl.constexpr):
@@ -97,11 +99,12 @@ def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, N, V, H,
     b_r = _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, v0, H, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, UPCAST,
                        DOT_PRECISION, USE_TMA)
     if HAS_CACHE:
-        p_c = z_cache + _cache_offsets(o_n, o_v, N, CACHE_COLS)
+        p_c = _cache_tile(z_cache, o_n, v0, N, BLOCK_V, CACHE_COLS)
         if MASKED:
             tl.store(p_c, b_r * b_it[:, None], mask=m_n[:, None] & (o_v < v_end)[None, :])
         else:
             tl.store(p_c, b_r * b_it[:, None], mask=m_n[:, None])
+    b_zy += tl.sum(tl.where(o_v[None, :] == b_y[:, None], b_r, 0.0), 1)
     if MASKED:
         m_v = o_v < v_end
         b_mn = tl.minimum(b_mn, tl.min(tl.where(m_v[None, :], b_r, float("inf")), 1))
@@ -119,27 +122,30 @@ def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, N, V, H,
     b_alpha = tl.exp2(b_dm)
     b_a = b_alpha * (b_a + tl.where(b_s == 0.0, 0.0, b_dm * b_s)) + b_de
     b_s = b_s * b_alpha + tl.sum(b_e, 1)
-    return b_mnew, b_s, b_a, b_mn
+    return b_mnew, b_s, b_a, b_zy, b_mn
 
 
 @triton.jit
-def _cache_offsets(o_n, o_v, N, CACHE_COLS: tl.constexpr):
-    """Element offsets of (rows o_n, columns o_v) in the [ceil(V / CACHE_COLS), N, CACHE_COLS] cache."""
-    o_v = o_v.to(tl.int64)
-    return (o_v // CACHE_COLS)[None, :] * (N * CACHE_COLS) + o_n[:, None] * CACHE_COLS + (o_v % CACHE_COLS)[None, :]
+def _cache_tile(z_cache, o_n, col0, N, BLOCK_V: tl.constexpr, CACHE_COLS: tl.constexpr):
+    """Pointers of rows o_n x columns [col0, col0 + BLOCK_V) in the [ceil(V / CACHE_COLS), N, CACHE_COLS]
+    cache (col0 is a multiple of BLOCK_V, which divides CACHE_COLS)."""
+    # col0 % CACHE_COLS is a multiple of BLOCK_V; saying so lets the loads and stores vectorise
+    off = tl.multiple_of((col0 // CACHE_COLS).to(tl.int64) * N * CACHE_COLS + col0 % CACHE_COLS, 16)
+    return z_cache + off + o_n[:, None] * CACHE_COLS + tl.arange(0, BLOCK_V)[None, :]
 
 
 @triton.jit
 def lce_fwd_kernel(
-    h, w, d_h, d_w, inv_t, part, z_cache,
+    h, w, d_h, d_w, y, inv_t, part, z_cache,
     N, H, V, SPLIT_V, n_splits, stride_part, scale,
     HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     CACHE_COLS: tl.constexpr,
 ):
-    """part: fp32 [4, n_splits, N] = (m, s, a, mn) of each split; z_cache: fp32 cache (module
-    docstring) or unused. V here is the number of valid columns.
+    """part: fp32 [5, n_splits, N] = (m, s, a, zy, mn) of each split; z_cache: fp32 cache (module
+    docstring) or unused. V here is the number of valid columns; y holds local label columns (int32,
+    -1 = not owned).
     d_h / d_w: TMA descriptors of hidden [N, H] and weight [V, H] when USE_TMA, else unused."""
     i_pid = tl.program_id(0)
     n_blocks_n = tl.cdiv(N, BLOCK_N)
@@ -148,6 +154,7 @@ def lce_fwd_kernel(
     o_n = row0.to(tl.int64) + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_nc = tl.minimum(o_n, N - 1)
+    b_y = tl.load(y + o_nc)
     if HAS_INV_T:
         b_it = tl.load(inv_t + o_nc)
     else:
@@ -157,20 +164,21 @@ def lce_fwd_kernel(
     b_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)  # raw units
     b_s = tl.zeros([BLOCK_N], dtype=tl.float32)
     b_a = tl.zeros([BLOCK_N], dtype=tl.float32)  # base-2 units, relative to b_m
+    b_zy = tl.zeros([BLOCK_N], dtype=tl.float32)  # raw units
     b_mn = tl.full([BLOCK_N], float("inf"), dtype=tl.float32)  # raw units
 
     v_begin = i_s * SPLIT_V
     v_end = tl.minimum(v_begin + SPLIT_V, V)
     n_full = (v_end - v_begin) // BLOCK_V
     for i_t in range(0, n_full):
-        b_m, b_s, b_a, b_mn = _fwd_tile(
-            h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v_begin + i_t * BLOCK_V, v_end, N, V, H, b_it, b_c,
-            b_m, b_s, b_a, b_mn, False, HAS_CACHE, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA,
+        b_m, b_s, b_a, b_zy, b_mn = _fwd_tile(
+            h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v_begin + i_t * BLOCK_V, v_end, N, V, H, b_y, b_it,
+            b_c, b_m, b_s, b_a, b_zy, b_mn, False, HAS_CACHE, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA,
             BLOCK_N, BLOCK_V, BLOCK_K, CACHE_COLS)
     if v_begin + n_full * BLOCK_V < v_end:
-        b_m, b_s, b_a, b_mn = _fwd_tile(
-            h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v_begin + n_full * BLOCK_V, v_end, N, V, H, b_it,
-            b_c, b_m, b_s, b_a, b_mn, True, HAS_CACHE, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA,
+        b_m, b_s, b_a, b_zy, b_mn = _fwd_tile(
+            h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v_begin + n_full * BLOCK_V, v_end, N, V, H, b_y, b_it,
+            b_c, b_m, b_s, b_a, b_zy, b_mn, True, HAS_CACHE, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA,
             BLOCK_N, BLOCK_V, BLOCK_K, CACHE_COLS)
 
     p_part = part + i_s * N + o_n
@@ -178,39 +186,13 @@ def lce_fwd_kernel(
     tl.store(p_part, b_m * b_it, mask=m_n)
     tl.store(p_part + stride, b_s, mask=m_n)
     tl.store(p_part + 2 * stride, b_a * LN2, mask=m_n)
-    tl.store(p_part + 3 * stride, b_mn * b_it, mask=m_n)
-
-
-@triton.jit
-def lce_label_logit_kernel(h, w, y, inv_t, out, N, H, scale, HAS_INV_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
-    """out[n] = (h[n] . w[y[n]]) * inv_t[n] in fp32 where y[n] >= 0 (label owned by the shard), else 0.
-    Products of the (exactly upcast) inputs summed in fp32: the same value as the GEMM's logit up to
-    summation order (~1e-7 relative)."""
-    i_n = tl.program_id(0).to(tl.int64)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    b_y = tl.load(y + o_n, mask=m_n, other=-1)
-    m_own = m_n & (b_y >= 0)
-    o_y = tl.maximum(b_y, 0).to(tl.int64)
-    b_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
-        m = m_own[:, None] & (o_k < H)[None, :]
-        b_h = tl.load(h + o_n[:, None] * H + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-        b_w = tl.load(w + o_y[:, None] * H + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-        b_acc += tl.sum(b_h * b_w, 1)
-    if HAS_INV_T:
-        b_it = tl.load(inv_t + o_n, mask=m_n, other=1.0)
-    else:
-        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + scale
-    tl.store(out + o_n, b_acc * b_it, mask=m_n)
+    tl.store(p_part + 3 * stride, b_zy * b_it, mask=m_n)
+    tl.store(p_part + 4 * stride, b_mn * b_it, mask=m_n)
 
 
 @triton.jit
 def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, BLOCK_N: tl.constexpr):
-    """out: fp32 [5, N] = (m, s, a, zy, mn): m, s, a, mn merged over the splits in split order
-    (deterministic); the zy row is lce_label_logit_kernel's."""
+    """out: fp32 [5, N] = (m, s, a, zy, mn) over all splits, merged in split order (deterministic)."""
     i_n = tl.program_id(0).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -220,14 +202,16 @@ def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, BLOCK_N: tl.conste
     for i_s in range(0, n_splits):
         p = part + i_s * N + o_n
         b_m = tl.maximum(b_m, tl.load(p, mask=m_n, other=float("-inf")))
-        b_mn = tl.minimum(b_mn, tl.load(p + 3 * stride, mask=m_n, other=float("inf")))
+        b_mn = tl.minimum(b_mn, tl.load(p + 4 * stride, mask=m_n, other=float("inf")))
     b_s = tl.zeros([BLOCK_N], dtype=tl.float32)
     b_a = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_zy = tl.zeros([BLOCK_N], dtype=tl.float32)
     for i_s in range(0, n_splits):
         p = part + i_s * N + o_n
         b_mi = tl.load(p, mask=m_n, other=0.0)
         b_si = tl.load(p + stride, mask=m_n, other=0.0)
         b_ai = tl.load(p + 2 * stride, mask=m_n, other=0.0)
+        b_zy += tl.load(p + 3 * stride, mask=m_n, other=0.0)
         b_dm = b_mi - b_m
         b_f = tl.exp(b_dm)
         b_s += b_si * b_f
@@ -240,6 +224,7 @@ def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, BLOCK_N: tl.conste
     tl.store(p_out, b_m, mask=m_n)
     tl.store(p_out + N, b_s, mask=m_n)
     tl.store(p_out + 2 * N, b_a, mask=m_n)
+    tl.store(p_out + 3 * N, b_zy, mask=m_n)
     tl.store(p_out + 4 * N, b_mn, mask=m_n)
 
 
@@ -285,7 +270,9 @@ def lce_bwd_kernel(
         m_j = o_j < width
         o_v = v_begin + o_j  # int32: column inside the shard
         if USE_CACHE:
-            b_z = tl.load(z_cache + _cache_offsets(o_nc, tl.minimum(o_v, V - 1), N, CACHE_COLS))
+            # unmasked: clamped rows, and a slab is allocated CACHE_COLS wide, so the columns past the
+            # shard's end are readable (their values are never stored); no mask keeps the loads vectorised
+            b_z = tl.load(_cache_tile(z_cache, o_nc, v_begin + i_v * BLOCK_V, N, BLOCK_V, CACHE_COLS))
             b_x = (b_z - b_lse[:, None]) * LOG2E
         else:
             o_vc = tl.minimum(o_v, V - 1).to(tl.int64)

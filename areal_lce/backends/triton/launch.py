@@ -13,7 +13,7 @@ Backward, per vocab chunk [c0, c1) of the shard (fixed chunk order, no atomics: 
                         fp32 output via torch's out_dtype GEMMs)
 
 Extra device memory (bytes), beyond inputs and the returned gradients:
-    forward   16·N·n_splits + 24·N            (partials, merged stats, int32 labels)
+    forward   20·N·n_splits + 24·N            (partials, merged stats, int32 labels)
               + 4·N·ceil(shard_valid / 256)·256   only when the logits cache is kept
     backward  N·V_chunk·e  <=  max(B, 256·N·e),  B = min(WORKSPACE_BYTES, max(MIN_WORKSPACE_BYTES,
               BACKWARD_BYTES - 4·N·H)), with e = 2 (bf16/fp16) or 4 (fp32, interpreter) and
@@ -34,8 +34,7 @@ import triton
 from ...types import LCEParams
 from ..base import ShardStats, scalar_inv_t
 from . import configs
-from .kernels import (lce_bwd_kernel, lce_bwd_label_kernel, lce_fwd_kernel, lce_fwd_merge_kernel,
-                      lce_label_logit_kernel)
+from .kernels import lce_bwd_kernel, lce_bwd_label_kernel, lce_fwd_kernel, lce_fwd_merge_kernel
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -180,24 +179,22 @@ class TritonBackend:
         use_cache = bool(keep_cache and params.cache_bytes > 0 and N * weight.shape[0] * 4 <= params.cache_bytes)
 
         cfg = configs.tile("fwd", fp32=hidden.dtype == torch.float32, interpret=INTERPRET, H=H)
+        if configs.CACHE_COLS % cfg.block_v:
+            use_cache = False  # the cache tiles assume BLOCK_V divides CACHE_COLS (kernels.py)
         split_v, n_splits = _split_plan(N, valid, cfg.block_n, _slots(dev), INTERPRET)
-        part = _alloc((4, n_splits, N), torch.float32, dev)
+        part = _alloc((5, n_splits, N), torch.float32, dev)
         cache = _alloc(_cache_shape(N, valid), torch.float32, dev) if use_cache else None
         out = _alloc((5, N), torch.float32, dev)
         grid = (triton.cdiv(N, cfg.block_n) * n_splits,)
         d_h, d_w = _descriptors(hidden, weight[:valid], cfg)
         with _device_ctx(dev):
             lce_fwd_kernel[grid](
-                hidden, weight, d_h, d_w, it if it is not None else part, part, cache if use_cache else part,
+                hidden, weight, d_h, d_w, y, it if it is not None else part, part, cache if use_cache else part,
                 N, H, valid, split_v, n_splits, n_splits * N, scale,
                 HAS_INV_T=it is not None, HAS_CACHE=use_cache, EVEN_K=H % cfg.block_k == 0,
                 UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
                 BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
                 CACHE_COLS=configs.CACHE_COLS, **_launch_opts(cfg),
-            )
-            lce_label_logit_kernel[(triton.cdiv(N, configs.LABEL_BLOCK_N),)](
-                hidden, weight, y, it if it is not None else part, out[3], N, H, scale, HAS_INV_T=it is not None,
-                BLOCK_N=configs.LABEL_BLOCK_N, BLOCK_K=configs.LABEL_BLOCK_K, num_warps=4,
             )
             lce_fwd_merge_kernel[(triton.cdiv(N, configs.MERGE_BLOCK_N),)](
                 part, out, N, n_splits, n_splits * N, BLOCK_N=configs.MERGE_BLOCK_N, num_warps=4,
@@ -235,6 +232,9 @@ class TritonBackend:
 
         fp32 = hidden.dtype == torch.float32
         cfg = configs.tile("bwd", fp32=fp32, interpret=INTERPRET, H=H)
+        if cache is not None and configs.CACHE_COLS % cfg.block_v:
+            raise ValueError(f"triton backend: backward BLOCK_V={cfg.block_v} must divide CACHE_COLS="
+                             f"{configs.CACHE_COLS} to read the logits cache")
         ws_dtype = torch.float32 if (fp32 or INTERPRET) else hidden.dtype
         esize = torch.finfo(ws_dtype).bits // 8
         chunk = _chunk_width(N, H, valid, esize, cfg.block_v)
