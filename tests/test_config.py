@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from areal_lce.train.__main__ import DEFAULT_CONFIG
 from areal_lce.train.__main__ import main as train_main
 from areal_lce.train.__main__ import parse_args
 from areal_lce.train.config import (ConfigError, DataConfig, JobConfig, dump_yaml, format_help, iter_fields,
@@ -136,6 +137,10 @@ def test_cli_help_and_bad_override(capsys):
     assert "trainer.nope" in capsys.readouterr().err
     assert parse_args(["c.yaml", "a.b=1", "help"]) == ("c.yaml", ["a.b=1"], True)
     assert parse_args(["trainer.steps=3"]) == (None, ["trainer.steps=3"], False)
+    # no CONFIG.yaml: the embedded default, the fused route on
+    assert parse_args([]) == (None, [], False)
+    default = load_config(DEFAULT_CONFIG)
+    assert default.job == "sft" and default.engine.use_fused_linear_ce is True
 
 
 def test_empty_yaml_gives_defaults(tmp_path):
