@@ -2,8 +2,9 @@
 
     # SFT step, Qwen2.5-0.5B-shaped, one GPU
     torchrun --nproc_per_node=1 -m benchmark.bench_train --job sft --preset qwen2.5-0.5b --out DIR
-    # SFT step, Qwen2.5-7B-shaped at TP=2 (sequence parallel on)
-    torchrun --nproc_per_node=2 -m benchmark.bench_train --job sft --preset qwen2.5-7b --tp 2 --sp --out DIR
+    # SFT step, Qwen2.5-7B-shaped at TP=2 (sequence parallel on); one route per process when two
+    # models with their optimizer states would not fit one GPU together
+    torchrun --nproc_per_node=2 -m benchmark.bench_train --job sft --preset qwen2.5-7b --tp 2 --sp --routes fused --out DIR
     # one GRPO step (rollout, behaviour + reference logprob passes, PPO update), 0.5B-shaped
     torchrun --nproc_per_node=1 -m benchmark.bench_train --job grpo --preset qwen2.5-0.5b --out DIR
     # CPU smoke run: --preset tiny --device-check off
@@ -197,7 +198,8 @@ def main():
             meta["first_loss_rel_diff"] = rel
             print(f"  first-step loss relative difference {rel:.2e}")
     os.makedirs(args.out, exist_ok=True)
-    name = f"train_{args.job}_{args.preset}_tp{args.tp}.json"
+    routes = "" if len(results) == 2 else "_" + results[0]["route"]
+    name = f"train_{args.job}_{args.preset}_tp{args.tp}{routes}.json"
     with open(os.path.join(args.out, name), "w") as fh:
         json.dump({"meta": meta, "results": results}, fh, indent=1)
 
