@@ -54,7 +54,7 @@ def test_fused_and_materialised_routes_agree_on_rl_loss_and_grads(monkeypatch):
 
 
 # 16 steps of GRPO on "Say A:" (one letter: the fastest variant of the embedded task). Measured on a
-# 2-core CPU: the reward goes 0.006 -> ~0.45 by step 15 (chance level is 1/259 per character).
+# 2-core CPU: mean reward of steps 1-3 is 0.009, of steps 14-16 0.48 (chance: 1/259 per character).
 STEPS, SAVE_AT = 16, 12
 COMMON = (f"trainer.steps={STEPS}", f"trainer.save_interval={SAVE_AT}", "trainer.save_final=false",
           "rl.task_options={letters: A}")
@@ -78,7 +78,7 @@ def test_reward_rises_on_the_embedded_task(grpo_run):
     end = sum(r["reward"] for r in rows[-3:]) / 3
     print(f"reward first 3 steps {start:.4f}, last 3 steps {end:.4f}")
     assert start < 0.05  # a random-init model says the letter ~1/259 of the time
-    assert end > start + 0.15, [round(r["reward"], 4) for r in rows]
+    assert end > start + 0.25, [round(r["reward"], 4) for r in rows]
     assert rows[-1]["entropy"] < rows[0]["entropy"] - 0.3  # the policy sharpens
     assert rows[0]["kl"] < rows[-1]["kl"]  # ... and moves away from the frozen reference
     assert (out / "metrics.png").is_file() and (out / "config.yaml").is_file()

@@ -114,19 +114,21 @@ def rl_loss(stats, mb: dict, cfg) -> Tuple[torch.Tensor, Dict[str, float]]:
     `mb` is a microbatch dict as described in the module docstring; `cfg` is an `RLConfig`.
     Metrics are token means over this microbatch's response tokens, as floats.
     """
-    mask = mb["labels"] != -100
     lp, ent = stats.logprobs, stats.entropy
-    adv = mb["advantages"].to(lp.dtype)
+    dev = lp.device  # rollout tensors live on the host; the stats on the engine's device
+    mask = mb["labels"].to(dev) != -100
+    old = mb["old_logprobs"].to(dev, lp.dtype)
+    adv = mb["advantages"].to(dev, lp.dtype)
     if adv.dim() == 1:
         adv = adv[:, None]
-    pg, info = ppo_clip_loss(lp, mb["old_logprobs"], adv, clip_low=cfg.clip_eps,
+    pg, info = ppo_clip_loss(lp, old, adv, clip_low=cfg.clip_eps,
                              clip_high=cfg.clip_high, dual_clip=cfg.dual_clip)
     per_token = pg
     if cfg.entropy_coef:
         per_token = per_token - cfg.entropy_coef * ent
     kl = None
     if "ref_logprobs" in mb:
-        kl = kl_penalty(lp, mb["ref_logprobs"], cfg.kl_estimator)
+        kl = kl_penalty(lp, mb["ref_logprobs"].to(dev, lp.dtype), cfg.kl_estimator)
         if cfg.kl_coef:
             per_token = per_token + cfg.kl_coef * kl
     elif cfg.kl_coef:
@@ -150,7 +152,7 @@ def rl_loss(stats, mb: dict, cfg) -> Tuple[torch.Tensor, Dict[str, float]]:
             "ratio_max": float(ratio.max()) if ratio.numel() else 1.0,
             "ratio_min": float(ratio.min()) if ratio.numel() else 1.0,
             # k3 estimate of KL(pi || pi_behaviour): how far this update has moved off the sampler
-            "approx_kl": tok_mean(kl_penalty(lp.detach(), mb["old_logprobs"], "k3")),
+            "approx_kl": tok_mean(kl_penalty(lp.detach(), old, "k3")),
             "kl": tok_mean(kl) if kl is not None else 0.0,
         }
         # extremes of the raw (pre-temperature) vocab logits over this microbatch's response tokens
