@@ -129,3 +129,29 @@ def test_torchrun_tp2_route_parity_and_job(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(math.isfinite(r["reward"]) and math.isfinite(r["kl"]) for r in rows)
     assert len(list((out / "checkpoints" / "step_00000003" / "engine").glob("rank*.pt"))) == 2
+
+
+def test_rewards_and_tasks_hand_checked():
+    import random
+
+    from areal_lce.train import rewards, tasks
+
+    assert rewards.letter_fraction("Say A:", "AAxA", "A") == 0.75
+    assert rewards.letter_fraction("Say A:", "", "A") == 0.0
+    assert rewards.exact_match("", " 42 ", "42") == 1.0 and rewards.exact_match("", "420", "42") == 0.0
+    assert rewards.first_integer_match("", " 95, since", "95") == 1.0
+    assert rewards.first_integer_match("", "9 5", "95") == 0.0
+    assert rewards.load_reward("areal_lce.train.rewards:exact_match") is rewards.exact_match
+    with pytest.raises(ValueError, match="rl.reward_fn"):
+        rewards.load_reward("no_such_module_xyz:f")
+    # seeded sampling: the same (seed, n) gives the same prompts; answers match the prompt text
+    a = tasks.build_task("say_letter", {"letters": "AB"}).sample(6, random.Random(3))
+    assert a == tasks.build_task("say_letter", {"letters": "AB"}).sample(6, random.Random(3))
+    assert all(p.text == f"Say {p.answer}:" for p in a) and {p.answer for p in a} <= {"A", "B"}
+    for p in tasks.build_task("addition", {"lo": 1, "hi": 9}).sample(5, random.Random(0)):
+        x, y = p.text.removeprefix("Compute ").split(".")[0].split("+")
+        assert int(p.answer) == int(x) + int(y)
+    with pytest.raises(ValueError, match="rl.task"):
+        tasks.build_task("no_such_task")
+    with pytest.raises(ValueError, match="rl.task_options"):
+        tasks.build_task("say_letter", {"colour": "red"})
