@@ -2,7 +2,7 @@
 
 - fused vs materialised LM-head route: same RL loss, metrics and gradients on a fixed rollout batch,
   for every loss aggregation (TP=1 here, TP=2 in the torchrun launch below);
-- the embedded say_letter task: the reward after 16 GRPO steps is clearly above its start (seeded);
+- the embedded say_letter task: the reward after 40 GRPO steps is far above its start (seeded);
 - resume from a mid-run checkpoint reproduces the uninterrupted run's later steps;
 - one torchrun launch at tensor_parallel=2: route parity plus a 3-step run of the job via the CLI.
 """
@@ -53,11 +53,11 @@ def test_fused_and_materialised_routes_agree_on_rl_loss_and_grads(monkeypatch):
     assert len({round(x, 6) for x in losses}) == 3, losses
 
 
-# 16 steps of GRPO on "Say A:" (one letter: the fastest variant of the embedded task). Measured on a
-# 2-core CPU: mean reward of steps 1-3 is 0.009, of steps 14-16 0.48 (chance: 1/259 per character).
-STEPS, SAVE_AT = 16, 12
-COMMON = (f"trainer.steps={STEPS}", f"trainer.save_interval={SAVE_AT}", "trainer.save_final=false",
-          "rl.task_options={letters: A}")
+# 40 GRPO steps of configs/grpo_tiny.yaml ("Say A:" / "Say B:"). Recorded run (docs/rl.md): mean reward
+# of steps 1-3 is 0.005, of steps 38-40 0.96. Always saying one letter earns at most 0.5, so passing
+# 0.75 also shows the policy reads the prompt's letter.
+STEPS, SAVE_AT = 40, 36
+COMMON = (f"trainer.steps={STEPS}", f"trainer.save_interval={SAVE_AT}", "trainer.save_final=false")
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_reward_rises_on_the_embedded_task(grpo_run):
     end = sum(r["reward"] for r in rows[-3:]) / 3
     print(f"reward first 3 steps {start:.4f}, last 3 steps {end:.4f}")
     assert start < 0.05  # a random-init model says the letter ~1/259 of the time
-    assert end > start + 0.25, [round(r["reward"], 4) for r in rows]
+    assert end > 0.75, [round(r["reward"], 4) for r in rows]
     assert rows[-1]["entropy"] < rows[0]["entropy"] - 0.3  # the policy sharpens
     assert rows[0]["kl"] < rows[-1]["kl"]  # ... and moves away from the frozen reference
     assert (out / "metrics.png").is_file() and (out / "config.yaml").is_file()
