@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Optional, Tuple
+from typing import Any, Tuple
 
 import torch
 import triton
