@@ -327,9 +327,9 @@ def sweep(shapes, args):
     from areal_lce.backends.triton import configs
     from areal_lce.backends.triton.configs import TileConfig as T
 
-    cands = [  # (tile, TMA loads, backward tiles per program, TMA store of d_logits)
-        (T(128, 256, 64, 16, 8, 3), True, 1, True), (T(128, 256, 64, 16, 8, 3), True, 1, False),
-        (T(128, 256, 64, 16, 8, 3), True, 2, True),
+    cands = [  # (tile, TMA loads, backward tiles per program)
+        (T(128, 256, 64, 16, 8, 3), True, 1), (T(128, 256, 64, 16, 8, 3), False, 1),
+        (T(128, 128, 64, 16, 8, 4), True, 1), (T(128, 256, 64, 16, 8, 3), True, 2),
     ]
     rows = []
     for name, (N, H, V) in shapes:
@@ -346,14 +346,13 @@ def sweep(shapes, args):
         st = be.forward(h, W, y, None, p, False)
         lse, ent = st.m + st.s.log(), st.s.log() - st.a / st.s
         gg = -torch.ones(N, device=h.device)
-        for c, tma, tpp, tma_store in cands:
+        for c, tma, tpp in cands:
             for kind in ("fwd", "bwd"):
-                if kind == "fwd" and (tpp != 1 or not tma_store):
+                if kind == "fwd" and tpp != 1:
                     continue
                 configs.override(**{kind: c})
                 configs.USE_TMA = tma
                 configs.BWD_TILES_PER_PROGRAM = tpp
-                configs.TMA_STORE = tma_store
                 orig = launch._Gemms.d_weight, launch._Gemms.d_hidden
                 try:
                     if kind == "fwd":
@@ -363,8 +362,7 @@ def sweep(shapes, args):
                         launch._Gemms.d_hidden = lambda self, dl, w, dh, first: None
                         ms = bench(lambda: be.backward(h, W, y, None, p, None, lse, ent, gg, gg, True, True),
                                    rep=200)["ms"]
-                    rows.append({"shape": name, "kind": kind, "tile": str(c), "tma": tma, "tpp": tpp,
-                                 "tma_store": tma_store, "ms": ms,
+                    rows.append({"shape": name, "kind": kind, "tile": str(c), "tma": tma, "tpp": tpp, "ms": ms,
                                  "x_gemm": ms / fl["fwd_gemm"]})
                 except Exception as e:  # noqa: BLE001
                     rows.append({"shape": name, "kind": kind, "tile": str(c), "tma": tma,
@@ -374,7 +372,6 @@ def sweep(shapes, args):
                     configs.override()
                     configs.USE_TMA = True
                     configs.BWD_TILES_PER_PROGRAM = 1
-                    configs.TMA_STORE = True
                 log(json.dumps(rows[-1]))
         clean()
     return rows

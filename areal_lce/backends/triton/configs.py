@@ -49,7 +49,6 @@ MIN_WORKSPACE_BYTES = 64 * (1 << 20)
 
 # Load GEMM operands with TMA tensor descriptors where the layout allows (else pointer loads).
 USE_TMA = os.environ.get("AREAL_LCE_TRITON_TMA", "1") == "1"
-TMA_STORE = os.environ.get("AREAL_LCE_TRITON_TMA_STORE", "1") == "1"  # backward d_logits tiles
 
 _OVERRIDES: dict = {}
 

@@ -230,10 +230,10 @@ def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, BLOCK_N: tl.conste
 
 @triton.jit
 def lce_bwd_kernel(
-    h, w, d_h, d_w, inv_t, lse, ent, g_lp, g_ent, z_cache, dl, d_dl,
+    h, w, d_h, d_w, inv_t, lse, ent, g_lp, g_ent, z_cache, dl,
     N, H, V, v_begin, width, stride_dl, tiles_per_program, scale,
     HAS_INV_T: tl.constexpr, USE_CACHE: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, TMA_STORE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     CACHE_COLS: tl.constexpr,
 ):
@@ -281,11 +281,8 @@ def lce_bwd_kernel(
             b_x = b_r * (b_it * LOG2E)[:, None] - (b_lse * LOG2E)[:, None]
         b_p = tl.exp2(b_x)
         b_dl = -b_p * (b_A[:, None] + b_B[:, None] * b_x)
-        if TMA_STORE:  # asynchronous bulk store through the [N, width] descriptor (clips the edges)
-            d_dl.store([row0, i_v * BLOCK_V], b_dl.to(dl.dtype.element_ty))
-        else:
-            p_dl = dl + o_n[:, None] * stride_dl + o_j[None, :]
-            tl.store(p_dl, b_dl.to(dl.dtype.element_ty), mask=m_n[:, None] & m_j[None, :])
+        p_dl = dl + o_n[:, None] * stride_dl + o_j[None, :]
+        tl.store(p_dl, b_dl.to(dl.dtype.element_ty), mask=m_n[:, None] & m_j[None, :])
 
 
 @triton.jit

@@ -244,26 +244,20 @@ class TritonBackend:
         with _device_ctx(dev):
             for c0 in range(0, valid, chunk):
                 width = min(chunk, valid - c0)
-                # rows padded to 16 bytes so the d_logits tile can leave through a TMA store
-                stride = triton.cdiv(width, 16 // esize) * (16 // esize)
-                dl = ws[: N * stride].view(N, stride)[:, :width]
-                d_dl = None
-                if configs.TMA_STORE and TensorDescriptor is not None and ws.data_ptr() % 16 == 0:
-                    d_dl = TensorDescriptor.from_tensor(dl, [cfg.block_n, cfg.block_v])
+                dl = ws[: N * width].view(N, width)
                 tpp = configs.BWD_TILES_PER_PROGRAM
                 grid = (triton.cdiv(N, cfg.block_n) * triton.cdiv(triton.cdiv(width, cfg.block_v), tpp),)
                 lce_bwd_kernel[grid](
                     hidden, weight, d_h, d_w, it if it is not None else vecs[0], *vecs,
-                    cache if cache is not None else vecs[0], dl, d_dl,
-                    N, H, valid, c0, width, stride, tpp, scale,
+                    cache if cache is not None else vecs[0], dl,
+                    N, H, valid, c0, width, width, tpp, scale,
                     HAS_INV_T=it is not None, USE_CACHE=cache is not None, EVEN_K=H % cfg.block_k == 0,
                     UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
-                    TMA_STORE=d_dl is not None,
                     BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
                     CACHE_COLS=configs.CACHE_COLS, **_launch_opts(cfg),
                 )
                 lce_bwd_label_kernel[(triton.cdiv(N, configs.LABEL_FIX_BLOCK_N),)](
-                    dl, y, it if it is not None else vecs[0], vecs[2], N, c0, width, stride, scale,
+                    dl, y, it if it is not None else vecs[0], vecs[2], N, c0, width, width, scale,
                     HAS_INV_T=it is not None, BLOCK_N=configs.LABEL_FIX_BLOCK_N, num_warps=4,
                 )
                 if dw is not None:
