@@ -7,8 +7,8 @@ No allocation or host logic here (launch.py owns both):
                         tile into running per-token statistics (online softmax). Writes per-split
                         partials (m, s, a, zy, mn), and optionally the fp32 tempered logits (cache).
                         z_label comes from the same accumulator as the max and the sum, so logprob =
-                        z_label - lse keeps their rounding correlated (a separate row dot measured 7x
-                        worse max |dlogp| on an H100, benchmark/notes.md).
+                        z_label - lse keeps their rounding correlated (a separate row dot gave 7-20x
+                        worse max |dlogp| on an H100, benchmark/notes.md run7).
   lce_fwd_merge_kernel  merges the per-split partials of each token in a fixed split order.
   lce_bwd_kernel        recomputes (or reads from the cache) one logits tile in fp32 registers and
                         writes d_logits = dz / T without the one-hot term into a [N, V_chunk] workspace.

@@ -7,6 +7,9 @@ Forward (one fused pass, no [N, V] tensor unless the logits cache is on):
 Backward, per vocab chunk [c0, c1) of the shard (fixed chunk order, no atomics: bitwise deterministic):
     lce_bwd_kernel      recompute (or read cached) logits, write d_logits [N, c1 - c0] (bf16 for
                         bf16/fp16 inputs, fp32 for fp32 inputs and under the interpreter)
+    lce_bwd_label_kernel  add the one-hot term at each row's label column
+    Determinism costs one thing: d_hidden is accumulated chunk after chunk, so each chunk's GEMM
+    re-reads and re-writes the fp32 [N, H] accumulator (8·N·H bytes per chunk) instead of atomics.
     cuBLAS              d_weight[c0:c1] = d_logitsᵀ · h   (one GEMM over all N tokens: fp32 accumulate
                         inside cuBLAS, rounded once to the weight dtype)
                         d_hidden += d_logits · W[c0:c1]  (fp32 [N, H] accumulator, bf16 operands with an
@@ -19,8 +22,9 @@ Extra device memory (bytes), beyond inputs and the returned gradients:
               BACKWARD_BYTES - 4·N·H)), with e = 2 (bf16/fp16) or 4 (fp32, interpreter) and
               V_chunk = shard_valid split into the fewest equal multiples of 256 that fit B
     (configs: WORKSPACE_BYTES 256 MiB, BACKWARD_BYTES 480 MiB, MIN_WORKSPACE_BYTES 64 MiB by default:
-    the d_logits workspace plus the fp32 d_hidden stay under 480 MiB while d_hidden is under 416 MiB.) The returned d_hidden is fp32
-    [N, H] (4·N·H bytes); d_weight is [V_shard, H] in the weight dtype.
+    the d_logits workspace plus the fp32 d_hidden stay under 480 MiB while d_hidden is under
+    416 MiB.) The returned d_hidden is fp32 [N, H] (4·N·H bytes); d_weight is [V_shard, H] in the
+    weight dtype.
 """
 from __future__ import annotations
 
