@@ -138,7 +138,7 @@ def linear_logprobs_entropy(
                              f"ignore_index={ignore_index} (first: {first})")
         if len(counts) > 1 and counts[1]:
             raise ValueError("temperature tensor has values that are not finite and > 0")
-    name = resolve_backend(backend, hidden.device)
+    name = resolve_backend(backend, hidden.device, hidden.dtype)
     params = LCEParams(
         temperature=scalar_t, ignore_index=ignore_index, vocab_size=vocab_size, vocab_start=vocab_start,
         shard_valid=max(0, min(v_shard, vocab_size - vocab_start)), cache_bytes=cache_bytes, backend=name,

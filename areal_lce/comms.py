@@ -34,18 +34,26 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def all_reduce_max_(t: torch.Tensor, group) -> torch.Tensor:
-    """In place MAX over the TP group (per-token max logit of each vocab shard -> global max)."""
-    if group_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+def _all_reduce_(t: torch.Tensor, op, group) -> torch.Tensor:
+    if group_size(group) == 1:
+        return t
+    if t.device.type == "cpu" and dist.get_backend(group) == "nccl":
+        # host-side values (job metrics) over an NCCL group: NCCL reduces device tensors only
+        dev = t.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(dev, op=op, group=group)
+        return t.copy_(dev)
+    dist.all_reduce(t, op=op, group=group)
     return t
+
+
+def all_reduce_max_(t: torch.Tensor, group) -> torch.Tensor:
+    """In place MAX over the group (per-token max logit of each vocab shard -> global max)."""
+    return _all_reduce_(t, dist.ReduceOp.MAX, group)
 
 
 def all_reduce_sum_(t: torch.Tensor, group) -> torch.Tensor:
-    """In place SUM over the TP group (partial sums over vocab shards -> full-vocabulary sums)."""
-    if group_size(group) > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t
+    """In place SUM over the group (partial sums over vocab shards -> full-vocabulary sums)."""
+    return _all_reduce_(t, dist.ReduceOp.SUM, group)
 
 
 def all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:

@@ -109,8 +109,7 @@ def run_grpo(args, fused: bool) -> dict:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         _sync(); t0 = time.perf_counter()
-        gen = torch.Generator(device=eng.device).manual_seed(step) if torch.cuda.is_available() else \
-            torch.Generator().manual_seed(step)
+        gen = torch.Generator().manual_seed(step)  # the engine samples on the host
         resp = eng.generate(prompts, args.new_tokens, temperature=1.0, top_p=1.0, eos_id=None, generator=gen)
         _sync(); t1 = time.perf_counter()
         seqs = [p + r for p, r in zip(prompts, resp)]

@@ -47,10 +47,12 @@ def _warn_once(msg: str) -> None:
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
     """Resolve 'auto' / the env var to a concrete name and check it can run on `device`."""
     if name == "auto":
         name = os.environ.get(ENV_VAR, "auto") or "auto"
+    if name == "auto" and dtype == torch.float64:
+        return "torch"  # the Triton kernels take bf16/fp16/fp32; fp64 (checks) runs chunked torch
     if name == "auto":
         if device.type == "cuda":
             try:

@@ -38,7 +38,7 @@ class SFTLoss:
         self.records: list[dict] = []
 
     def __call__(self, stats, mb: dict):
-        labels = mb["labels"]
+        labels = mb["labels"].to(stats.logprobs.device)  # batches are built on the host
         mask = labels != self.ignore_index
         nll_sum = -(stats.logprobs * mask).sum()
         loss = nll_sum / self.denom
