@@ -98,6 +98,7 @@ def run_grpo(args, fused: bool) -> dict:
 
     eng = _engine(args, fused)
     ref = _engine(args, fused)  # frozen reference policy: same init, never stepped
+    print(f"[grpo] engines built ({'fused' if fused else 'materialised'})", flush=True)
     rl = RLConfig()
     phases = {"rollout": [], "behaviour_logprobs": [], "reference_logprobs": [], "update": []}
     peaks = []
@@ -138,6 +139,8 @@ def run_grpo(args, fused: bool) -> dict:
         _sync(); t4 = time.perf_counter()
         for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             phases[k].append(v)
+        print(f"[grpo {'fused' if fused else 'materialised'} step {step}] " +
+              " ".join(f"{k}={v[-1] * 1e3:.0f}ms" for k, v in phases.items()), flush=True)
         peaks.append(out["peak_mem_gib"] if not torch.cuda.is_available() else torch.cuda.max_memory_allocated() / 2**30)
     med = {k: statistics.median(v[1:] if len(v) > 1 else v) for k, v in phases.items()}
     del eng, ref
