@@ -180,7 +180,8 @@ def main():
         meta["triton"] = triton.__version__
     except ImportError:
         pass
-    n_tok = args.micro_batch * args.seq
+    seq = args.seq if args.job == "sft" else args.prompt_len + args.new_tokens
+    n_tok = args.micro_batch * seq
     from areal_lce.megatron.model import padded_vocab_size  # noqa: F401  (documented padding rule)
     print(f"\n{args.job} {args.preset} tp={args.tp} sp={args.sp} seq={args.seq} micro_batch={args.micro_batch} "
           f"x{args.micro_batches} on {meta['device']} (git {meta['git']})")
