@@ -132,3 +132,18 @@ class AllReduceSumPartialGrad(torch.autograd.Function):
 
 def all_reduce_sum_partial_grad(t: torch.Tensor, group: Optional[object]) -> torch.Tensor:
     return t if group_size(group) == 1 else AllReduceSumPartialGrad.apply(t, group)
+
+
+def barrier_world() -> None:
+    """Wait for every rank of the job (checkpoint files on disk before one rank marks them complete)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_object(obj, src: int, group):
+    """`obj` (a small picklable value) of global rank `src` on every rank of `group`."""
+    if group_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

@@ -72,7 +72,7 @@ class MegatronEngine:
         self.device = self.dist.device
         self.dtype = _resolve_dtype(cfg.model.dtype)
         arch = resolve_arch(cfg.model)
-        true_vocab = vocab_size or cfg.model.vocab_size or arch.vocab_size
+        true_vocab = cfg.model.vocab_size or vocab_size or arch.vocab_size  # the config overrides
         if cfg.model.hf_checkpoint_dir:
             if true_vocab > arch.vocab_size:
                 raise ValueError(f"vocab_size={true_vocab} exceeds the checkpoint's vocab_size={arch.vocab_size}")

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import comms
+
 from .compat import apply_cpu_shims
 from .config import ParallelConfig
 
@@ -124,8 +126,6 @@ def object_from_last_stage(obj):
 
     if mpu.get_pipeline_model_parallel_world_size() == 1:
         return obj
-    box = [obj]
     # Broadcast of a tiny pickled object (metric names) from the last stage to the other stages.
-    dist.broadcast_object_list(box, src=mpu.get_pipeline_model_parallel_last_rank(),
-                               group=mpu.get_pipeline_model_parallel_group())
-    return box[0]
+    return comms.broadcast_object(obj, mpu.get_pipeline_model_parallel_last_rank(),
+                                  mpu.get_pipeline_model_parallel_group())

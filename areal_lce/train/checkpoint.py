@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Optional, Union
 
-import torch.distributed as dist
+from .. import comms
 
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
@@ -28,8 +28,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 def _barrier() -> None:
     # Every rank's engine files must be on disk before rank 0 marks the checkpoint complete.
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    comms.barrier_world()
 
 
 def checkpoint_root(output_dir) -> Path:
