@@ -112,6 +112,24 @@ def lce_fwd_kernel(
 
 
 @triton.jit
+def _row_terms(o_n, m_n, y_ptr, inv_t_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, vocab_start, inv_t_scalar,
+               HAS_INV_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The backward's per-token terms of one token tile: inv_t, local label, lse, entropy, upstream
+    grads (fp32), and the mask of rows that carry any gradient."""
+    if HAS_INV_T:
+        b_t = tl.load(inv_t_ptr + o_n, mask=m_n, other=1.0).to(tl.float32)
+    else:
+        b_t = tl.zeros((BLOCK_N,), dtype=tl.float32) + inv_t_scalar
+    b_y = tl.load(y_ptr + o_n, mask=m_n, other=-1) - vocab_start
+    b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
+    b_ent = tl.load(ent_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
+    b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
+    b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
+    m_row = m_n & ((b_glp != 0.0) | (b_gent != 0.0))
+    return b_t, b_y, b_lse, b_ent, b_glp, b_gent, m_row
+
+
+@triton.jit
 def lce_bwd_dh_kernel(
     h_ptr, w_ptr, y_ptr, inv_t_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, dh_ptr,
     N, H, shard_valid, vocab_start, inv_t_scalar,
@@ -132,16 +150,9 @@ def lce_bwd_dh_kernel(
     for i_n in range(i_p, n_tiles, n_p):
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
         m_n = o_n < N
-        if HAS_INV_T:
-            b_t = tl.load(inv_t_ptr + o_n, mask=m_n, other=1.0).to(tl.float32)
-        else:
-            b_t = tl.zeros((BLOCK_N,), dtype=tl.float32) + inv_t_scalar
-        b_y = tl.load(y_ptr + o_n, mask=m_n, other=-1) - vocab_start
-        b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
-        b_ent = tl.load(ent_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
-        b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
-        b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
-        m_row = m_n & ((b_glp != 0.0) | (b_gent != 0.0))
+        b_t, b_y, b_lse, b_ent, b_glp, b_gent, m_row = _row_terms(
+            o_n, m_n, y_ptr, inv_t_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, vocab_start, inv_t_scalar,
+            HAS_INV_T, BLOCK_N)
         for v0 in range(0, shard_valid, BLOCK_V):
             o_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
             m_v = o_v < shard_valid
@@ -186,16 +197,9 @@ def lce_bwd_dw_kernel(
         for n0 in range(0, N, BLOCK_N):
             o_n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
             m_n = o_n < N
-            if HAS_INV_T:
-                b_t = tl.load(inv_t_ptr + o_n, mask=m_n, other=1.0).to(tl.float32)
-            else:
-                b_t = tl.zeros((BLOCK_N,), dtype=tl.float32) + inv_t_scalar
-            b_y = tl.load(y_ptr + o_n, mask=m_n, other=-1) - vocab_start
-            b_lse = tl.load(lse_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
-            b_ent = tl.load(ent_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
-            b_glp = tl.load(glp_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
-            b_gent = tl.load(gent_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
-            m_row = m_n & ((b_glp != 0.0) | (b_gent != 0.0))
+            b_t, b_y, b_lse, b_ent, b_glp, b_gent, m_row = _row_terms(
+                o_n, m_n, y_ptr, inv_t_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, vocab_start, inv_t_scalar,
+                HAS_INV_T, BLOCK_N)
             b_zt = _rows_dot_rows(w_ptr, h_ptr, o_v, o_n, m_v, m_n, H, stride_w, stride_h,
                                   BLOCK_V, BLOCK_N, BLOCK_H) * b_t[None, :]
             b_dlt = _d_logits(b_zt, m_v[:, None] & m_row[None, :],
