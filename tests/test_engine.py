@@ -2,6 +2,7 @@
 shared worker launch), save/load round trip, generation and the lr schedule."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import warnings
@@ -115,6 +116,46 @@ def test_train_step_reports():
         e.train_step([{"input_ids": ids, "labels": labels, "cu_seqlens": torch.tensor([0, 5])}], W.pg_loss)
     with pytest.raises(ValueError, match="max_seq_len"):
         e.token_stats(torch.zeros(1, 65, dtype=torch.long), torch.zeros(1, 65, dtype=torch.long))
+
+
+@pytest.mark.parametrize("fused", [pytest.param(True, id="fused"), pytest.param(False, id="materialised")])
+def test_frozen_engine_has_no_grad_state_and_matches_the_trainable_one(tmp_path, fused):
+    """trainable=False (the RL reference policy): model only, same statistics and tokens as a trainable
+    engine holding the same weights; training refuses, naming the option."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    model = ModelConfig(preset="tiny", max_seq_len=64)
+    cfg = EngineConfig(model=model, optim=OptimConfig(lr=1e-2), use_fused_linear_ce=fused, lce_backend="torch")
+    live = MegatronEngine(cfg, vocab_size=W.VOCAB)
+    ids, labels = W.batch(7)
+    live.train_step([{"input_ids": ids, "labels": labels}], W.pg_loss)  # weights away from the shared init
+    frozen = MegatronEngine(dataclasses.replace(cfg, seed=99), vocab_size=W.VOCAB, trainable=False)
+    assert isinstance(live.model, DistributedDataParallel) and live.optimizer is not None
+    assert frozen.optimizer is None and not isinstance(frozen.model, DistributedDataParallel)
+    assert not any(p.requires_grad for p in frozen.model.parameters())
+    assert not any(hasattr(p, "main_grad") for p in frozen.model.parameters())  # no grad buffers
+    assert frozen.grads() == {}
+    with torch.no_grad():  # the RL job's weight copy (rl._copy_parameters)
+        for n, p in frozen.parameters_named().items():
+            p.copy_(live.parameters_named()[n])
+    a, b = live.token_stats(ids, labels), frozen.token_stats(ids, labels)
+    for name, x, y in zip(a._fields, a, b):
+        assert torch.equal(x, y), name
+    prompts = [[1, 2, 3], [4, 5]]
+    assert (frozen.generate(prompts, 5, generator=torch.Generator().manual_seed(4))
+            == live.generate(prompts, 5, generator=torch.Generator().manual_seed(4)))
+    with pytest.raises(RuntimeError, match="trainable=False"):
+        frozen.train_step([{"input_ids": ids, "labels": labels}], W.pg_loss)
+    with pytest.raises(RuntimeError, match="trainable=False"):
+        frozen.token_stats(ids, labels, grad=True)
+    # save / load: a frozen engine loads a trainable engine's checkpoint (weights only) and writes its own
+    live.save(str(tmp_path / "live"))
+    other = MegatronEngine(dataclasses.replace(cfg, seed=7), vocab_size=W.VOCAB, trainable=False)
+    other.load(str(tmp_path / "live"))
+    assert torch.equal(other.token_stats(ids, labels).logprobs, a.logprobs)
+    other.save(str(tmp_path / "frozen"))
+    with pytest.raises(ValueError, match="trainable=False"):
+        live.load(str(tmp_path / "frozen"))
 
 
 def test_generate_is_seeded_and_stops_at_eos():

@@ -11,12 +11,16 @@ What runs where:
     `torch.optim.AdamW` on the parameters with `param.grad = param.main_grad`, and clips by a global
     norm computed here (tensor-parallel duplicates counted once, summed over the model-parallel group).
   * lr schedule: linear warm-up then constant or cosine to min_lr, set on the param groups each step.
+  * frozen (`trainable=False`, e.g. an RL reference policy): the model only, parameters with
+    requires_grad False, called without the DDP wrapper (no grad buffers) and with no optimizer;
+    `token_stats(grad=False)`, `generate`, `save` / `load` and parameter copies work, training refuses.
 
 Token statistics come from the fused capture seam (capture.py) when `use_fused_linear_ce`, else from
 GPTModel's vocab-parallel logits through `areal_lce.logprobs_entropy_from_logits`. Pipeline
 parallelism runs Megatron's 1F1B schedule (the capture seam only runs on the last stage; statistics
 and logits are shared with the other stages by a sum over the pipeline group).
 Packed sequences (THD) are refused: batches are right-padded with labels = -100.
+`generate` samples on the engine's device (sampling.py).
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from . import capture
 from .config import EngineConfig
 from .model import build_gpt_model, load_hf_checkpoint, resolve_arch
 from .parallel import init_distributed, object_from_last_stage
+from .sampling import sample_tokens
 
 
 class TokenStats(NamedTuple):
@@ -63,11 +68,12 @@ def lr_at(step: int, optim) -> float:
 
 
 class MegatronEngine:
-    def __init__(self, cfg: EngineConfig, vocab_size: Optional[int] = None):
+    def __init__(self, cfg: EngineConfig, vocab_size: Optional[int] = None, *, trainable: bool = True):
         from megatron.core import parallel_state as mpu
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         self.cfg = cfg
+        self.trainable = trainable
         self.dist = init_distributed(cfg.parallel, cfg.seed)
         self.device = self.dist.device
         self.dtype = _resolve_dtype(cfg.model.dtype)
@@ -82,6 +88,8 @@ class MegatronEngine:
         self.gpt = build_gpt_model(arch, cfg.model, cfg.parallel, self.dtype)
         if cfg.model.hf_checkpoint_dir:
             load_hf_checkpoint(self.gpt, cfg.model.hf_checkpoint_dir, arch)
+        if not trainable:
+            self.gpt.requires_grad_(False)
         self.seam = capture.resolve_seam(cfg.capture_seam)
         if cfg.use_fused_linear_ce:
             capture.check_capture_supported(self.gpt, self.seam)
@@ -90,16 +98,26 @@ class MegatronEngine:
             from megatron.core.transformer.module import Float16Module
 
             module = Float16Module(self.gpt.config, self.gpt)
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                use_distributed_optimizer=False)
-        self.model = DistributedDataParallel(self.gpt.config, ddp_cfg, module)
+        if trainable:
+            ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                    use_distributed_optimizer=False)
+            self.model = DistributedDataParallel(self.gpt.config, ddp_cfg, module)
+        else:  # the DDP wrapper exists for its grad buffers and reduction: a frozen model needs neither
+            self.model = module
         self.tp_group = mpu.get_tensor_model_parallel_group()
         self.mp_group = mpu.get_model_parallel_group()
         self.dp_group = mpu.get_data_parallel_group()
         self.pp_group = mpu.get_pipeline_model_parallel_group()
-        self._build_optimizer()
+        self.optimizer, self.megatron_optimizer = None, False
+        if trainable:
+            self._build_optimizer()
         self.step_count = 0
         self._gen_calls = 0
+
+    def _require_trainable(self, what: str) -> None:
+        if not self.trainable:
+            raise RuntimeError(f"{what} needs a trainable engine; this MegatronEngine was built with "
+                               "trainable=False (frozen: no grad buffers, no optimizer)")
 
     # ------------------------------------------------------------------------------ optimizer
     def _build_optimizer(self) -> None:
@@ -193,6 +211,8 @@ class MegatronEngine:
                     grad: bool = False) -> TokenStats:
         """Per-token stats of `labels` (next-token targets aligned with input positions; -100 ignored).
         Under pipeline parallelism (grad=False only) every stage receives the last stage's values."""
+        if grad:
+            self._require_trainable("token_stats(grad=True)")
         if self.dist.pp_size > 1:
             if grad:
                 raise ValueError("token_stats(grad=True) needs parallel.pipeline_parallel=1; under pipeline "
@@ -276,6 +296,7 @@ class MegatronEngine:
     def train_step(self, microbatches: List[dict], loss_fn: Callable) -> Dict[str, float]:
         from megatron.core.distributed import finalize_model_grads
 
+        self._require_trainable("train_step")
         if not microbatches:
             raise ValueError("train_step needs at least one microbatch")
         for mb in microbatches:
@@ -377,7 +398,8 @@ class MegatronEngine:
                  top_p: float = 1.0, eos_id: Optional[int] = None,
                  generator: Optional[torch.Generator] = None) -> List[List[int]]:
         """Sample continuations (new tokens only) from the current policy; identical on every TP rank
-        when `generator` is seeded identically (default: seeded from cfg.seed and the call count)."""
+        when the CPU `generator` is seeded identically (default: seeded from cfg.seed and the call count).
+        Sampling runs on the engine's device; only the chosen token ids reach the host."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs non-empty prompts")
         if max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
@@ -395,11 +417,11 @@ class MegatronEngine:
                 break
             if max(len(seqs[i]) for i in live) >= self.cfg.model.max_seq_len:
                 break
-            logits = self._next_logits([seqs[i] for i in live]).cpu()
-            toks = _sample(logits, temperature, top_p, generator)
+            logits = self._next_logits([seqs[i] for i in live])  # [n, vocab] on the engine's device
+            toks = sample_tokens(logits, temperature, top_p, generator).tolist()
             still = []
             for j, i in enumerate(live):
-                t = int(toks[j])
+                t = toks[j]
                 seqs[i].append(t)
                 new[i].append(t)
                 if eos_id is None or t != eos_id:
@@ -427,7 +449,7 @@ class MegatronEngine:
         os.makedirs(path, exist_ok=True)
         state = {
             "model": self.gpt.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "step_count": self.step_count,
             "gen_calls": self._gen_calls,
             "rng": {"torch": torch.get_rng_state(),
@@ -449,7 +471,11 @@ class MegatronEngine:
             raise ValueError(f"checkpoint {path!r} was written with world_size={meta['world_size']}, "
                              f"tp={meta['tp']}; this run has {self.dist.world_size}, {self.dist.tp_size}")
         self.gpt.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.optimizer is not None:
+            if state["optimizer"] is None:
+                raise ValueError(f"checkpoint {path!r} has no optimizer state (written by a trainable=False "
+                                 "engine); a trainable engine cannot resume from it")
+            self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = state["step_count"]
         self._gen_calls = state["gen_calls"]
         torch.set_rng_state(state["rng"]["torch"].cpu())
@@ -457,16 +483,3 @@ class MegatronEngine:
             torch.cuda.set_rng_state(state["rng"]["cuda"].cpu())
         tensor_parallel.get_cuda_rng_tracker().set_states(state["rng"]["tracker"])
 
-
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    """One token per row: greedy at temperature 0, else nucleus sampling (CPU generator)."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sp, idx = probs.sort(dim=-1, descending=True)
-        keep = sp.cumsum(-1) - sp < top_p  # always keeps the most likely token
-        sp = torch.where(keep, sp, torch.zeros_like(sp))
-        choice = torch.multinomial(sp / sp.sum(-1, keepdim=True), 1, generator=generator)
-        return idx.gather(-1, choice).squeeze(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

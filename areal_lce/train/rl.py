@@ -17,10 +17,10 @@ take `prompts_per_step / dp` prompts):
             `trainer.micro_batch_size` sequences through `policy.train_step(mbs, rl_loss)`; every
             microbatch carries `temperature`, so the trained logprobs are those of logits / T.
 
-Reference policy: a second `MegatronEngine` built from the same config, whose parameters are copied
-from the policy before any checkpoint is loaded and which is never stepped. It therefore equals the
-initial policy (the preset init or `hf_checkpoint_dir`) on a fresh run and on a resumed one alike,
-and needs no checkpoint of its own. Its optimizer is never stepped, so Adam moments are never allocated.
+Reference policy: a second, frozen `MegatronEngine(..., trainable=False)` built from the same config
+(the model only: no grad buffers, no optimizer), whose parameters are copied from the policy before any
+checkpoint is loaded. It therefore equals the initial policy (the preset init or `hf_checkpoint_dir`)
+on a fresh run and on a resumed one alike, and needs no checkpoint of its own.
 """
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ class RLJob:
                              f"{self.tok.vocab_size} ids (data.tokenizer={cfg.data.tokenizer!r})")
         factory = engine_factory or _default_engine
         self.policy = factory(cfg.engine, model_vocab or self.tok.vocab_size)
-        self.reference = factory(cfg.engine, model_vocab or self.tok.vocab_size)
+        self.reference = factory(cfg.engine, model_vocab or self.tok.vocab_size, trainable=False)
         _copy_parameters(self.policy, self.reference)
 
         from megatron.core import parallel_state as mpu
@@ -248,17 +248,18 @@ class RLJob:
         return rec
 
 
-def _default_engine(engine_cfg, vocab_size: int):
+def _default_engine(engine_cfg, vocab_size: int, *, trainable: bool = True):
     from areal_lce.megatron.engine import MegatronEngine
 
-    return MegatronEngine(engine_cfg, vocab_size=vocab_size)
+    return MegatronEngine(engine_cfg, vocab_size=vocab_size, trainable=trainable)
 
 
 def run(cfg, engine_factory: Optional[Callable] = None) -> dict:
     """Run the GRPO/PPO job `cfg` (a JobConfig with job grpo|ppo).
 
     Returns {'output_dir', 'step' (last step run), 'records' (this invocation's metric records)}.
-    `engine_factory(engine_cfg, vocab_size)` replaces MegatronEngine (tests only).
+    `engine_factory(engine_cfg, vocab_size, *, trainable=True)` replaces MegatronEngine (tests only);
+    the reference policy is built with trainable=False.
     """
     from areal_lce.megatron.parallel import destroy_distributed, init_distributed
 
