@@ -103,3 +103,19 @@ def load_checkpoint(engine, path) -> dict:
         state = json.load(f)
     engine.load(str(path / "engine"))
     return state
+
+
+def end_of_step(engine, trainer, output_dir, step: int, state: dict, is_main: bool, say, job: str) -> bool:
+    """After a finished step: checkpoint every `trainer.save_interval` steps and at the last step (when
+    `trainer.save_final`); return True when the run must stop here (`trainer.stop_at`). `say` prints
+    on the main rank (the progress bar's writer)."""
+    final = step == trainer.steps
+    if (trainer.save_interval and step % trainer.save_interval == 0) or (final and trainer.save_final):
+        path = save_checkpoint(engine, output_dir, step, state, is_main)
+        if is_main:
+            say(f"[{job}] saved checkpoint {path}")
+    if trainer.stop_at and step == trainer.stop_at:
+        if is_main:
+            say(f"[{job}] stopping after step {step} (trainer.stop_at)")
+        return True
+    return False

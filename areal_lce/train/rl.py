@@ -32,7 +32,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .checkpoint import clear_run_dir, load_checkpoint, resolve_resume, save_checkpoint
+from .checkpoint import clear_run_dir, end_of_step, load_checkpoint, resolve_resume
 from .data import Example, collate
 from .logging_utils import MetricsLog, ProgressBar, format_record, plot_metrics, read_metrics
 from .rewards import load_reward
@@ -306,13 +306,7 @@ def _train(cfg, dist_info, engine_factory) -> dict:
         bar.update({"reward": f"{rec['reward']:.3f}", "kl": f"{rec['kl']:.2e}"})
         if main and (step % tr.log_interval == 0 or step == tr.steps):
             bar.write(format_record(rec, RL_LOG_KEYS) + f"  sample={rec['sample']}")
-        if (tr.save_interval and step % tr.save_interval == 0) or (step == tr.steps and tr.save_final):
-            path = save_checkpoint(job.policy, out, step, {"config": dump_yaml(cfg)}, main)
-            if main:
-                bar.write(f"[{cfg.job}] saved checkpoint {path}")
-        if tr.stop_at and step == tr.stop_at:
-            if main:
-                bar.write(f"[{cfg.job}] stopping after step {step} (trainer.stop_at)")
+        if end_of_step(job.policy, tr, out, step, {"config": dump_yaml(cfg)}, main, bar.write, cfg.job):
             break
     bar.close()
     if main and tr.plot and step == tr.steps:

@@ -150,14 +150,7 @@ def _train(cfg: JobConfig, dist_info, engine_factory) -> dict:
         bar.update({"loss": f"{rec['loss']:.4f}"})
         if is_main and (step % tr.log_interval == 0 or step == tr.steps):
             bar.write(format_record(rec))
-        final = step == tr.steps
-        if (tr.save_interval and step % tr.save_interval == 0) or (final and tr.save_final):
-            path = ckpt.save_checkpoint(engine, out, step, {"config": dump_yaml(cfg)}, is_main)
-            if is_main:
-                bar.write(f"[sft] saved checkpoint {path}")
-        if tr.stop_at and step == tr.stop_at:
-            if is_main:
-                bar.write(f"[sft] stopping after step {step} (trainer.stop_at)")
+        if ckpt.end_of_step(engine, tr, out, step, {"config": dump_yaml(cfg)}, is_main, bar.write, "sft"):
             break
     bar.close()
     if tr.sample_prompts and step == tr.steps:
