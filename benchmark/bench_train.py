@@ -42,7 +42,7 @@ def _git_sha() -> str:
         return os.environ.get("GIT_SHA", "unknown")
 
 
-def _engine(args, fused: bool):
+def _engine(args, fused: bool, trainable: bool = True):
     from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
     from areal_lce.megatron.engine import MegatronEngine
 
@@ -51,7 +51,7 @@ def _engine(args, fused: bool):
                           vocab_size=args.vocab, num_layers=args.layers),
         parallel=ParallelConfig(tensor_parallel=args.tp, sequence_parallel=args.sp),
         optim=OptimConfig(lr=1e-5, clip_grad=1.0), use_fused_linear_ce=fused, seed=1234)
-    return MegatronEngine(cfg)
+    return MegatronEngine(cfg, trainable=trainable)
 
 
 def _batches(args, vocab: int, step: int):
@@ -97,7 +97,7 @@ def run_grpo(args, fused: bool) -> dict:
     from areal_lce.train.rl_losses import group_advantages, rl_loss
 
     eng = _engine(args, fused)
-    ref = _engine(args, fused)  # frozen reference policy: same init, never stepped
+    ref = _engine(args, fused, trainable=False)  # frozen reference policy, as the RL job builds it
     print(f"[grpo] engines built ({'fused' if fused else 'materialised'})", flush=True)
     rl = RLConfig()
     phases = {"rollout": [], "behaviour_logprobs": [], "reference_logprobs": [], "update": []}
