@@ -24,6 +24,7 @@ _REGISTRY = {
     "triton_ascend": ("areal_lce.backends.ascend.launch", "AscendBackend"),
 }
 BACKENDS = tuple(_REGISTRY)
+_AUTO_KERNELS = {"cuda": "triton", "npu": "triton_ascend"}  # device type -> its kernel backend
 ENV_VAR = "AREAL_LCE_BACKEND"
 
 
@@ -54,21 +55,16 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype = torch.
     if name == "auto" and dtype == torch.float64:
         return "torch"  # the Triton kernels take bf16/fp16/fp32; fp64 (checks) runs chunked torch
     if name == "auto":
-        if device.type == "cuda":
-            try:
-                get_backend("triton")
-                return "triton"
-            except RuntimeError as e:
-                _warn_once(f"areal_lce: triton backend unavailable on CUDA ({e}); using the chunked torch backend")
-                return "torch"
-        if device.type == "npu":
-            try:
-                get_backend("triton_ascend")
-                return "triton_ascend"
-            except RuntimeError as e:
-                _warn_once(f"areal_lce: triton_ascend backend unavailable on NPU ({e}); using the chunked torch backend")
-                return "torch"
-        return "torch"
+        kernel = _AUTO_KERNELS.get(device.type)
+        if kernel is None:
+            return "torch"
+        try:
+            get_backend(kernel)
+            return kernel
+        except RuntimeError as e:
+            _warn_once(f"areal_lce: {kernel} backend unavailable on {device.type.upper()} ({e}); "
+                       "using the chunked torch backend")
+            return "torch"
     if name not in _REGISTRY:
         raise ValueError(f"backend={name!r} is not one of {BACKENDS + ('auto',)}")
     if name == "triton" and device.type != "cuda" and not (device.type == "cpu" and interpreter_on()):
