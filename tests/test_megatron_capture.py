@@ -151,7 +151,7 @@ def _fake_model(**cfg):
 
 
 @pytest.mark.parametrize("cfg,seam,match", [
-    pytest.param(dict(mtp_num_layers=1), "output_processor", "mtp_num_layers", id="mtp"),
+    pytest.param(dict(mtp_num_layers=1), "output_layer", "mtp_num_layers", id="mtp-legacy-seam"),
     pytest.param(dict(context_parallel_size=2), "output_processor", "context_parallel", id="cp2"),
     pytest.param(dict(defer_embedding_wgrad_compute=True), "output_processor", "defer_embedding", id="defer-wgrad"),
     pytest.param(dict(use_mup=True, mup_output_mult=0.5), "output_layer", "MuP", id="mup-legacy-seam"),
@@ -162,11 +162,13 @@ def test_refusals(cfg, seam, match):
     capture.check_capture_supported(_fake_model(), seam)  # the same model without the feature passes
 
 
-def test_refuses_parallel_output_false():
+def test_mtp_and_parallel_output_false_pass_the_output_processor_checks():
+    """MTP runs as Megatron runs it before the processor; parallel_output=False changes no statistic
+    (the fused route never gathers logits): both are supported on the output_processor seam."""
+    capture.check_capture_supported(_fake_model(mtp_num_layers=1), "output_processor")
     m = _fake_model()
     m.parallel_output = False
-    with pytest.raises(ValueError, match="parallel_output"):
-        capture.check_capture_supported(m, "output_processor")
+    capture.check_capture_supported(m, "output_processor")
 
 
 def test_config_refusals():

@@ -1,7 +1,12 @@
-"""Megatron-core integration: capture seam at the LM head, model building, distributed init, engine.
+"""Megatron-core integration: the public token_stats call, capture seam, packing, model building, engine.
 
-Importing this package does not import megatron-core; the submodules do, when used.
+    from areal_lce.megatron import token_stats, TokenStats, packed_next_token_labels
+
+Importing this package does not import megatron-core; the functions do, when called.
 """
 from .config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
+from .packing import PackedRows, pack_rows, packed_next_token_labels
+from .stats import TokenStats, find_gpt_model, token_stats
 
-__all__ = ["EngineConfig", "ModelConfig", "OptimConfig", "ParallelConfig"]
+__all__ = ["token_stats", "TokenStats", "find_gpt_model", "packed_next_token_labels", "pack_rows", "PackedRows",
+           "EngineConfig", "ModelConfig", "OptimConfig", "ParallelConfig"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -38,14 +38,38 @@ SEAMS = ("output_processor", "output_layer")
 
 @dataclass
 class CaptureContext:
-    """What the seam needs besides the hidden states (one model call)."""
+    """What the seam needs besides the hidden states (one model call).
 
-    labels: torch.Tensor  # [b, s] global token ids, -100 = ignore (next-token targets)
-    temperature: float
-    vocab_size: int  # true vocabulary; Megatron's padded rows are excluded
+    labels: global next-token ids laid out like the model's input_ids ([b, s], or [1, T] for packed THD),
+    ignore_index where there is no target. temperature: a float, or a per-token tensor shaped like labels.
+    vocab_size: the true vocabulary (required: Megatron's padded rows must not enter the softmax).
+    fused: True computes the stats with the fused op; False builds the logits through the output layer
+    (the materialised route, same outputs).
+    """
+
+    labels: torch.Tensor
+    temperature: Union[float, torch.Tensor]
+    vocab_size: int
     backend: str = "auto"
     cache_bytes: int = 0
     ignore_index: int = -100
+    fused: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size <= 0:
+            raise ValueError(f"CaptureContext(vocab_size={self.vocab_size!r}): pass the true vocabulary size "
+                             "(an int > 0); without it Megatron's padded vocabulary rows enter the softmax")
+        if not torch.is_tensor(self.labels) or self.labels.dim() != 2 or self.labels.is_floating_point():
+            raise ValueError("CaptureContext(labels=...): an integer tensor [b, s] (or [1, T] for packed "
+                             f"sequences) laid out like input_ids, got {_describe(self.labels)}")
+        t = self.temperature
+        if torch.is_tensor(t) and tuple(t.shape) != tuple(self.labels.shape):
+            raise ValueError(f"CaptureContext(temperature=...): a per-token tensor must be shaped like labels "
+                             f"{tuple(self.labels.shape)}, got {tuple(t.shape)} (token_stats broadcasts it)")
+
+
+def _describe(x) -> str:
+    return f"tensor {tuple(x.shape)} {x.dtype}" if torch.is_tensor(x) else type(x).__name__
 
 
 def resolve_seam(name: str) -> str:
@@ -60,29 +84,31 @@ def resolve_seam(name: str) -> str:
     return name
 
 
-def check_capture_supported(gpt_model, seam: str) -> None:
-    """Refuse, naming the option, configurations the fused route cannot reproduce exactly."""
-    cfg = gpt_model.config
-    if getattr(cfg, "mtp_num_layers", None):
-        raise ValueError(f"mtp_num_layers={cfg.mtp_num_layers}: multi-token-prediction heads call the output "
-                         "layer again on their own hidden states; the fused route does not cover them. "
-                         "Set use_fused_linear_ce=false or mtp_num_layers=None.")
-    if getattr(cfg, "context_parallel_size", 1) != 1:
-        raise ValueError(f"context_parallel_size={cfg.context_parallel_size}: context parallelism is not "
-                         "supported by the fused route (parallel.context_parallel must be 1)")
-    if getattr(cfg, "defer_embedding_wgrad_compute", False):
+def check_seam_config(config, seam: str, fused: bool = True) -> None:
+    """Refuse, naming the option, what a route cannot reproduce exactly. Run by `token_stats` and again by
+    the seam itself (the processor / the replaced output layer), so a direct caller gets the same checks."""
+    if getattr(config, "context_parallel_size", 1) != 1:
+        raise ValueError(f"context_parallel_size={config.context_parallel_size}: context parallelism is not "
+                         "supported by token_stats yet (parallel.context_parallel must be 1)")
+    if not fused:
+        return
+    if getattr(config, "mtp_num_layers", None) and seam == "output_layer":
+        raise ValueError(f"mtp_num_layers={config.mtp_num_layers} with capture_seam='output_layer': the MTP "
+                         "heads call the replaced output layer too. Use megatron-core >= 0.18 (the "
+                         "output_processor seam runs MTP as Megatron does) or use_fused_linear_ce=false.")
+    if getattr(config, "defer_embedding_wgrad_compute", False):
         raise ValueError("defer_embedding_wgrad_compute=True defers the LM-head weight gradient to "
                          "Megatron's GEMM; not supported with use_fused_linear_ce=true")
-    if not gpt_model.post_process:
-        return  # no LM head on this pipeline stage: nothing to capture
-    if not gpt_model.parallel_output or getattr(gpt_model.output_layer, "gather_output", False):
-        raise ValueError("parallel_output=False gathers full-vocabulary logits on every rank; the fused "
-                         "route needs vocab-parallel output (build GPTModel with parallel_output=True)")
-    if seam == "output_layer" and getattr(cfg, "use_mup", False) and getattr(cfg, "mup_output_mult", 1.0) != 1.0:
+    if seam == "output_layer" and getattr(config, "use_mup", False) and getattr(config, "mup_output_mult", 1.0) != 1.0:
         raise ValueError("MuP output scaling (use_mup with mup_output_mult != 1) is applied by GPTModel after "
                          "the output layer; with capture_seam='output_layer' it would scale the statistics. "
                          "Use capture_seam='output_processor' (megatron-core >= 0.18), which folds it into "
                          "the temperature.")
+
+
+def check_capture_supported(gpt_model, seam: str) -> None:
+    """check_seam_config on a GPTModel's config (fused route); parallel_output=False is supported."""
+    check_seam_config(gpt_model.config, seam, fused=True)
 
 
 def _logit_multiplier(config, scale_logits) -> float:
@@ -98,6 +124,25 @@ def _logit_multiplier(config, scale_logits) -> float:
     return mult
 
 
+def _tp(output_layer):
+    """(tp group, tp size) of the output layer (older megatron-core keeps the group in parallel_state)."""
+    from megatron.core import parallel_state as mpu
+
+    group = getattr(output_layer, "tp_group", None)
+    if group is None:
+        group = mpu.get_tensor_model_parallel_group()
+    return group, mpu.get_tensor_model_parallel_world_size()
+
+
+def _seq_first(ctx: CaptureContext, s: int, b: int):
+    """Labels and temperature of ctx in Megatron's sequence-first [s, b] layout (views, no copy)."""
+    if tuple(ctx.labels.shape) != (b, s):
+        raise ValueError(f"labels {tuple(ctx.labels.shape)} do not match the model's tokens [b={b}, s={s}] "
+                         "(labels are laid out like input_ids: [batch, seq], or [1, T] for packed sequences)")
+    t = ctx.temperature
+    return ctx.labels.t(), (t.t() if torch.is_tensor(t) else t)
+
+
 def _fused_packed(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx: CaptureContext,
                   logit_mult: float = 1.0) -> torch.Tensor:
     """[s_local, b, H] hidden + this rank's [V/tp, H] weight -> packed [s, b, 4] fp32 stats."""
@@ -105,12 +150,7 @@ def _fused_packed(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx:
 
     from .. import linear_logprobs_entropy
 
-    from megatron.core import parallel_state as mpu
-
-    tp_group = getattr(output_layer, "tp_group", None)
-    if tp_group is None:  # older megatron-core keeps the group in parallel_state only
-        tp_group = mpu.get_tensor_model_parallel_group()
-    tp = mpu.get_tensor_model_parallel_world_size()
+    tp_group, tp = _tp(output_layer)
     if output_layer.sequence_parallel and tp > 1:
         # All-gather the sequence shards forward; reduce-scatter d_hidden backward (its one reduction).
         hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, group=tp_group)
@@ -120,13 +160,12 @@ def _fused_packed(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx:
     if hidden.dtype != weight.dtype:  # Float16Module / fp32 residual: compute in the weight's dtype
         hidden = hidden.to(weight.dtype)
     s, b, h = hidden.shape
-    labels = ctx.labels.t()  # [b, s] -> [s, b], matching Megatron's sequence-first layout
-    if tuple(labels.shape) != (s, b):
-        raise ValueError(f"labels {tuple(ctx.labels.shape)} do not match the model's hidden states "
-                         f"[s={s}, b={b}] (labels must be [batch, seq])")
+    labels, temperature = _seq_first(ctx, s, b)
+    if torch.is_tensor(temperature):
+        temperature = temperature.reshape(-1)
     out = linear_logprobs_entropy(
         hidden.reshape(s * b, h), weight, labels.reshape(-1).to(hidden.device),
-        temperature=ctx.temperature / logit_mult, ignore_index=ctx.ignore_index, vocab_size=ctx.vocab_size,
+        temperature=temperature / logit_mult, ignore_index=ctx.ignore_index, vocab_size=ctx.vocab_size,
         return_stats=True, backend=ctx.backend, cache_bytes=ctx.cache_bytes,
         tp_group=tp_group if tp > 1 else None, sequence_parallel=False, reduce_d_hidden=False,
     )
@@ -134,17 +173,52 @@ def _fused_packed(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx:
     return torch.stack([t.view(s, b) for t in stats], dim=-1)
 
 
-def fused_output_processor(*, hidden_states, output_layer, output_weight, context, runtime_gather_output=None,
-                           scale_logits=None, config=None, **_unused) -> torch.Tensor:
-    """GPTModel output_processor (megatron-core >= 0.18): returns packed [b, s, 4] token stats."""
+def _materialised_packed(logits: torch.Tensor, labels: torch.Tensor, temperature, weight_rows: int, output_layer,
+                         ctx: CaptureContext) -> torch.Tensor:
+    """logits [x, y, V_pad/tp] (or gathered [x, y, V_pad]) and labels / temperature [x, y] -> packed
+    [x, y, 4] fp32 stats, in whichever layout they come (no copy of the logits)."""
+    from ..materialised import logprobs_entropy_from_logits
+
+    tp_group, tp = _tp(output_layer)
+    vocab_parallel = tp > 1 and logits.shape[-1] == weight_rows  # else parallel_output=False gathered them
+    r = logprobs_entropy_from_logits(logits, labels.to(logits.device), temperature=temperature,
+                                     ignore_index=ctx.ignore_index, vocab_size=ctx.vocab_size,
+                                     tp_group=tp_group if vocab_parallel else None)
+    return torch.stack([r.logprobs, r.entropy, r.max_logit, r.min_logit], dim=-1)
+
+
+def stats_output_processor(*, hidden_states, output_layer, output_weight, context, runtime_gather_output=None,
+                           scale_logits=None, config=None, input_ids=None, packed_seq_params=None,
+                           **_unused) -> torch.Tensor:
+    """GPTModel output_processor (megatron-core >= 0.18): returns packed [b, s, 4] token stats
+    (logprobs, entropy, max_logit, min_logit), fused or materialised as `context.fused` says."""
     if not isinstance(context, CaptureContext):
-        raise TypeError("fused_output_processor needs output_processor_context=CaptureContext(...)")
+        raise TypeError("stats_output_processor needs output_processor_context=CaptureContext(...), got "
+                        f"{type(context).__name__}")
+    config = config if config is not None else output_layer.config
+    check_seam_config(config, "output_processor", context.fused)
+    if input_ids is not None and tuple(input_ids.shape) != tuple(context.labels.shape):
+        raise ValueError(f"labels {tuple(context.labels.shape)} must be laid out like input_ids "
+                         f"{tuple(input_ids.shape)}")
+    if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "thd") != "thd":
+        raise ValueError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: only 'thd' packing "
+                         "is supported")
+    weight = output_weight if output_weight is not None else output_layer.weight
+    if not context.fused:
+        logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+        if scale_logits is not None:
+            logits = scale_logits(logits)
+        labels, temperature = _seq_first(context, logits.shape[0], logits.shape[1])
+        packed = _materialised_packed(logits, labels, temperature, weight.shape[0], output_layer, context)
+        return packed.transpose(0, 1).contiguous()
     if runtime_gather_output:
         raise ValueError("runtime_gather_output=True asks for gathered logits; the fused route returns "
                          "token statistics only")
-    weight = output_weight if output_weight is not None else output_layer.weight
-    mult = _logit_multiplier(config if config is not None else output_layer.config, scale_logits)
+    mult = _logit_multiplier(config, scale_logits)
     return _fused_packed(hidden_states, weight, output_layer, context, mult).transpose(0, 1).contiguous()
+
+
+fused_output_processor = stats_output_processor  # the name of releases <= 0.1
 
 
 @contextlib.contextmanager
@@ -152,6 +226,9 @@ def legacy_capture(output_layer, ctx: CaptureContext):
     """Seam for megatron-core 0.16/0.17: replace output_layer.forward on the instance for one call."""
     if "forward" in vars(output_layer):
         raise RuntimeError("output_layer.forward is already replaced on this instance (nested capture?)")
+    if not ctx.fused:
+        raise ValueError("legacy_capture runs the fused route only (the materialised route calls the model as is)")
+    check_seam_config(output_layer.config, "output_layer", True)
 
     def forward(input_, weight: Optional[torch.Tensor] = None, runtime_gather_output: Optional[bool] = None):
         if runtime_gather_output:
@@ -175,16 +252,45 @@ def unpack(packed: torch.Tensor):
     return packed[..., 0], packed[..., 1], packed[..., 2], packed[..., 3]
 
 
-def run_fused(model, gpt_model, seam: str, ctx: CaptureContext, input_ids, position_ids, attention_mask) -> Any:
-    """One model call through the chosen seam. `model` is what is called (DDP/Float16Module wrapped),
-    `gpt_model` the bare GPTModel. Returns packed stats on the last pipeline stage, hidden otherwise."""
+def _mtp_kwargs(gpt_model, ctx: CaptureContext) -> dict:
+    """Labels and loss mask for Megatron's MTP heads (GPTModel rolls both once per MTP layer)."""
+    if not getattr(gpt_model.config, "mtp_num_layers", None):
+        return {}
+    valid = ctx.labels != ctx.ignore_index
+    return {"labels": torch.where(valid, ctx.labels, torch.zeros_like(ctx.labels)), "loss_mask": valid.float()}
+
+
+def _call_processor(model, gpt_model, ctx, input_ids, position_ids, attention_mask, packed_seq_params):
+    return model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params,
+                 output_processor=stats_output_processor, output_processor_context=ctx,
+                 **_mtp_kwargs(gpt_model, ctx))
+
+
+def run_fused(model, gpt_model, seam: str, ctx: CaptureContext, input_ids, position_ids, attention_mask,
+              packed_seq_params=None) -> Any:
+    """One model call on the fused route. `model` is what is called (DDP/Float16Module wrapped),
+    `gpt_model` the bare GPTModel. Returns packed [b, s, 4] stats on the last pipeline stage, hidden
+    states otherwise."""
     if seam == "output_processor":
-        return model(input_ids, position_ids, attention_mask,
-                     output_processor=fused_output_processor, output_processor_context=ctx)
+        return _call_processor(model, gpt_model, ctx, input_ids, position_ids, attention_mask, packed_seq_params)
     if not gpt_model.post_process:
-        return model(input_ids, position_ids, attention_mask)
+        return model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
     with legacy_capture(gpt_model.output_layer, ctx):
-        return model(input_ids, position_ids, attention_mask)
+        return model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
+
+
+def run_materialised(model, gpt_model, seam: str, ctx: CaptureContext, input_ids, position_ids, attention_mask,
+                     packed_seq_params=None) -> Any:
+    """run_fused's twin on the materialised route: the output layer builds the logits (same outputs)."""
+    if seam == "output_processor":
+        return _call_processor(model, gpt_model, ctx, input_ids, position_ids, attention_mask, packed_seq_params)
+    out = model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
+    if not gpt_model.post_process:
+        return out
+    if tuple(out.shape[:2]) != tuple(ctx.labels.shape):
+        raise ValueError(f"labels {tuple(ctx.labels.shape)} do not match the model's logits {tuple(out.shape)}")
+    weight = gpt_model.shared_embedding_or_output_weight()  # GPTModel returned batch-first [b, s, V] logits
+    return _materialised_packed(out, ctx.labels, ctx.temperature, weight.shape[0], gpt_model.output_layer, ctx)
 
 
 # ------------------------------------------------------------------------------------ generation
@@ -200,13 +306,9 @@ class LastTokenContext:
 def _last_token_logits(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx: LastTokenContext):
     """[s_local, b, H] hidden -> full-vocabulary [b, V_pad] fp32 logits at ctx.positions (no grad),
     on every TP rank. Only b rows of logits are ever built."""
-    from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
-    tp_group = getattr(output_layer, "tp_group", None)
-    if tp_group is None:
-        tp_group = mpu.get_tensor_model_parallel_group()
-    tp = mpu.get_tensor_model_parallel_world_size()
+    tp_group, tp = _tp(output_layer)
     if output_layer.sequence_parallel and tp > 1:
         hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, group=tp_group)
     rows = torch.arange(hidden.shape[1], device=hidden.device)

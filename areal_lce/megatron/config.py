@@ -166,6 +166,12 @@ class EngineConfig:
         metadata={"help": f"one of {CAPTURE_SEAMS}: auto = GPTModel's output_processor when the "
                   "installed megatron-core has it (>= 0.18), else the output_layer replacement"},
     )
+    pack_sequences: bool = field(
+        default=False,
+        metadata={"help": "pack every micro-batch's sequences into one THD row (PackedSeqParams, per-sequence "
+                  "attention and RoPE) instead of right-padding them to the longest: no compute on padding. "
+                  "Needs the engine's sdpa core attention"},
+    )
     seed: int = field(default=1234, metadata={"help": "seed of parameter init, dropout and sampling"})
 
     def __post_init__(self):

@@ -15,11 +15,12 @@ What runs where:
     requires_grad False, called without the DDP wrapper (no grad buffers) and with no optimizer;
     `token_stats(grad=False)`, `generate`, `save` / `load` and parameter copies work, training refuses.
 
-Token statistics come from the fused capture seam (capture.py) when `use_fused_linear_ce`, else from
-GPTModel's vocab-parallel logits through `areal_lce.logprobs_entropy_from_logits`. Pipeline
-parallelism runs Megatron's 1F1B schedule (the capture seam only runs on the last stage; statistics
-and logits are shared with the other stages by a sum over the pipeline group).
-Packed sequences (THD) are refused: batches are right-padded with labels = -100.
+Token statistics come from the public `token_stats` route (stats.py): the fused op at the LM head when
+`use_fused_linear_ce`, else the output layer's logits (`fused=False`), same seam either way. Callers
+pass right-padded [b, s] batches; with `pack_sequences` the engine packs them into one THD row per
+micro-batch (batch.py) and returns stats in the padded layout. Pipeline parallelism runs Megatron's
+1F1B schedule (the capture seam only runs on the last stage; statistics and logits are shared with the
+other stages by a sum over the pipeline group).
 `generate` samples on the engine's device (sampling.py).
 """
 from __future__ import annotations
@@ -28,26 +29,19 @@ import dataclasses
 import math
 import os
 import resource
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from .. import comms
-from ..materialised import logprobs_entropy_from_logits
 from . import capture
+from .batch import ModelBatch, packed_length
+from .batch import prepare as prepare_batch
 from .config import EngineConfig
 from .model import build_gpt_model, load_hf_checkpoint, resolve_arch
 from .parallel import init_distributed, object_from_last_stage
 from .sampling import sample_tokens
-
-
-class TokenStats(NamedTuple):
-    """Per-token fp32 [B, S] tensors; 0 where labels == -100. Same meaning on both routes."""
-
-    logprobs: torch.Tensor
-    entropy: torch.Tensor
-    max_logit: torch.Tensor
-    min_logit: torch.Tensor
+from .stats import TokenStats, model_output
 
 
 def _resolve_dtype(name: str) -> torch.dtype:
@@ -91,8 +85,7 @@ class MegatronEngine:
         if not trainable:
             self.gpt.requires_grad_(False)
         self.seam = capture.resolve_seam(cfg.capture_seam)
-        if cfg.use_fused_linear_ce:
-            capture.check_capture_supported(self.gpt, self.seam)
+        capture.check_seam_config(self.gpt.config, self.seam, cfg.use_fused_linear_ce)
         module = self.gpt
         if self.dtype != torch.float32:
             from megatron.core.transformer.module import Float16Module
@@ -165,52 +158,32 @@ class MegatronEngine:
             g["lr"] = lr
 
     # ------------------------------------------------------------------------------ forward
-    def _prepare(self, input_ids: torch.Tensor, labels: torch.Tensor):
-        if input_ids.dim() != 2 or labels.shape != input_ids.shape:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must both "
-                             "be [batch, seq]")
-        b, s = input_ids.shape
-        if s > self.cfg.model.max_seq_len:
-            raise ValueError(f"sequence length {s} exceeds model.max_seq_len={self.cfg.model.max_seq_len}")
-        pad = (-s) % self.dist.tp_size if self.cfg.parallel.sequence_parallel else 0
-        ids, lab = input_ids.to(self.device, torch.long), labels.to(self.device, torch.long)
-        if pad:  # sequence parallelism splits the sequence over TP ranks: right-pad, labels ignored
-            ids = torch.nn.functional.pad(ids, (0, pad), value=0)
-            lab = torch.nn.functional.pad(lab, (0, pad), value=-100)
-        sp = ids.shape[1]
-        pos = torch.arange(sp, device=self.device).unsqueeze(0).expand(b, sp)
-        mask = None
-        if not torch.cuda.is_available():  # megatron builds its default causal mask on CUDA only
-            mask = torch.triu(torch.ones(sp, sp, dtype=torch.bool, device=self.device), diagonal=1)[None, None]
-        return ids, lab, pos, mask, s
+    def _seq_multiple(self) -> int:
+        return self.dist.tp_size if self.cfg.parallel.sequence_parallel else 1
 
-    def _call_model(self, ids, lab, pos, mask, temperature: float):
-        """One model call: packed stats [b, s, 4] (fused) or vocab-parallel logits (materialised) on the
-        last pipeline stage, hidden states on the others."""
-        if self.cfg.use_fused_linear_ce:
-            ctx = capture.CaptureContext(labels=lab, temperature=float(temperature), vocab_size=self.vocab_size,
-                                         backend=self.cfg.lce_backend, cache_bytes=self.cfg.lce_cache_bytes)
-            return capture.run_fused(self.model, self.gpt, self.seam, ctx, ids, pos, mask)
-        return self.model(ids, pos, mask)  # [b, s, V_pad / tp] on the last stage
+    def _prepare(self, input_ids: torch.Tensor, labels: torch.Tensor, min_packed_length: int = 0) -> ModelBatch:
+        return prepare_batch(input_ids, labels, device=self.device, max_seq_len=self.cfg.model.max_seq_len,
+                             pack=self.cfg.pack_sequences, seq_multiple=self._seq_multiple(),
+                             min_packed_length=min_packed_length)
 
-    def _stats_of_output(self, out, lab, temperature: float, b: int, s: int) -> TokenStats:
-        if self.cfg.use_fused_linear_ce:
-            lp, ent, mx, mn = capture.unpack(out)
-        else:
-            r = logprobs_entropy_from_logits(out, lab, temperature=float(temperature), vocab_size=self.vocab_size,
-                                             tp_group=self.tp_group)
-            lp, ent, mx, mn = r.logprobs, r.entropy, r.max_logit, r.min_logit
-        return TokenStats(lp[:b, :s], ent[:b, :s], mx[:b, :s], mn[:b, :s])
+    def _call_model(self, mb: ModelBatch, temperature: float) -> torch.Tensor:
+        """One model call through `token_stats`' route: packed stats [b, s, 4] / [1, T, 4] on the last
+        pipeline stage, hidden states on the others."""
+        return model_output(self.model, mb.input_ids, mb.labels, vocab_size=self.vocab_size,
+                            position_ids=mb.position_ids, attention_mask=mb.attention_mask,
+                            packed_seq_params=mb.packed_seq_params, temperature=float(temperature),
+                            fused=self.cfg.use_fused_linear_ce, backend=self.cfg.lce_backend,
+                            cache_bytes=self.cfg.lce_cache_bytes, seam=self.seam)
 
     def _forward_stats(self, input_ids, labels, temperature: float) -> TokenStats:
-        ids, lab, pos, mask, s = self._prepare(input_ids, labels)
-        out = self._call_model(ids, lab, pos, mask, temperature)
-        return self._stats_of_output(out, lab, temperature, input_ids.shape[0], s)
+        mb = self._prepare(input_ids, labels)
+        return mb.stats(self._call_model(mb, temperature))
 
     def token_stats(self, input_ids: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
                     grad: bool = False) -> TokenStats:
-        """Per-token stats of `labels` (next-token targets aligned with input positions; -100 ignored).
-        Under pipeline parallelism (grad=False only) every stage receives the last stage's values."""
+        """Per-token stats of `labels` (next-token targets aligned with input positions; -100 ignored),
+        [b, s] in and out whether or not the engine packs. Under pipeline parallelism (grad=False only)
+        every stage receives the last stage's values."""
         if grad:
             self._require_trainable("token_stats(grad=True)")
         if self.dist.pp_size > 1:
@@ -225,12 +198,14 @@ class MegatronEngine:
             return self._forward_stats(input_ids, labels, temperature)
 
     # ------------------------------------------------------------------------------ pipeline
-    def _pipeline_shapes(self, batches):
+    def _pipeline_shapes(self, batches, pack: bool):
+        """Fixed (micro_batch_size, seq_length) of the p2p tensors: padded [b, s] rows, or one packed row
+        of the longest packed micro-batch."""
+        if pack:
+            return 1, max(packed_length(ids, lab, self._seq_multiple()) for ids, lab, _t in batches)
         b = max(x[0].shape[0] for x in batches)
         s = max(x[0].shape[1] for x in batches)
-        if self.cfg.parallel.sequence_parallel:
-            s += (-s) % self.dist.tp_size
-        return b, s
+        return b, s + (-s) % self._seq_multiple()
 
     @staticmethod
     def _pad_to(input_ids, labels, b: int, s: int):
@@ -249,26 +224,33 @@ class MegatronEngine:
 
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        b, s = self._pipeline_shapes(batches)
+        pack = self.cfg.pack_sequences and last_token is None
+        b, s = self._pipeline_shapes(batches, pack)
         n = len(batches)
 
-        def loss_func(i, lab, temperature, real_b, real_s, out):
+        def loss_func(i, mb, out):
             if last_token is not None:
                 return on_stats(i, out), {}
-            loss = on_stats(i, self._stats_of_output(out, lab, temperature, real_b, real_s))
             # The schedule divides each microbatch's loss by the microbatch count; the caller has
             # already normalised it (the engine sums), so undo that division.
-            return loss * n, {}
+            return on_stats(i, mb.stats(out)) * n, {}
 
         def forward_step(data_iterator, model):
             i, (input_ids, labels, temperature) = next(data_iterator)
-            ids, lab = self._pad_to(input_ids, labels, b, s)
-            ids, lab, pos, mask, _ = self._prepare(ids, lab)
             if last_token is not None:
-                out = capture.run_last_token(self.model, self.gpt, self.seam, last_token, ids, pos, mask)
+                ids, lab = self._pad_to(input_ids, labels, b, s)
+                mb = prepare_batch(ids, lab, device=self.device, max_seq_len=self.cfg.model.max_seq_len,
+                                   pack=False, seq_multiple=self._seq_multiple())
+                out = capture.run_last_token(self.model, self.gpt, self.seam, last_token, mb.input_ids,
+                                             mb.position_ids, mb.attention_mask)
+            elif pack:
+                mb = self._prepare(input_ids, labels, min_packed_length=s)
+                out = self._call_model(mb, temperature)
             else:
-                out = self._call_model(ids, lab, pos, mask, temperature)
-            return out, partial(loss_func, i, lab, temperature, input_ids.shape[0], input_ids.shape[1])
+                mb = self._prepare(*self._pad_to(input_ids, labels, b, s))
+                mb.shape = tuple(input_ids.shape)
+                out = self._call_model(mb, temperature)
+            return out, partial(loss_func, i, mb)
 
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(list(enumerate(batches))), model=[self.model],
@@ -302,8 +284,9 @@ class MegatronEngine:
         for mb in microbatches:
             packed = {"cu_seqlens", "packed_seq_params", "cu_seqlens_q", "seq_lens"} & set(mb)
             if packed:
-                raise ValueError(f"microbatch key(s) {sorted(packed)}: packed sequences (THD) are not supported; "
-                                 "pass right-padded [batch, seq] input_ids with labels = -100 on padding")
+                raise ValueError(f"microbatch key(s) {sorted(packed)}: train_step takes no pre-packed sequences; "
+                                 "pass right-padded [batch, seq] input_ids with labels = -100 on padding and "
+                                 "the engine packs them itself (engine.pack_sequences)")
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         self.model.train()
@@ -379,8 +362,10 @@ class MegatronEngine:
             ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
         ctx = capture.LastTokenContext(positions=torch.tensor(lengths, device=self.device) - 1)
         if self.dist.pp_size == 1:
-            ids, _, pos, mask, _ = self._prepare(ids, torch.full_like(ids, -100))
-            out = capture.run_last_token(self.model, self.gpt, self.seam, ctx, ids, pos, mask)
+            mb = prepare_batch(ids, torch.full_like(ids, -100), device=self.device,
+                               max_seq_len=self.cfg.model.max_seq_len, pack=False, seq_multiple=self._seq_multiple())
+            out = capture.run_last_token(self.model, self.gpt, self.seam, ctx, mb.input_ids, mb.position_ids,
+                                         mb.attention_mask)
             return out[:, : self.vocab_size]
         store = {}
 
