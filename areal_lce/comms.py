@@ -1,4 +1,4 @@
-"""Every tensor-parallel collective of areal_lce lives here.
+"""Every collective of areal_lce (tensor- and context-parallel) lives here.
 
 Plain helpers are called from inside `function.LinearLogprobsEntropy` (whose forward/backward are not
 traced by autograd). The small autograd Functions at the bottom serve the materialised route
@@ -132,6 +132,28 @@ class AllReduceSumPartialGrad(torch.autograd.Function):
 
 def all_reduce_sum_partial_grad(t: torch.Tensor, group: Optional[object]) -> torch.Tensor:
     return t if group_size(group) == 1 else AllReduceSumPartialGrad.apply(t, group)
+
+
+class AllGatherRowsReplicatedGrad(torch.autograd.Function):
+    """forward: all-gather of each rank's [n, ...] rows in rank order; backward: this rank's block of rows.
+
+    For a gathered tensor that every rank feeds into the same (replicated) loss, e.g. per-token outputs
+    gathered over the context-parallel group: the gradient is the same full tensor on every rank, so
+    each rank's rows get exactly their own block of it (a reduce-scatter would multiply it by the size).
+    """
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        ctx.rank, ctx.rows = group_rank(group), t.shape[0]
+        return all_gather_rows(t, group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g.narrow(0, ctx.rank * ctx.rows, ctx.rows), None
+
+
+def all_gather_rows_replicated_grad(t: torch.Tensor, group: Optional[object]) -> torch.Tensor:
+    return t if group_size(group) == 1 else AllGatherRowsReplicatedGrad.apply(t, group)
 
 
 def barrier_world() -> None:

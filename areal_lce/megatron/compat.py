@@ -83,6 +83,8 @@ def apply_cpu_shims() -> None:
     * `torch.cuda.synchronize()` (pipeline p2p) is a no-op: CPU collectives complete on wait().
     * megatron's pipeline schedules module gets a `torch` whose tensor factories map device="cuda"
       to the CPU (its token counter is allocated with a hard-coded device).
+    * RoPE under context parallelism (BSHD) selects this rank's zigzag chunks of the position table
+      with a pinned-memory index moved to CUDA: the same selection without pinning or CUDA.
     * `torch.cuda.manual_seed` / RNG state getters are harmless no-ops without CUDA already; the
       RNG tracker is created with `inference_rng_tracker=True` by `parallel.init_distributed`, which
       keeps it off CUDA generator states.
@@ -100,7 +102,27 @@ def apply_cpu_shims() -> None:
     from megatron.core.pipeline_parallel import schedules
 
     schedules.torch = _CpuTorch()
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    modules = [rope_utils, rotary_pos_embedding]
+    try:
+        from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding
+
+        modules.append(yarn_rotary_pos_embedding)
+    except ImportError:
+        pass
+    for module in modules:
+        module.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank_cpu
     _SHIMS_APPLIED = True
+
+
+def _pos_emb_on_this_cp_rank_cpu(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """megatron's get_pos_emb_on_this_cp_rank without pinned memory: chunks r and 2cp-1-r of 2cp."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp, rank = cp_group.size(), cp_group.rank()
+    chunks = pos_emb.chunk(2 * cp, dim=seq_dim)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=seq_dim)
 
 
 def on_cpu() -> bool:

@@ -169,6 +169,7 @@ def build_transformer_config(arch: ArchSpec, parallel: ParallelConfig, dtype: to
     from megatron.core.transformer import TransformerConfig
 
     cpu = not torch.cuda.is_available()
+    cp = getattr(parallel, "context_parallel", 1)
     return TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
@@ -177,7 +178,9 @@ def build_transformer_config(arch: ArchSpec, parallel: ParallelConfig, dtype: to
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=parallel.tensor_parallel,
         pipeline_model_parallel_size=parallel.pipeline_parallel,
-        sequence_parallel=parallel.sequence_parallel, context_parallel_size=1,
+        sequence_parallel=parallel.sequence_parallel, context_parallel_size=cp,
+        # context parallelism of the local spec's SDPAttention: K/V all-gathered over the CP group
+        cp_comm_type="all_gather" if cp > 1 else None,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
         use_cpu_initialization=cpu, gradient_accumulation_fusion=False, persist_layer_norm=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
@@ -208,6 +211,9 @@ def build_gpt_model(arch: ArchSpec, model_cfg: ModelConfig, parallel: ParallelCo
     if use_te_spec():
         layer_spec = get_gpt_layer_with_transformer_engine_spec()
     else:
+        if model_cfg.attention != "sdpa" and config.context_parallel_size > 1:
+            raise ValueError(f"model.attention={model_cfg.attention!r} (megatron's DotProductAttention) does not "
+                             "support context parallelism; use model.attention: sdpa")
         layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
         norm = _local_rms_norm_class()
         if model_cfg.attention == "sdpa":

@@ -1,0 +1,146 @@
+"""Context parallelism (CP): megatron's load-balanced zigzag split of sequences over the CP group.
+
+Every sequence is cut into 2·cp equal chunks; CP rank r keeps chunks r and 2cp−1−r, in that order
+(causal attention then costs every rank the same). BSHD tensors `[b, s, ...]` are split per batch row
+exactly as `megatron.core.utils.get_batch_on_this_cp_rank` does; packed THD tensors `[1, T, ...]` are
+split per packed sequence (the layout megatron's THD RoPE and Transformer Engine's
+`thd_get_partitioned_indices` assume), so every sequence length must be a multiple of 2·cp:
+`pad_for_context_parallel` pads them.
+
+    pad = pad_for_context_parallel(cu_seqlens, cp)            # lengths -> multiples of 2·cp
+    ids = pad_packed(input_ids, pad)                          # [1, T] -> [1, T_padded]
+    local = split_for_context_parallel(ids, cp_group, pad.cu_seqlens_padded)
+    ...
+    full = gather_from_context_parallel(local_out, cp_group, pad.cu_seqlens_padded)
+    out = full.index_select(1, pad.index)                     # back to the unpadded tokens
+
+`gather_from_context_parallel` is differentiable with the replicated-loss convention: when every CP
+rank computes the same loss from the gathered tensor, each rank's local slice receives exactly
+d(loss)/d(slice) (its own block of the gradient, no sum over ranks and no factor cp).
+"""
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Sequence
+
+import torch
+
+from .. import comms
+
+
+def sequence_lengths(cu_seqlens, what: str = "cu_seqlens") -> List[int]:
+    """Per-sequence lengths of cumulative lengths `[0, l0, l0+l1, ...]` (host ints; checked)."""
+    cu = torch.as_tensor(cu_seqlens).reshape(-1).tolist()
+    if len(cu) < 2 or cu[0] != 0:
+        raise ValueError(f"{what} must be 1-D cumulative lengths starting at 0, got {cu[:8]}")
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    if min(lengths) < 0:
+        raise ValueError(f"{what} must be non-decreasing, got {cu[:8]}...")
+    return lengths
+
+
+def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """cat([arange(s, s + n) for s, n in zip(starts, lengths)]) without a Python loop (int64)."""
+    lengths = lengths.to(torch.int64)
+    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    first = torch.cumsum(lengths, 0) - lengths
+    return starts.to(torch.int64)[seg] + torch.arange(seg.numel(), device=lengths.device) - first[seg]
+
+
+def zigzag_positions(lengths: Sequence[int], cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Positions, in the packed layout of sequences with these lengths, of CP rank `cp_rank`'s tokens in
+    its local order: per sequence chunk r then chunk 2cp−1−r (chunk = length / 2cp). Since r < 2cp−1−r,
+    local order is the packed order restricted to the kept chunks."""
+    two_cp = 2 * cp_size
+    bad = [n for n in lengths if n % two_cp]
+    if bad:
+        raise ValueError(f"context parallel size {cp_size}: every sequence length must be a multiple of "
+                         f"2*cp = {two_cp} (got {bad[:4]}); pad with pad_for_context_parallel")
+    lens = torch.tensor(list(lengths), dtype=torch.int64)
+    seg = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+    offset = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[seg]
+    chunk = offset // (lens // two_cp).clamp(min=1)[seg]
+    keep = (chunk == cp_rank) | (chunk == two_cp - 1 - cp_rank)
+    return keep.nonzero().squeeze(1)
+
+
+def gathered_to_packed(lengths: Sequence[int], cp_size: int) -> torch.Tensor:
+    """Index `inv` with packed[p] = gathered[inv[p]], where `gathered` concatenates every CP rank's
+    local tokens in rank order (an all-gather of the local tensors)."""
+    order = torch.cat([zigzag_positions(lengths, cp_size, r) for r in range(cp_size)])
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel())
+    return inv
+
+
+def _cp_lengths(x: torch.Tensor, cu_seqlens, what: str, local: bool, cp: int) -> List[int]:
+    if x.dim() < 2:
+        raise ValueError(f"{what} must be [b, s, ...] (BSHD) or [1, T, ...] (THD), got shape {tuple(x.shape)}")
+    tokens = x.shape[1] * (cp if local else 1)
+    if cu_seqlens is None:
+        return [tokens]
+    if x.shape[0] != 1:
+        raise ValueError(f"{what}: with cu_seqlens the tensor is packed THD [1, T, ...], got shape {tuple(x.shape)}")
+    lengths = sequence_lengths(cu_seqlens)
+    if sum(lengths) != tokens:
+        raise ValueError(f"{what}: cu_seqlens[-1] = {sum(lengths)} but the tensor holds {tokens} tokens"
+                         + (f" ({x.shape[1]} per rank x cp {cp})" if local else ""))
+    return lengths
+
+
+def split_for_context_parallel(x: torch.Tensor, cp_group, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """This CP rank's tokens of `x` ([b, s, ...] split per row along dim 1, or packed THD [1, T, ...]
+    split per sequence of `cu_seqlens`, lengths multiples of 2·cp). Identity when the group has one rank."""
+    cp = comms.group_size(cp_group)
+    if cp == 1:
+        return x
+    lengths = _cp_lengths(x, cu_seqlens, "split_for_context_parallel(x)", local=False, cp=cp)
+    index = zigzag_positions(lengths, cp, comms.group_rank(cp_group)).to(x.device)
+    return x.index_select(1, index)
+
+
+def gather_from_context_parallel(local: torch.Tensor, cp_group, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Inverse of `split_for_context_parallel`: the full `[b, s, ...]` / `[1, T, ...]` on every CP rank.
+
+    Forward all-gathers the local tokens; backward gives each rank its own slice of the gradient (the
+    gathered tensor is replicated, so every rank holds the same full gradient: no reduction)."""
+    cp = comms.group_size(cp_group)
+    if cp == 1:
+        return local
+    lengths = _cp_lengths(local, cu_seqlens, "gather_from_context_parallel(local)", local=True, cp=cp)
+    rows = comms.all_gather_rows_replicated_grad(local.transpose(0, 1), cp_group)  # [cp*s_local, b, ...]
+    return rows.index_select(0, gathered_to_packed(lengths, cp).to(rows.device)).transpose(0, 1)
+
+
+class ContextParallelPadding(NamedTuple):
+    """Packed sequences padded for CP: sequence i occupies
+    [cu_seqlens_padded[i], cu_seqlens_padded[i+1]) with its real tokens first."""
+
+    cu_seqlens_padded: torch.Tensor  # int32 [n+1]
+    index: torch.Tensor  # int64 [T]: position of every original packed token in the padded layout
+    max_seqlen: int  # longest padded sequence (megatron's PackedSeqParams.max_seqlen_q / _kv)
+    total: int  # padded token count
+
+
+def pad_for_context_parallel(cu_seqlens: torch.Tensor, cp_size: int, multiple: Optional[int] = None) -> ContextParallelPadding:
+    """Pad every packed sequence's length up to a multiple of `multiple` (default 2·cp_size; it must be a
+    multiple of 2·cp_size, e.g. 2·cp·tp when sequence parallelism also splits the packed tokens)."""
+    multiple = 2 * cp_size if multiple is None else int(multiple)
+    if cp_size < 1 or multiple < 1 or multiple % (2 * cp_size):
+        raise ValueError(f"pad_for_context_parallel: multiple={multiple} must be a positive multiple of "
+                         f"2*cp_size = {2 * cp_size}")
+    lengths = torch.tensor(sequence_lengths(cu_seqlens), dtype=torch.int64)
+    padded = (lengths + multiple - 1) // multiple * multiple
+    cu_padded = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    cu_padded[1:] = torch.cumsum(padded, 0)
+    index = ranges(cu_padded[:-1], lengths)
+    device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else None
+    return ContextParallelPadding(cu_padded.to(torch.int32).to(device), index.to(device),
+                                  int(padded.max()) if padded.numel() else 0, int(cu_padded[-1]))
+
+
+def pad_packed(x: torch.Tensor, padding: ContextParallelPadding, value=0) -> torch.Tensor:
+    """`x` [1, T, ...] in the padded layout [1, padding.total, ...]; padding slots hold `value`."""
+    if x.dim() < 2 or x.shape[0] != 1 or x.shape[1] != padding.index.numel():
+        raise ValueError(f"pad_packed: x must be [1, {padding.index.numel()}, ...], got {tuple(x.shape)}")
+    out = x.new_full((1, padding.total) + tuple(x.shape[2:]), value)
+    return out.index_copy(1, padding.index.to(x.device), x)
