@@ -1,0 +1,237 @@
+"""The public token_stats call on a user-built GPTModel (tests/gpt_builder.py), not the engine.
+
+Oracle: megatron-core's own vocab_parallel_cross_entropy on the model's materialised logits (padding
+columns masked) for logprobs; an fp64 softmax of the gathered logits for entropy and logit extremes.
+Both routes (fused, fused=False) must match it in every per-token value and every parameter's
+gradient. TP=1 runs in this process; TP=2 (SP on/off, tied, BSHD/THD, parallel_output=False, the
+documented example) runs in one torchrun launch of tests/token_stats_worker.py.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import tempfile
+import json
+import types
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import gpt_builder as G  # noqa: E402
+
+from areal_lce.megatron import capture, pack_rows, packed_next_token_labels, token_stats  # noqa: E402
+from areal_lce.megatron.stats import find_gpt_model  # noqa: E402
+
+ATOL = 2e-5  # fp32: the routes differ from the oracle only in summation order
+GRAD_RTOL = 2e-5
+
+
+def _check(model, ids, labels, temperature, **kw):
+    ref = G.oracle(model, ids, labels, temperature, position_ids=kw.get("position_ids"),
+                   packed_seq_params=kw.get("packed_seq_params"))
+    ref_grads = G.grads(model, G.weighted_loss(ref[0], ref[1], labels))
+    stats = {}
+    for fused in (True, False):
+        st = token_stats(model, ids, labels, vocab_size=G.VOCAB, temperature=temperature, fused=fused,
+                         backend="torch", **kw)
+        assert st.logprobs.dtype == torch.float32 and st.logprobs.shape == labels.shape
+        for name, got, want in zip(st._fields, st, ref):
+            err = (got - want).abs().max().item()
+            assert err <= ATOL, f"fused={fused} {name}: max |Δ| {err:.2e} vs megatron's oracle"
+        g = G.grads(model, G.weighted_loss(st.logprobs, st.entropy, labels))
+        rel = G.max_rel(g, ref_grads)
+        assert rel <= GRAD_RTOL, f"fused={fused}: parameter gradients rel err {rel:.2e}"
+        stats[fused] = st
+    valid = labels != -100
+    assert (stats[True].logprobs[valid] < 0).all() and (stats[True].logprobs[~valid] == 0).all()
+    return stats[True]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("temp", ["scalar", "per_token"])
+def test_bshd_matches_megatron_oracle(tied, temp):
+    model = G.build_gpt(tied=tied)
+    ids, labels, _ = G.batch(0)
+    t = 0.7 if temp == "scalar" else torch.rand(labels.shape, generator=torch.Generator().manual_seed(1)) + 0.5
+    _check(model, ids, labels, t)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_thd_matches_oracle_and_bshd(tied):
+    """Packed sequences: values and gradients match the oracle on the packed row, and every token's
+    values equal the BSHD values of the same sequence."""
+    model = G.build_gpt(tied=tied)
+    ids, labels, _ = G.batch(0)
+    t = torch.rand(labels.shape[0], 1, generator=torch.Generator().manual_seed(2)) + 0.5  # per sequence
+    bshd = token_stats(model, ids, labels, vocab_size=G.VOCAB, temperature=t, backend="torch")
+    rows = pack_rows(ids, labels)
+    t_packed = torch.broadcast_to(t, labels.shape).reshape(-1)[rows.index][None]
+    thd = _check(model, rows.input_ids, rows.labels, t_packed, position_ids=rows.position_ids,
+                 packed_seq_params=rows.packed_seq_params())
+    back = rows.unpack(thd.pack())
+    for i, name in enumerate(bshd._fields):
+        err = (back[..., i] - getattr(bshd, name).detach()).abs().max().item()
+        assert err <= ATOL, f"THD vs BSHD {name}: {err:.2e}"
+
+
+def test_mtp_fused_matches_materialised():
+    """MTP (megatron-core >= 0.18): the main head fused, the MTP heads as Megatron computes them; both
+    routes give the same values and the same gradient in every parameter, the MTP layers' included."""
+    model = G.build_gpt(mtp_layers=1)
+    ids, labels, _ = G.batch(3)
+    res = {}
+    for fused in (True, False):
+        st = token_stats(model, ids, labels, vocab_size=G.VOCAB, temperature=0.8, fused=fused, backend="torch")
+        res[fused] = (st, G.grads(model, G.weighted_loss(st.logprobs, st.entropy, labels)))
+    (sa, ga), (sb, gb) = res[True], res[False]
+    for name, x, y in zip(sa._fields, sa, sb):
+        assert (x - y).abs().max().item() <= ATOL, name
+    assert G.max_rel(ga, gb) <= GRAD_RTOL
+    mtp = [n for n in ga if n.startswith("mtp.")]
+    assert mtp and all(ga[n].abs().max() > 0 for n in mtp), "the MTP loss must reach the MTP layers"
+
+
+def test_mtp_refused_on_the_legacy_seam():
+    model = G.build_gpt(mtp_layers=1)
+    ids, labels, _ = G.batch(3)
+    with pytest.raises(ValueError, match="mtp_num_layers"):
+        token_stats(model, ids, labels, vocab_size=G.VOCAB, seam="output_layer")
+
+
+def test_refusals_name_the_option():
+    model = G.build_gpt()
+    ids, labels, _ = G.batch(0)
+    call = functools.partial(token_stats, model, ids, vocab_size=G.VOCAB)
+    with pytest.raises(ValueError, match="vocab_size"):
+        token_stats(model, ids, labels, vocab_size=None)
+    with pytest.raises(ValueError, match="vocab_size"):
+        token_stats(model, ids, labels, vocab_size=True)
+    with pytest.raises(ValueError, match="vocab_size"):
+        token_stats(model, ids, labels, vocab_size=G.padded_vocab(1) + 1)
+    with pytest.raises(ValueError, match="labels"):
+        call(labels.t())  # [s, b] labels for [b, s] input_ids
+    with pytest.raises(ValueError, match="temperature"):
+        call(labels, temperature=torch.ones(5))
+    with pytest.raises(ValueError, match="temperature"):
+        call(labels, temperature=0.0)
+    psp = pack_rows(ids, labels).packed_seq_params()
+    with pytest.raises(ValueError, match=r"\[1, T\]"):
+        call(labels, packed_seq_params=psp)  # THD needs the packed [1, T] layout
+    psp.qkv_format = "sbhd"
+    with pytest.raises(ValueError, match="qkv_format"):
+        token_stats(model, ids[:1], labels[:1], vocab_size=G.VOCAB, packed_seq_params=psp)
+    model.config.defer_embedding_wgrad_compute = True
+    with pytest.raises(ValueError, match="defer_embedding_wgrad_compute"):
+        call(labels)
+    model.config.defer_embedding_wgrad_compute = False
+    model.config.context_parallel_size = 2
+    with pytest.raises(ValueError, match="context_parallel"):
+        call(labels)
+    model.config.context_parallel_size = 1
+
+
+def test_square_batch_layout():
+    """b == s: labels must follow input_ids' [batch, seq] layout; the values say which layout ran."""
+    model = G.build_gpt()
+    ids, labels, _ = G.batch(0, b=6, s=6)
+    _check(model, ids, labels, 1.0)
+
+
+def test_seam_checks_without_token_stats():
+    """The processor refuses on its own, for callers that use the seam directly."""
+    with pytest.raises(ValueError, match="vocab_size"):
+        capture.CaptureContext(labels=torch.zeros(1, 4, dtype=torch.long), temperature=1.0, vocab_size=None)
+    ctx = capture.CaptureContext(labels=torch.zeros(2, 4, dtype=torch.long), temperature=1.0, vocab_size=10)
+    layer = types.SimpleNamespace(weight=torch.zeros(10, 8), sequence_parallel=False, tp_group=None,
+                                  config=types.SimpleNamespace(context_parallel_size=2))
+    with pytest.raises(ValueError, match="context_parallel"):
+        capture.stats_output_processor(hidden_states=torch.zeros(4, 2, 8), output_layer=layer, output_weight=None,
+                                       context=ctx, config=layer.config)
+    layer.config.context_parallel_size = 1
+    with pytest.raises(ValueError, match="laid out like input_ids"):
+        capture.stats_output_processor(hidden_states=torch.zeros(4, 2, 8), output_layer=layer, output_weight=None,
+                                       context=ctx, config=layer.config, input_ids=torch.zeros(4, 2, dtype=torch.long))
+
+
+def test_wrappers_and_pipeline_stages():
+    model = G.build_gpt()
+    wrapped = types.SimpleNamespace(module=types.SimpleNamespace(module=model))
+    assert find_gpt_model(wrapped) is model
+    with pytest.raises(TypeError, match="GPTModel"):
+        find_gpt_model(torch.nn.Linear(2, 2))
+    ids, labels, _ = G.batch(0)
+    model.post_process = False  # a stage without the LM head returns what the schedule sends on
+    out = token_stats(model, ids, labels, vocab_size=G.VOCAB)
+    assert torch.is_tensor(out) and out.shape == (ids.shape[1], ids.shape[0], G.H)
+
+
+def test_packed_next_token_labels():
+    ids = torch.arange(100, 110)[None]
+    lab = packed_next_token_labels(ids, torch.tensor([0, 3, 3, 4, 8], dtype=torch.int32))
+    assert lab.tolist() == [[101, 102, -100, -100, 105, 106, 107, -100, -100, -100]]
+    padded = packed_next_token_labels(ids, torch.tensor([0, 2, 5]), cu_seqlens_padded=torch.tensor([0, 4, 8]))
+    assert padded.tolist() == [[101, -100, -100, -100, 105, 106, -100, -100, -100, -100]]
+    # the same labels a per-sequence shift gives (what every framework writes by hand)
+    seqs = [torch.randint(0, 50, (n,)) for n in (5, 1, 9)]
+    want = torch.cat([torch.cat([x[1:], torch.tensor([-100])]) for x in seqs])
+    cu = torch.tensor([0, 5, 6, 15])
+    assert torch.equal(packed_next_token_labels(torch.cat(seqs), cu), want)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        packed_next_token_labels(ids, torch.tensor([0, 5, 3]))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        packed_next_token_labels(ids, torch.tensor([1, 5]))
+
+
+# --------------------------------------------------------------------------------------------- TP = 2
+
+@functools.lru_cache(maxsize=None)
+def worker_results() -> dict:
+    out = os.path.join(tempfile.mkdtemp(prefix="areal_lce_ts_"), "out.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(HERE, "token_stats_worker.py"), out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if proc.returncode != 0 or not os.path.exists(out):
+        raise RuntimeError(f"worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def _worker_cases(prefix):
+    import token_stats_worker as W
+
+    return [c for c in W.CASES if c.startswith(prefix)]
+
+
+@pytest.mark.parametrize("case", _worker_cases("bshd") + _worker_cases("thd"))
+def test_tp2_matches_megatron_oracle(case):
+    r = worker_results()[case]
+    assert "error" not in r, r.get("error")
+    for k, v in r.items():
+        limit = GRAD_RTOL if k.endswith("grad_rel") else ATOL
+        assert v <= limit, f"{case} {k} = {v:.2e}"
+
+
+def test_tp2_parallel_output_false():
+    r = worker_results()["parallel_output_false"]
+    assert "error" not in r, r.get("error")
+    assert max(r.values()) <= ATOL, r
+
+
+def test_tp2_sequence_parallel_length_error():
+    r = worker_results()["sp_length_error"]
+    assert "error" not in r, r.get("error")
+    assert "sequence_parallel" in r["message"] and "multiple of 2" in r["message"], r
+
+
+def test_documented_example_tp2_sp():
+    r = worker_results()["example"]
+    assert "error" not in r, r.get("error")
+    assert r["thd_vs_bshd_logprobs"] <= ATOL and r["thd_vs_bshd_entropy"] <= ATOL, r
+    assert r["logprobs_max"] < 0 and r["head_grad_norm"] > 0, r
