@@ -235,6 +235,12 @@ def test_training_losses_equal_tp2():
     assert r["max_rel_loss"] <= 1e-4, r
 
 
+def test_packed_matches_padded_tp2_sp():
+    r = worker_results()["tp2-pack-sp1"]
+    assert "error" not in r, r.get("error")
+    assert r["max_rel_loss_fused1"] <= 1e-5 and r["max_rel_loss_fused0"] <= 1e-5, r
+
+
 def test_data_parallel_two_ranks():
     r = worker_results()["dp2"]
     assert "error" not in r, r.get("error")
