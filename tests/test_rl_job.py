@@ -98,6 +98,18 @@ def test_resume_reproduces_the_uninterrupted_run(grpo_run):
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # no duplicated steps after resume
 
 
+def test_packed_and_padded_rl_runs_agree(tmp_path):
+    """GRPO with engine.pack_sequences true (the default) and false: same rollouts, same metrics."""
+    rows = {}
+    for pack in ("true", "false"):
+        out = tmp_path / pack
+        rl.run(_cfg(out, "trainer.steps=2", f"engine.pack_sequences={pack}"))
+        rows[pack] = read_metrics(out / "metrics.jsonl")
+    for a, b in zip(rows["true"], rows["false"]):
+        for k in ("reward", "entropy", "kl", "max_logit", "min_logit", "grad_norm"):
+            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-6), (k, a[k], b[k])
+
+
 def test_bad_rl_options_name_the_option(tmp_path):
     from areal_lce.train.config import ConfigError
 
