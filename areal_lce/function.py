@@ -67,6 +67,15 @@ class LinearLogprobsEntropy(torch.autograd.Function):
                 (vocab-partial -> total on every rank); reduce_d_hidden=False leaves d_hidden partial for a
                 caller whose own mapping reduces it (Megatron's copy_to_tensor_model_parallel_region).
                 d_hidden is reduced in fp32, exactly once. d_weight is local to the shard: never reduced.
+
+    Context parallelism: no CP collective, by design. Each CP rank passes its CP-local tokens (megatron's
+    load-balanced zigzag: every sequence cut into 2·cp chunks, rank r keeps chunks r and 2·cp−1−r; per
+    batch row for BSHD, per packed sequence for THD) with their labels. Every per-token output depends on
+    its own row only, so the CP-local outputs are the full-sequence values at those tokens. d_hidden stays
+    local (each token's gradient lives where the token lives). d_weight is this rank's partial sum over
+    its own tokens; the full-sequence gradient is its SUM over the CP group, which megatron's DDP does
+    when it reduces every parameter over the data-parallel × context-parallel group. Reducing it here
+    too would count it twice.
     """
 
     @staticmethod
