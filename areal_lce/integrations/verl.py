@@ -7,7 +7,7 @@
     # verl.models.mcore.model_forward_fused.linear_cross_entropy = lce_verl.linear_cross_entropy
 
 verl's contract, as its Megatron fused forward uses it (`fused_output_processor` on megatron-core
->= 0.18, the patched `GPTModel.forward` before):
+>= 0.18, the patched `GPTModel.forward` before; its transformers models call it the same way, unsharded):
   hidden [T, 1, H] (or [N, H], [B, S, H]): the FULL sequence of this TP rank — verl gathers the sequence-
       parallel shards itself (`gather_from_sequence_parallel_region`) before the call; under context
       parallelism, this CP rank's tokens.
@@ -32,9 +32,11 @@ from ..api import linear_logprobs_entropy
 from ._common import check_op_options, patch, positive_float, restore, token_rows
 
 _NAME = "areal_lce.integrations.verl.linear_cross_entropy"
-# Where verl 0.9.1 binds `linear_cross_entropy` at import and looks it up at call time: the Megatron fused
-# forward (both its output_processor and legacy forward paths) and the 1F1B-overlap forward.
-PATCH_TARGETS = ("verl.models.mcore.model_forward_fused", "verl.models.mcore.model_forward_1f1b_overlap")
+# Where verl 0.9.1 looks `linear_cross_entropy` up at call time: the Megatron fused forward (its
+# output_processor and legacy forward paths) and the 1F1B-overlap forward bind it at import; the
+# transformers (FSDP) models import it from its defining module inside their triton-backend forward.
+PATCH_TARGETS = ("verl.models.mcore.model_forward_fused", "verl.models.mcore.model_forward_1f1b_overlap",
+                 "verl.utils.kernel.linear_cross_entropy")
 _OPTIONAL_TARGETS = ("verl.models.mcore.model_forward_1f1b_overlap",)
 
 
@@ -68,8 +70,9 @@ def linear_cross_entropy(
 
 
 def apply(**op_options) -> list:
-    """Make verl's Megatron fused forward call `linear_cross_entropy` above (with `op_options`).
-    Returns the patched names; `remove()` undoes it. Needs verl importable (megatron-core, ray, ...)."""
+    """Make verl's fused forwards call `linear_cross_entropy` above (with `op_options`): every name in
+    PATCH_TARGETS. Returns the patched names; `remove()` undoes it. Needs verl importable (megatron-core,
+    ray, ...), and must run in the processes that run the model (verl's Ray workers)."""
     check_op_options(op_options, _NAME)
     fn = linear_cross_entropy
     if op_options:
