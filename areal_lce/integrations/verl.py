@@ -20,7 +20,7 @@ Returns (logprobs, entropy), fp32, flat [T] (logprobs a scalar under "sum"/"mean
 d_hidden is this rank's vocab-partial gradient, NOT reduced over TP: the backward of verl's SP gather
 (a reduce-scatter) reduces it. verl forces sequence parallel when TP > 1; TP > 1 without it leaves
 d_hidden partial here exactly as verl's kernel does. d_weight is this rank's shard gradient, in the
-weight's dtype (verl: the hidden dtype; verl requires them equal).
+weight's dtype (verl's kernel returns the hidden's dtype; in verl the two are the same).
 """
 from __future__ import annotations
 
