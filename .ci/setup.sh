@@ -16,4 +16,6 @@ python -m pip install -q --no-deps -e .
 python -m pip install -q --no-deps --ignore-requires-python "megatron-core==0.19.2"
 # megatron-core 0.16.1 aside (no output_processor seam): the tests run the legacy capture seam on it
 [ -d .venv/megatron-legacy/megatron ] || python -m pip install -q --no-deps --target .venv/megatron-legacy "megatron-core==0.16.1"
+# verl 0.9.1 aside: the verl adapter's tests load verl's own torch implementation of its op from it
+[ -d .venv/verl-aside/verl ] || python -m pip install -q --no-deps --target .venv/verl-aside "verl==0.9.1"
 python -c "import torch, triton, transformers, megatron.core; print('areal_lce env: torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', megatron.core.__version__)" 2>/dev/null

@@ -66,6 +66,7 @@ def linear_logprobs_entropy(
     ignore_index: int = -100,
     vocab_size: Optional[int] = None,
     return_stats: bool = False,
+    return_logit_sums: bool = False,
     backend: str = "auto",
     cache_bytes: int = 0,
     tp_group=None,
@@ -85,6 +86,11 @@ def linear_logprobs_entropy(
         (one host sync per call to count them).
     vocab_size: the true (global) vocabulary; weight rows at global ids >= vocab_size are padding and are
         excluded from the softmax (as if their logits were -inf). Default: all rows are real.
+    return_logit_sums: also return `sum_logit` = Σ_j r_j and `sumsq_logit` = Σ_j r_j² of the raw logits
+        r = h·W_jᵀ (before temperature) over the true vocabulary, so the row mean is sum_logit / vocab_size
+        and the row L2 norm sqrt(sumsq_logit). Accumulated in the forward's own pass over the vocabulary
+        and merged over tp_group in its existing SUM (two more rows, no extra collective). Opt-in: it
+        costs two reductions per logit in the forward epilogue.
     cache_bytes: logits-cache budget. When this rank's fp32 logits (4·N·V_shard bytes) fit it, the forward
         keeps them and the backward skips the recompute GEMM. Default 0: always recompute.
     backend: "auto" | "triton" | "triton_ascend" | "torch" | "reference" (see docs/backends.md);
@@ -143,12 +149,12 @@ def linear_logprobs_entropy(
         temperature=scalar_t, ignore_index=ignore_index, vocab_size=vocab_size, vocab_start=vocab_start,
         shard_valid=max(0, min(v_shard, vocab_size - vocab_start)), cache_bytes=cache_bytes, backend=name,
         tp_group=tp_group, tp_size=tp, sequence_parallel=sequence_parallel and tp > 1,
-        reduce_d_hidden=reduce_d_hidden, compact_ignored=compact_ignored)
+        reduce_d_hidden=reduce_d_hidden, compact_ignored=compact_ignored, logit_sums=bool(return_logit_sums))
     h2 = hidden.reshape(-1, hidden.shape[-1])
     h2 = h2 if h2.is_contiguous() else h2.contiguous()
     w = weight if weight.is_contiguous() else weight.contiguous()
-    lp, ent, mx, mn, lse = LinearLogprobsEntropy.apply(h2, w, y, inv_t, params)
+    lp, ent, mx, mn, lse, lsum, lsq = LinearLogprobsEntropy.apply(h2, w, y, inv_t, params)
     shape = labels.shape
-    if not return_stats:
-        return LCEOutput(lp.view(shape), ent.view(shape))
-    return LCEOutput(lp.view(shape), ent.view(shape), mx.view(shape), mn.view(shape), lse.view(shape))
+    stats = (mx.view(shape), mn.view(shape), lse.view(shape)) if return_stats else (None, None, None)
+    sums = (lsum.view(shape), lsq.view(shape)) if return_logit_sums else (None, None)
+    return LCEOutput(lp.view(shape), ent.view(shape), *stats, *sums)

@@ -12,7 +12,8 @@ from .types import LCEParams
 
 
 def merge_shard_stats(st: ShardStats, group) -> ShardStats:
-    """Merge per-shard (m, s, a, zy, mn) into full-vocabulary values. Pure math + two collectives."""
+    """Merge per-shard (m, s, a, zy, mn[, lsum, lsq]) into full-vocabulary values. Pure math + two
+    collectives."""
     # 1 collective: MAX of [m, -mn] gives the global max logit and the global min logit at once.
     mm = torch.stack([st.m, -st.mn])
     comms.all_reduce_max_(mm, group)
@@ -24,10 +25,13 @@ def merge_shard_stats(st: ShardStats, group) -> ShardStats:
     scale = torch.exp(shift)
     s = st.s * scale
     a = torch.where(empty, torch.zeros_like(st.a), (st.a + shift * st.s) * scale)
-    # 1 collective: SUM of the packed [s, a, zy] (zy is nonzero only on the rank owning the label).
-    packed = torch.stack([s, a, st.zy])
+    # 1 collective: SUM of the packed [s, a, zy(, lsum, lsq)] (zy is nonzero only on the rank owning the
+    # label; the raw-logit sums of the shards add up to the full-vocabulary sums).
+    sums = st.lsum is not None
+    packed = torch.stack([s, a, st.zy] + ([st.lsum, st.lsq] if sums else []))
     comms.all_reduce_sum_(packed, group)
-    return ShardStats(m=big_m, s=packed[0], a=packed[1], zy=packed[2], mn=mn)
+    return ShardStats(m=big_m, s=packed[0], a=packed[1], zy=packed[2], mn=mn,
+                      lsum=packed[3] if sums else None, lsq=packed[4] if sums else None)
 
 
 def finish_stats(st: ShardStats):
@@ -38,10 +42,11 @@ def finish_stats(st: ShardStats):
     return st.zy - lse, ent, lse
 
 
-def _empty_stats(n: int, device) -> ShardStats:
+def _empty_stats(n: int, device, sums: bool) -> ShardStats:
     inf = torch.full((n,), float("inf"), device=device)
     zero = torch.zeros(n, device=device)
-    return ShardStats(m=-inf, s=zero, a=zero.clone(), zy=zero.clone(), mn=inf)
+    return ShardStats(m=-inf, s=zero, a=zero.clone(), zy=zero.clone(), mn=inf,
+                      lsum=zero.clone() if sums else None, lsq=zero.clone() if sums else None)
 
 
 class LinearLogprobsEntropy(torch.autograd.Function):
@@ -50,16 +55,27 @@ class LinearLogprobsEntropy(torch.autograd.Function):
     Inputs: hidden [N, H] (or this rank's [N/tp, H] sequence shard under sequence parallel), weight
     [V_shard, H] (this rank's vocab shard), labels [N] global ids with ignore_index rows, inv_t [N] fp32
     or None, params (LCEParams). Outputs [N] fp32: logprobs, entropy (differentiable), max_logit,
-    min_logit (raw logits, before temperature), lse (tempered) — the last three not differentiable.
+    min_logit (raw logits, before temperature), lse (tempered), and with params.logit_sums the raw
+    logits' Σ r and Σ r² (else None) — all but the first two not differentiable.
 
     Collectives (group = params.tp_group; none when tp_size == 1):
       forward : sequence_parallel -> all-gather of hidden rows (sequence shards -> full sequence);
-                MAX of [max, -min] per token; SUM of packed [s, a, z_label] per token. Nothing N×V or V×H.
+                MAX of [max, -min] per token; SUM of packed [s, a, z_label(, Σr, Σr²)] per token.
+                Nothing N×V or V×H.
       backward: sequence_parallel -> reduce-scatter of d_hidden (vocab-partial full-sequence grads ->
                 this rank's shard of the total); else, if reduce_d_hidden, all-reduce SUM of d_hidden
                 (vocab-partial -> total on every rank); reduce_d_hidden=False leaves d_hidden partial for a
                 caller whose own mapping reduces it (Megatron's copy_to_tensor_model_parallel_region).
                 d_hidden is reduced in fp32, exactly once. d_weight is local to the shard: never reduced.
+
+    Context parallelism: no CP collective, by design. Each CP rank passes its CP-local tokens (megatron's
+    load-balanced zigzag: every sequence cut into 2·cp chunks, rank r keeps chunks r and 2·cp−1−r; per
+    batch row for BSHD, per packed sequence for THD) with their labels. Every per-token output depends on
+    its own row only, so the CP-local outputs are the full-sequence values at those tokens. d_hidden stays
+    local (each token's gradient lives where the token lives). d_weight is this rank's partial sum over
+    its own tokens; the full-sequence gradient is its SUM over the CP group, which megatron's DDP does
+    when it reduces every parameter over the data-parallel × context-parallel group. Reducing it here
+    too would count it twice.
     """
 
     @staticmethod
@@ -80,7 +96,7 @@ class LinearLogprobsEntropy(torch.autograd.Function):
         y_c = labels if idx is None else labels.index_select(0, idx)
         t_c = inv_t if (idx is None or inv_t is None) else inv_t.index_select(0, idx)
         if h_c.shape[0] == 0:  # every row ignored (same on all ranks: labels are replicated)
-            st = _empty_stats(0, hidden.device)
+            st = _empty_stats(0, hidden.device, params.logit_sums)
         else:
             keep = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
             st = backend.forward(h_c, weight, y_c, t_c, params, keep_cache=keep)
@@ -90,7 +106,10 @@ class LinearLogprobsEntropy(torch.autograd.Function):
         t_raw = (1.0 / t_c) if t_c is not None else float(params.temperature)
         mx, mn = merged.m * t_raw, merged.mn * t_raw
         outs = []
-        for v in (lp, ent, mx, mn, lse):
+        for v in (lp, ent, mx, mn, lse, merged.lsum, merged.lsq):
+            if v is None:  # logit sums not asked for
+                outs.append(None)
+                continue
             full = v.new_zeros(n) if idx is not None else v
             if idx is not None:
                 full.index_copy_(0, idx, v)
@@ -99,11 +118,11 @@ class LinearLogprobsEntropy(torch.autograd.Function):
             outs.append(full)
         ctx.save_for_backward(h_c, weight, y_c, t_c, lse, ent, idx, valid)
         ctx.params, ctx.cache, ctx.n, ctx.n_local, ctx.hidden_dtype = params, cache, n, n_local, hidden.dtype
-        ctx.mark_non_differentiable(outs[2], outs[3], outs[4])
+        ctx.mark_non_differentiable(*(o for o in outs[2:] if o is not None))
         return tuple(outs)
 
     @staticmethod
-    def backward(ctx, g_lp, g_ent, _g_max, _g_min, _g_lse):
+    def backward(ctx, g_lp, g_ent, *_g_stats):
         h_c, weight, y_c, t_c, lse, ent, idx, valid = ctx.saved_tensors
         params: LCEParams = ctx.params
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

@@ -32,6 +32,7 @@ class LCEParams:
     sequence_parallel: bool = False  # hidden is this rank's [N/tp, H] sequence shard
     reduce_d_hidden: bool = True  # the Function reduces d_hidden over tp_group (off: caller's mappings do)
     compact_ignored: bool = True  # drop ignore_index rows before the backend runs (one host sync)
+    logit_sums: bool = False  # backends also accumulate Σ_j r_j and Σ_j r_j² of the raw logits
 
 
 class LCEOutput(NamedTuple):
@@ -42,6 +43,9 @@ class LCEOutput(NamedTuple):
     max_logit max_j h·W_jᵀ, the raw logit *before* temperature (None unless return_stats).
     min_logit min_j h·W_jᵀ, raw logit before temperature (None unless return_stats).
     lse       log Σ_j exp(z_j), of the tempered logits z (None unless return_stats).
+    sum_logit   Σ_j h·W_jᵀ, raw logits before temperature (None unless return_logit_sums).
+    sumsq_logit Σ_j (h·W_jᵀ)², raw logits before temperature (None unless return_logit_sums).
+                Row mean = sum_logit / vocab_size, row L2 norm = sqrt(sumsq_logit).
     Stats are over the true vocabulary (padding rows excluded) and are 0 at ignore_index rows.
     """
 
@@ -50,3 +54,5 @@ class LCEOutput(NamedTuple):
     max_logit: Optional[torch.Tensor] = None
     min_logit: Optional[torch.Tensor] = None
     lse: Optional[torch.Tensor] = None
+    sum_logit: Optional[torch.Tensor] = None
+    sumsq_logit: Optional[torch.Tensor] = None

@@ -6,7 +6,9 @@ Each case compares the Triton backend with the materialised fp64 oracle (Referen
 same values upcast to fp64). Pass rule: error <= 4 x torch's own error at the same precision + atol,
 where torch's error is ReferenceBackend in fp32 for stats and fp32 grads, and for bf16/fp16 gradients
 the materialised torch path with d_logits rounded to the input dtype (what a bf16 torch step does).
-Also checked: two runs bitwise equal, a NaN hidden row poisons only its own stats, and the public
+Also checked: the raw-logit row sums (params.logit_sums: Σr, Σr² from the forward epilogue) against
+the oracle, with every other statistic bitwise unchanged by them; two runs bitwise equal, a NaN hidden
+row poisons only its own stats, and the public
 `areal_lce.linear_logprobs_entropy(..., backend="triton")` against `reference_logprobs_entropy`
 (fp64 autograd). Prints one line per case and writes gpu_check.json; exit status 1 on any failure.
 """
@@ -17,7 +19,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -120,6 +122,7 @@ def run_case(c: Case, be, device):
     ent64 = torch.log(r64.s) - r64.a / r64.s
     lse_k = st.m.double() + torch.log(st.s.double())
     res["logp_err"] = _max(st.zy.double() - lse_k, r64.zy - lse64)
+    ok &= _check_sums(res, be, ref, h, w, y, inv_t, params, st)
     g = torch.Generator(device="cpu").manual_seed(1)
     g_lp = torch.randn(c.N, generator=g).to(device)
     g_ent = torch.randn(c.N, generator=g).to(device)
@@ -153,6 +156,24 @@ def run_case(c: Case, be, device):
     return res
 
 
+def _check_sums(res, be, ref, h, w, y, inv_t, params, st) -> bool:
+    """The HAS_SUMS forward: Σr, Σr² against fp64 (allowance: fp32 summation over the row, scaled by
+    Σ|r| <= sqrt(V·Σr²)), and m, s, a, zy, mn the same bits as without the sums."""
+    ps = replace(params, logit_sums=True)
+    ss = be.forward(h, w, y, inv_t, ps, keep_cache=False)
+    r64 = ref.forward(h.double(), w.double(), y, inv_t.double() if inv_t is not None else None, ps, False)
+    r32 = ref.forward(h.float(), w.float(), y, inv_t, ps, False)
+    scale = {"lsum": (r64.lsq * max(1, params.shard_valid)).sqrt(), "lsq": r64.lsq}
+    ok = True
+    for k in ("lsum", "lsq"):
+        e_k = ((getattr(ss, k).double() - getattr(r64, k)).abs() / scale[k].clamp_min(1.0)).max().item()
+        e_t = ((getattr(r32, k).double() - getattr(r64, k)).abs() / scale[k].clamp_min(1.0)).max().item()
+        res[f"{k}_err"], res[f"{k}_torch"] = e_k, e_t
+        ok &= e_k <= 4 * e_t + 1e-6
+    res["sums_leave_stats"] = all(torch.equal(getattr(ss, k), getattr(st, k)) for k in ("m", "s", "a", "zy", "mn"))
+    return ok and res["sums_leave_stats"]
+
+
 def api_check(device):
     """The public op on CUDA against the fp64 autograd oracle (skipped when api.py is absent)."""
     try:
@@ -168,7 +189,8 @@ def api_check(device):
     y[5:40] = -100
     res = {"case": "api", "N": N, "H": H, "V": V, "vocab_size": Vt}
     outs = {}
-    for name, kw in (("triton", dict(backend="triton")), ("triton_cache", dict(backend="triton", cache_bytes=1 << 34))):
+    for name, kw in (("triton", dict(backend="triton")), ("triton_cache", dict(backend="triton", cache_bytes=1 << 34)),
+                     ("triton_sums", dict(backend="triton", return_logit_sums=True))):
         hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
         o = linear_logprobs_entropy(hh, ww, y, temperature=0.9, vocab_size=Vt, return_stats=True, **kw)
         (o.logprobs.sum() + 0.3 * o.entropy.sum()).backward()
@@ -183,6 +205,11 @@ def api_check(device):
         res[name] = r
         ok &= r["logp"] < 2e-4 and r["ent"] < 5e-4 and r["dh"] < 1e-2 and r["dw"] < 1e-2
         ok &= bool((gh[5:40] == 0).all())
+    raw = (hr.detach() @ wr.detach()[:Vt].t()) * (y != -100).double()[:, None]  # sums over the true vocab
+    o = outs["triton_sums"][0]
+    res["sums"] = {"sum": _max(o.sum_logit, raw.sum(1)) / raw.abs().sum(1).max().item(),
+                   "sumsq": _max(o.sumsq_logit, (raw * raw).sum(1)) / (raw * raw).sum(1).max().item()}
+    ok &= res["sums"]["sum"] < 1e-5 and res["sums"]["sumsq"] < 1e-5
     res["ok"] = bool(ok)
     return res
 
@@ -209,7 +236,7 @@ def main():
         r["seconds"] = round(time.time() - t0, 2)
         results.append(r)
         bad += not r["ok"]
-        keys = ("m_err", "zy_err", "logp_err", "dh_err", "dh_torch", "dw_err", "dw_torch")
+        keys = ("m_err", "zy_err", "logp_err", "lsum_err", "lsq_err", "dh_err", "dh_torch", "dw_err", "dw_torch")
         print(("PASS " if r["ok"] else "FAIL ") + c.name + " " +
               " ".join(f"{k}={r[k]:.2e}" for k in keys if k in r) + (" " + r.get("error", "")), flush=True)
     try:

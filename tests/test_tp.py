@@ -3,7 +3,7 @@
 * A fake TP group of size 2 in one process (torch.distributed's collectives replaced by recorders):
   the op must issue exactly the collectives its docstring promises, each on the given group and of the
   promised size — forward one MAX and one packed SUM of O(N) elements (plus the API's 2-integer
-  shard-size agreement check), backward one all-reduce of d_hidden, none with reduce_d_hidden=False,
+  shard-size agreement check; the logit sums ride in the same SUM), backward one all-reduce of d_hidden, none with reduce_d_hidden=False,
   one reduce-scatter under sequence parallel (whose forward all-gathers hidden once).
 * The real thing: `torchrun/run_lce_tp2.py --quick --bad-input` on 2 gloo ranks (CPU), which compares
   every sharded result with the unsharded fp64 oracle and checks the clear errors on bad input.
@@ -150,6 +150,21 @@ def test_fake_group_collectives_sequence_parallel(fake_group):
         [("reduce_scatter", (N, H), (N // 2, H), torch.float32)], bwd
     assert bwd[0]["op"] == dist.ReduceOp.SUM
     assert hidden.grad.shape == (N // 2, H)
+
+
+def test_fake_group_logit_sums_ride_the_packed_sum(fake_group):
+    """return_logit_sums adds two rows (Σr, Σr²) to the forward's one packed SUM: 5·n instead of 3·n
+    elements, no extra collective (this rank's shard sums are exactly what the SUM receives)."""
+    hidden, weight, labels = _inputs(sp=False)
+    out = linear_logprobs_entropy(hidden, weight, labels, backend="torch", tp_group=fake_group,
+                                  return_logit_sums=True)
+    n = N - 2
+    floats = [c for c in _split(fake_group.calls, "all_reduce") if c["dtype"] != torch.int64]
+    assert [(c["op"], c["numel"]) for c in floats] == [(dist.ReduceOp.MAX, 2 * n), (dist.ReduceOp.SUM, 5 * n)]
+    raw = hidden.detach().double() @ weight.detach().double().t()  # this rank's shard (the fake SUM is identity)
+    keep = labels != IGNORE
+    assert torch.allclose(out.sum_logit[keep].double(), raw.sum(1)[keep], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(out.sumsq_logit[keep].double(), (raw * raw).sum(1)[keep], rtol=1e-5, atol=1e-5)
 
 
 def test_fake_group_collectives_materialised(fake_group):

@@ -8,9 +8,9 @@ Works with any world size that divides the shapes (2 and 4 are the ones exercise
 (NCCL_NVLS_ENABLE=0 unless already set) and gloo on CPU. Every rank builds the same full inputs from the
 seed, keeps its shard (vocab rows [r·V/tp, (r+1)·V/tp) of the weight; under sequence parallel, rows
 [r·N/tp, (r+1)·N/tp) of hidden), runs the op, and compares with `reference_logprobs_entropy` in fp64 on
-the full inputs (the same bf16 values upcast, for bf16): logprobs, entropy, max/min logit, lse,
-d_hidden (this rank's rows under SP; the full gradient on every rank otherwise) and d_weight (this
-rank's rows). Errors are max |Δ| / max(1, max |oracle|), the worst over ranks; `xrank` is the largest
+the full inputs (the same bf16 values upcast, for bf16): logprobs, entropy, max/min logit, lse, raw-logit
+sums Σr, Σr² (fused), d_hidden (this rank's rows under SP; the full gradient on every rank otherwise) and
+d_weight (this rank's rows). Errors are max |Δ| / max(1, max |oracle|), the worst over ranks; `xrank` is the largest
 difference of logprobs/entropy (and d_hidden without SP) between a rank and rank 0, which must be 0.
 Rank 0 prints one row per case and PASS/FAIL; the exit status is non-zero on any failure.
 """
@@ -127,9 +127,7 @@ QUICK_SHAPE, DEFAULT_SHAPE = (36, 32, 75), (264, 96, 1000)
 def shapes(base: tuple[int, int, int], tp: int) -> tuple[int, int, int]:
     """(N, H, V_shard) with N rounded up to a multiple of tp."""
     n, h, v_shard = base
-    if n % tp:
-        n = (n // tp + 1) * tp
-    return n, h, v_shard
+    return -(-n // tp) * tp, h, v_shard
 
 
 def build_inputs(case: Case, n: int, h: int, v_shard: int, tp: int, seed: int):
@@ -179,8 +177,9 @@ def oracle(hidden, weight, labels, temperature, vocab, g_lp, g_ent):
     lp, ent, mx, mn, lse = reference_logprobs_entropy(h, w, labels, temperature=t, ignore_index=IGNORE,
                                                       vocab_size=vocab, dtype=torch.float64)
     (lp * g_lp.double() + ent * g_ent.double()).sum().backward()
+    raw = (h.detach() @ w.detach()[:vocab].t()) * (labels != IGNORE).double()[:, None]
     return dict(lp=lp.detach(), ent=ent.detach(), mx=mx.detach(), mn=mn.detach(), lse=lse.detach(),
-                dh=h.grad, dw=w.grad)
+                sl=raw.sum(1), sq=(raw * raw).sum(1), dh=h.grad, dw=w.grad)
 
 
 # ------------------------------------------------------------------------------------------------- run
@@ -202,7 +201,8 @@ def run_sharded(case: Case, backend: str, hidden, weight, labels, temperature, v
         h_in = CopyToTP.apply(h, group) if case.route == "no_reduce" else h
         cache = 1 << 30 if case.cache else 0
         out = linear_logprobs_entropy(h_in, w, labels, temperature=temperature, ignore_index=IGNORE,
-                                      vocab_size=vocab, return_stats=True, backend=backend, cache_bytes=cache,
+                                      vocab_size=vocab, return_stats=True, return_logit_sums=True,
+                                      backend=backend, cache_bytes=cache,
                                       tp_group=group, sequence_parallel=case.sp,
                                       reduce_d_hidden=case.route != "no_reduce")
     (out.logprobs * g_lp + out.entropy * g_ent).sum().backward()
@@ -230,8 +230,8 @@ def check_case(case: Case, backend: str, dtype_name: str, base: tuple, seed: int
                               to(g_lp), to(g_ent), group)
     rows = slice(rank * (n // tp), (rank + 1) * (n // tp)) if case.sp else slice(None)
     errs = [scaled_err(out.logprobs.cpu(), ref["lp"]), scaled_err(out.entropy.cpu(), ref["ent"]),
-            max(scaled_err(getattr(out, k).cpu(), ref[r]) for k, r in
-                (("max_logit", "mx"), ("min_logit", "mn"), ("lse", "lse"))),
+            max(scaled_err(getattr(out, k).cpu(), ref[r]) for k, r in (("max_logit", "mx"), ("min_logit", "mn"),
+                ("lse", "lse"), ("sum_logit", "sl"), ("sumsq_logit", "sq")) if getattr(out, k) is not None),
             scaled_err(dh.cpu(), ref["dh"][rows]), scaled_err(dw.cpu(), ref["dw"][rank * v_shard:(rank + 1) * v_shard])]
     # Cross-rank identity: outputs (and the replicated d_hidden without SP) are the same bits everywhere.
     same = [out.logprobs.detach().float(), out.entropy.detach().float()]
@@ -300,19 +300,17 @@ def run_bad_input(group, device, backend: str) -> bool:
 
 # ------------------------------------------------------------------------------------------------ main
 
+def _loads(name: str) -> bool:
+    try:
+        return get_backend(name) is not None
+    except RuntimeError:
+        return False
+
+
 def available_backends(device: torch.device) -> list[str]:
-    if device.type == "cuda":
-        names = ["triton", "torch", "reference"]
-    else:
-        names = ["reference", "torch"] + (["triton", "triton_ascend"] if interpreter_on() else [])
-    out = []
-    for name in names:
-        try:
-            get_backend(name)
-            out.append(name)
-        except RuntimeError:
-            pass
-    return out
+    names = ["triton", "torch", "reference"] if device.type == "cuda" else \
+        ["reference", "torch"] + (["triton", "triton_ascend"] if interpreter_on() else [])
+    return [name for name in names if _loads(name)]
 
 
 def main() -> int:

@@ -13,8 +13,10 @@ forward -> ShardStats, per token over this shard's valid columns:
   a   = Σ_j (z_j - m) · exp(z_j - m)          (relative to m: no cancellation in the entropy)
   zy  = z_label if vocab_start <= label < vocab_start + shard_valid else 0
   mn  = min_j z_j
+  lsum, lsq = Σ_j r_j and Σ_j r_j² of the RAW logits r = h · Wᵀ (no temperature), only when
+        params.logit_sums (else None); accumulated in the same pass over the vocabulary as m and s.
   cache: opaque object handed back to backward (e.g. fp32 logits kept under params.cache_bytes), or None.
-  With an empty shard (shard_valid == 0): m = -inf, s = a = 0, mn = +inf.
+  With an empty shard (shard_valid == 0): m = -inf, s = a = 0, mn = +inf, lsum = lsq = 0.
   Then lse = m + log s and entropy = log s - a / s (after the cross-shard merge in the Function).
 
 backward(lse, ent, g_lp, g_ent) -> (d_hidden fp32 [N, H] or None, d_weight [V_shard, H] in weight.dtype or None):
@@ -42,6 +44,8 @@ class ShardStats:
     zy: torch.Tensor
     mn: torch.Tensor
     cache: Any = None
+    lsum: Optional[torch.Tensor] = None  # Σ raw logits, only with params.logit_sums
+    lsq: Optional[torch.Tensor] = None  # Σ raw logits², only with params.logit_sums
 
 
 class Backend(Protocol):

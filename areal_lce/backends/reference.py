@@ -21,10 +21,11 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def shard_logits(hidden, weight, inv_t, params: LCEParams) -> torch.Tensor:
-    """fp32 (fp64 for fp64 inputs) tempered logits of this shard, padding columns set to -inf."""
+def shard_logits(hidden, weight, inv_t, params: LCEParams, raw: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 (fp64 for fp64 inputs) tempered logits of this shard, padding columns set to -inf.
+    `raw`: this shard's raw logits h·Wᵀ when already computed (else computed here)."""
     acc = _acc_dtype(hidden)
-    z = hidden.to(acc) @ weight.to(acc).t()
+    z = hidden.to(acc) @ weight.to(acc).t() if raw is None else raw
     z = z * (inv_t.to(acc)[:, None] if inv_t is not None else scalar_inv_t(params))
     if params.shard_valid < weight.shape[0]:
         z[:, params.shard_valid:] = float("-inf")
@@ -75,8 +76,13 @@ class ReferenceBackend:
     name = "reference"
 
     def forward(self, hidden, weight, labels, inv_t, params, keep_cache) -> ShardStats:
-        z = shard_logits(hidden, weight, inv_t, params)
+        acc = _acc_dtype(hidden)
+        raw = hidden.to(acc) @ weight.to(acc).t()
+        z = shard_logits(hidden, weight, inv_t, params, raw=raw)
         st = stats_from_logits(z, labels, params)
+        if params.logit_sums:  # raw logits of the valid columns only
+            rv = raw[:, : params.shard_valid]
+            st.lsum, st.lsq = rv.sum(dim=1), (rv * rv).sum(dim=1)
         st.cache = z if keep_cache else None
         return st
 

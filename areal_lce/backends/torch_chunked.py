@@ -63,6 +63,8 @@ class TorchChunkedBackend:
         m = torch.full((n,), float("-inf"), dtype=acc, device=dev)
         mn = torch.full((n,), float("inf"), dtype=acc, device=dev)
         s, a, zy = (torch.zeros(n, dtype=acc, device=dev) for _ in range(3))
+        lsum = torch.zeros(n, dtype=acc, device=dev) if params.logit_sums else None
+        lsq = torch.zeros(n, dtype=acc, device=dev) if params.logit_sums else None
         cache = None
         if keep_cache and vv > 0 and n * vv * 4 <= params.cache_bytes:
             cache = torch.empty(n, vv, dtype=acc, device=dev)
@@ -71,7 +73,11 @@ class TorchChunkedBackend:
         for t0, t1 in _chunks(n, n_chunk):
             mt, st, at = m[t0:t1], s[t0:t1], a[t0:t1]
             for v0, v1 in _chunks(vv, v_chunk):
-                z = self._logits(hidden, weight, inv_t, params, t0, t1, v0, v1)
+                z = _mm_f32(hidden[t0:t1], weight[v0:v1].t())  # raw logits of this block
+                if lsum is not None:  # raw-logit sums from the same block, before temperature
+                    lsum[t0:t1] += z.sum(1)
+                    lsq[t0:t1] += (z * z).sum(1)
+                z.mul_(_inv_t(inv_t, params, t0, t1, z.dtype))
                 if cache is not None:
                     cache[t0:t1, v0:v1] = z
                 new_m = torch.maximum(mt, z.max(dim=1).values)
@@ -88,7 +94,7 @@ class TorchChunkedBackend:
                 own = (col >= 0) & (col < v1 - v0)
                 picked = z.gather(1, col.clamp(0, v1 - v0 - 1)[:, None]).squeeze(1)
                 zy[t0:t1] += torch.where(own, picked, torch.zeros_like(picked))
-        return ShardStats(m=m, s=s, a=a, zy=zy, mn=mn, cache=cache)
+        return ShardStats(m=m, s=s, a=a, zy=zy, mn=mn, cache=cache, lsum=lsum, lsq=lsq)
 
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache, lse, ent, g_lp, g_ent,
                  need_d_hidden, need_d_weight):

@@ -61,14 +61,15 @@ def _d_logits(b_z, m_ok, m_label, b_lse, b_ent, b_glp, b_gent, b_t):
 @triton.jit
 def lce_fwd_kernel(
     h_ptr, w_ptr, y_ptr, inv_t_ptr,
-    m_ptr, s_ptr, a_ptr, zy_ptr, mn_ptr,
+    m_ptr, s_ptr, a_ptr, zy_ptr, mn_ptr, ls_ptr, lq_ptr,
     N, H, shard_valid, vocab_start, inv_t_scalar,
     stride_h, stride_w,
-    HAS_INV_T: tl.constexpr,
+    HAS_INV_T: tl.constexpr, HAS_SUMS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """Per token over this shard's valid columns: m = max z, s = Σ e^(z-m), a = Σ (z-m)·e^(z-m),
-    zy = z[label] (0 if the label is not in the shard), mn = min z. Online over vocab tiles."""
+    zy = z[label] (0 if the label is not in the shard), mn = min z; with HAS_SUMS also Σ r and Σ r² of
+    the raw logits r = h·Wᵀ (before temperature). Online over vocab tiles."""
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -85,11 +86,18 @@ def lce_fwd_kernel(
         b_a = tl.zeros((BLOCK_N,), dtype=tl.float32)
         b_zy = tl.zeros((BLOCK_N,), dtype=tl.float32)
         b_mn = tl.full((BLOCK_N,), float("inf"), tl.float32)
+        b_ls = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        b_lq = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for v0 in range(0, shard_valid, BLOCK_V):
             o_v = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
             m_v = o_v < shard_valid
-            b_z = _rows_dot_rows(h_ptr, w_ptr, o_n, o_v, m_n, m_v, H, stride_h, stride_w,
-                                 BLOCK_N, BLOCK_V, BLOCK_H) * b_t[:, None]
+            b_r = _rows_dot_rows(h_ptr, w_ptr, o_n, o_v, m_n, m_v, H, stride_h, stride_w,
+                                 BLOCK_N, BLOCK_V, BLOCK_H)
+            if HAS_SUMS:  # raw logits; masked columns load as 0, the where keeps that explicit
+                b_rv = tl.where(m_v[None, :], b_r, 0.0)
+                b_ls += tl.sum(b_rv, 1)
+                b_lq += tl.sum(b_rv * b_rv, 1)
+            b_z = b_r * b_t[:, None]
             b_z = tl.where(m_v[None, :], b_z, float("-inf"))
             b_m_new = tl.maximum(b_m, tl.max(b_z, 1))
             b_d = tl.where(m_v[None, :], b_z - b_m_new[:, None], 0.0)  # 0, not -inf: no (-inf)·0 below
@@ -109,6 +117,9 @@ def lce_fwd_kernel(
         tl.store(a_ptr + o_n, b_a, mask=m_n)
         tl.store(zy_ptr + o_n, b_zy, mask=m_n)
         tl.store(mn_ptr + o_n, b_mn, mask=m_n)
+        if HAS_SUMS:
+            tl.store(ls_ptr + o_n, b_ls, mask=m_n)
+            tl.store(lq_ptr + o_n, b_lq, mask=m_n)
 
 
 @triton.jit

@@ -119,19 +119,22 @@ class AscendBackend:
         hidden, weight, labels, inv_t, scalar = self._prep(hidden, weight, labels, inv_t, params)
         n, h = hidden.shape
         dev = hidden.device
-        outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(5)]
+        sums = params.logit_sums
+        outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(7 if sums else 5)]
         if n > 0:
             t = self.tiles("fwd", hidden, n, params.shard_valid)
             grid = (self.programs(_cdiv(n, t.block_n), dev),)
             self._k.lce_fwd_kernel[grid](
-                hidden, weight, labels, inv_t if inv_t is not None else hidden, *outs,
+                hidden, weight, labels, inv_t if inv_t is not None else hidden,
+                *(outs if sums else outs + [outs[0], outs[0]]),  # the sums' pointers are unused without HAS_SUMS
                 n, h, params.shard_valid, params.vocab_start, scalar,
                 hidden.stride(0), weight.stride(0),
-                HAS_INV_T=inv_t is not None,
+                HAS_INV_T=inv_t is not None, HAS_SUMS=sums,
                 BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_H=t.block_h,
             )
-        m, s, a, zy, mn = outs
-        return ShardStats(m=m, s=s, a=a, zy=zy, mn=mn, cache=None)
+        m, s, a, zy, mn = outs[:5]
+        return ShardStats(m=m, s=s, a=a, zy=zy, mn=mn, cache=None,
+                          lsum=outs[5] if sums else None, lsq=outs[6] if sums else None)
 
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,
                  need_d_hidden: bool, need_d_weight: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:

@@ -5,7 +5,9 @@ No allocation or host logic here (launch.py owns both):
   lce_fwd_kernel        one program = BLOCK_N tokens x one vocab split of SPLIT_V columns. For each
                         BLOCK_V tile it runs a tensor-core GEMM over H (fp32 accumulator) and folds the
                         tile into running per-token statistics (online softmax). Writes per-split
-                        partials (m, s, a, zy, mn), and optionally the fp32 tempered logits (cache).
+                        partials (m, s, a, zy, mn), with HAS_SUMS also the raw logits' row sum and sum
+                        of squares from the same accumulator tile (logit mean / L2 norm without another
+                        pass), and optionally the fp32 tempered logits (cache).
                         z_label comes from the same accumulator as the max and the sum, so logprob =
                         z_label - lse keeps their rounding correlated (a separate row dot gave 7-20x
                         worse max |dlogp| on an H100, benchmark/notes.md run7).
@@ -88,8 +90,9 @@ def _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, col0, H, BLOCK_N: tl.constexp
 
 @triton.jit
 def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, N, V, H, b_y, b_it, b_c,
-              b_m, b_s, b_a, b_zy, b_mn,
-              MASKED: tl.constexpr, HAS_CACHE: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+              b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq,
+              MASKED: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, EVEN_K: tl.constexpr,
+              UPCAST: tl.constexpr,
               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, CACHE_COLS: tl.constexpr):
     """Fold one [BLOCK_N, BLOCK_V] logits tile into the running statistics. MASKED only for the ragged
@@ -105,6 +108,13 @@ def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, N, V, H,
         else:
             tl.store(p_c, b_r * b_it[:, None], mask=m_n[:, None])
     b_zy += tl.sum(tl.where(o_v[None, :] == b_y[:, None], b_r, 0.0), 1)
+    if HAS_SUMS:  # raw units; columns past the shard's valid end add 0 (their values are clamped reads)
+        if MASKED:
+            b_rv = tl.where((o_v < v_end)[None, :], b_r, 0.0)
+        else:
+            b_rv = b_r
+        b_ls += tl.sum(b_rv, 1)
+        b_lq += tl.sum(b_rv * b_rv, 1)
     if MASKED:
         m_v = o_v < v_end
         b_mn = tl.minimum(b_mn, tl.min(tl.where(m_v[None, :], b_r, float("inf")), 1))
@@ -122,7 +132,7 @@ def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, N, V, H,
     b_alpha = tl.exp2(b_dm)
     b_a = b_alpha * (b_a + tl.where(b_s == 0.0, 0.0, b_dm * b_s)) + b_de
     b_s = b_s * b_alpha + tl.sum(b_e, 1)
-    return b_mnew, b_s, b_a, b_zy, b_mn
+    return b_mnew, b_s, b_a, b_zy, b_mn, b_ls, b_lq
 
 
 @triton.jit
@@ -138,14 +148,14 @@ def _cache_tile(z_cache, o_n, col0, N, BLOCK_V: tl.constexpr, CACHE_COLS: tl.con
 def lce_fwd_kernel(
     h, w, d_h, d_w, y, inv_t, part, z_cache,
     N, H, V, SPLIT_V, n_splits, stride_part, scale,
-    HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     CACHE_COLS: tl.constexpr,
 ):
-    """part: fp32 [5, n_splits, N] = (m, s, a, zy, mn) of each split; z_cache: fp32 cache (module
-    docstring) or unused. V here is the number of valid columns; y holds local label columns (int32,
-    -1 = not owned).
+    """part: fp32 [5, n_splits, N] = (m, s, a, zy, mn) of each split, [7, n_splits, N] with HAS_SUMS
+    (+ Σ r, Σ r² of the raw logits r); z_cache: fp32 cache (module docstring) or unused. V here is the
+    number of valid columns; y holds local label columns (int32, -1 = not owned).
     d_h / d_w: TMA descriptors of hidden [N, H] and weight [V, H] when USE_TMA, else unused."""
     i_pid = tl.program_id(0)
     n_blocks_n = tl.cdiv(N, BLOCK_N)
@@ -166,20 +176,22 @@ def lce_fwd_kernel(
     b_a = tl.zeros([BLOCK_N], dtype=tl.float32)  # base-2 units, relative to b_m
     b_zy = tl.zeros([BLOCK_N], dtype=tl.float32)  # raw units
     b_mn = tl.full([BLOCK_N], float("inf"), dtype=tl.float32)  # raw units
+    b_ls = tl.zeros([BLOCK_N], dtype=tl.float32)  # raw units, HAS_SUMS only
+    b_lq = tl.zeros([BLOCK_N], dtype=tl.float32)
 
     v_begin = i_s * SPLIT_V
     v_end = tl.minimum(v_begin + SPLIT_V, V)
     n_full = (v_end - v_begin) // BLOCK_V
     for i_t in range(0, n_full):
-        b_m, b_s, b_a, b_zy, b_mn = _fwd_tile(
+        b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq = _fwd_tile(
             h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v_begin + i_t * BLOCK_V, v_end, N, V, H, b_y, b_it,
-            b_c, b_m, b_s, b_a, b_zy, b_mn, False, HAS_CACHE, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA,
-            BLOCK_N, BLOCK_V, BLOCK_K, CACHE_COLS)
+            b_c, b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq, False, HAS_CACHE, HAS_SUMS, EVEN_K, UPCAST,
+            DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, CACHE_COLS)
     if v_begin + n_full * BLOCK_V < v_end:
-        b_m, b_s, b_a, b_zy, b_mn = _fwd_tile(
+        b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq = _fwd_tile(
             h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v_begin + n_full * BLOCK_V, v_end, N, V, H, b_y, b_it,
-            b_c, b_m, b_s, b_a, b_zy, b_mn, True, HAS_CACHE, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA,
-            BLOCK_N, BLOCK_V, BLOCK_K, CACHE_COLS)
+            b_c, b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq, True, HAS_CACHE, HAS_SUMS, EVEN_K, UPCAST,
+            DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, CACHE_COLS)
 
     p_part = part + i_s * N + o_n
     stride = stride_part  # n_splits * N, from the host (a scalar 1 arrives as a constexpr)
@@ -188,11 +200,15 @@ def lce_fwd_kernel(
     tl.store(p_part + 2 * stride, b_a * LN2, mask=m_n)
     tl.store(p_part + 3 * stride, b_zy * b_it, mask=m_n)
     tl.store(p_part + 4 * stride, b_mn * b_it, mask=m_n)
+    if HAS_SUMS:
+        tl.store(p_part + 5 * stride, b_ls, mask=m_n)
+        tl.store(p_part + 6 * stride, b_lq, mask=m_n)
 
 
 @triton.jit
-def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, BLOCK_N: tl.constexpr):
-    """out: fp32 [5, N] = (m, s, a, zy, mn) over all splits, merged in split order (deterministic)."""
+def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, HAS_SUMS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out: fp32 [5, N] = (m, s, a, zy, mn) over all splits, merged in split order (deterministic);
+    [7, N] with HAS_SUMS (+ Σ r, Σ r², plain sums over the splits)."""
     i_n = tl.program_id(0).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -206,8 +222,13 @@ def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, BLOCK_N: tl.conste
     b_s = tl.zeros([BLOCK_N], dtype=tl.float32)
     b_a = tl.zeros([BLOCK_N], dtype=tl.float32)
     b_zy = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_ls = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_lq = tl.zeros([BLOCK_N], dtype=tl.float32)
     for i_s in range(0, n_splits):
         p = part + i_s * N + o_n
+        if HAS_SUMS:
+            b_ls += tl.load(p + 5 * stride, mask=m_n, other=0.0)
+            b_lq += tl.load(p + 6 * stride, mask=m_n, other=0.0)
         b_mi = tl.load(p, mask=m_n, other=0.0)
         b_si = tl.load(p + stride, mask=m_n, other=0.0)
         b_ai = tl.load(p + 2 * stride, mask=m_n, other=0.0)
@@ -226,6 +247,9 @@ def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, BLOCK_N: tl.conste
     tl.store(p_out + 2 * N, b_a, mask=m_n)
     tl.store(p_out + 3 * N, b_zy, mask=m_n)
     tl.store(p_out + 4 * N, b_mn, mask=m_n)
+    if HAS_SUMS:
+        tl.store(p_out + 5 * N, b_ls, mask=m_n)
+        tl.store(p_out + 6 * N, b_lq, mask=m_n)
 
 
 @triton.jit

@@ -3,7 +3,7 @@
 Forward (one fused pass, no [N, V] tensor unless the logits cache is on):
     lce_fwd_kernel      grid = ceil(N / BLOCK_N) x n_splits programs, each a token block x a vocab
                         split, tensor-core GEMM tiles with the online-softmax epilogue
-    lce_fwd_merge_kernel  per-split partials -> (m, s, a, zy, mn), fixed split order
+    lce_fwd_merge_kernel  per-split partials -> (m, s, a, zy, mn[, Σr, Σr²]), fixed split order
 Backward, per vocab chunk [c0, c1) of the shard (fixed chunk order, no atomics: bitwise deterministic):
     lce_bwd_kernel      recompute (or read cached) logits, write d_logits [N, c1 - c0] (bf16 for
                         bf16/fp16 inputs, fp32 for fp32 inputs and under the interpreter)
@@ -16,7 +16,8 @@ Backward, per vocab chunk [c0, c1) of the shard (fixed chunk order, no atomics: 
                         fp32 output via torch's out_dtype GEMMs)
 
 Extra device memory (bytes), beyond inputs and the returned gradients:
-    forward   20·N·n_splits + 24·N            (partials, merged stats, int32 labels)
+    forward   20·N·n_splits + 24·N            (partials, merged stats, int32 labels;
+                                               28·N·n_splits + 32·N with params.logit_sums)
               + 4·N·ceil(shard_valid / 256)·256   only when the logits cache is kept
     backward  N·V_chunk·e  <=  max(B, 256·N·e),  B = min(WORKSPACE_BYTES, max(MIN_WORKSPACE_BYTES,
               BACKWARD_BYTES - 4·N·H)), with e = 2 (bf16/fp16) or 4 (fp32, interpreter) and
@@ -174,8 +175,9 @@ class TritonBackend:
         N, H = hidden.shape
         valid = params.shard_valid
         dev = hidden.device
+        sums = params.logit_sums
         if N == 0 or valid == 0:
-            return _empty_stats(N, dev)
+            return _empty_stats(N, dev, sums)
         hidden, weight = hidden.contiguous(), weight.contiguous()
         y = _local_labels(labels, params)
         it = inv_t.to(torch.float32).contiguous() if inv_t is not None else None
@@ -186,24 +188,26 @@ class TritonBackend:
         if configs.CACHE_COLS % cfg.block_v:
             use_cache = False  # the cache tiles assume BLOCK_V divides CACHE_COLS (kernels.py)
         split_v, n_splits = _split_plan(N, valid, cfg.block_n, _slots(dev), INTERPRET)
-        part = _alloc((5, n_splits, N), torch.float32, dev)
+        rows = 7 if sums else 5  # (m, s, a, zy, mn[, Σr, Σr²])
+        part = _alloc((rows, n_splits, N), torch.float32, dev)
         cache = _alloc(_cache_shape(N, valid), torch.float32, dev) if use_cache else None
-        out = _alloc((5, N), torch.float32, dev)
+        out = _alloc((rows, N), torch.float32, dev)
         grid = (triton.cdiv(N, cfg.block_n) * n_splits,)
         d_h, d_w = _descriptors(hidden, weight[:valid], cfg)
         with _device_ctx(dev):
             lce_fwd_kernel[grid](
                 hidden, weight, d_h, d_w, y, it if it is not None else part, part, cache if use_cache else part,
                 N, H, valid, split_v, n_splits, n_splits * N, scale,
-                HAS_INV_T=it is not None, HAS_CACHE=use_cache, EVEN_K=H % cfg.block_k == 0,
+                HAS_INV_T=it is not None, HAS_CACHE=use_cache, HAS_SUMS=sums, EVEN_K=H % cfg.block_k == 0,
                 UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
                 BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
                 CACHE_COLS=configs.CACHE_COLS, **_launch_opts(cfg),
             )
             lce_fwd_merge_kernel[(triton.cdiv(N, configs.MERGE_BLOCK_N),)](
-                part, out, N, n_splits, n_splits * N, BLOCK_N=configs.MERGE_BLOCK_N, num_warps=4,
+                part, out, N, n_splits, n_splits * N, HAS_SUMS=sums, BLOCK_N=configs.MERGE_BLOCK_N, num_warps=4,
             )
-        return ShardStats(m=out[0], s=out[1], a=out[2], zy=out[3], mn=out[4], cache=cache)
+        return ShardStats(m=out[0], s=out[1], a=out[2], zy=out[3], mn=out[4], cache=cache,
+                          lsum=out[5] if sums else None, lsq=out[6] if sums else None)
 
     # ----------------------------------------------------------------------------------- backward
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,
@@ -294,10 +298,11 @@ def cache_logits(cache: torch.Tensor, valid: int) -> torch.Tensor:
     return cache.permute(1, 0, 2).reshape(n, t * c)[:, :valid]
 
 
-def _empty_stats(N: int, dev) -> ShardStats:
+def _empty_stats(N: int, dev, sums: bool) -> ShardStats:
     z = torch.zeros(N, dtype=torch.float32, device=dev)
     inf = torch.full((N,), float("inf"), dtype=torch.float32, device=dev)
-    return ShardStats(m=-inf, s=z, a=z.clone(), zy=z.clone(), mn=inf.clone(), cache=None)
+    return ShardStats(m=-inf, s=z, a=z.clone(), zy=z.clone(), mn=inf.clone(), cache=None,
+                      lsum=z.clone() if sums else None, lsq=z.clone() if sums else None)
 
 
 _OUT_DTYPE_OK: dict = {}

@@ -1,0 +1,119 @@
+"""AReaL adapter: `chunked_lm_head_logprobs_entropy` with the signature and contract of AReaL's
+`areal.models.mcore.vocab_parallel_head.chunked_lm_head_logprobs_entropy` (main branch, after 1.0.4),
+computed by areal_lce's fused op in one pass (no sequence chunks, no [chunk, V] logits).
+
+    from areal_lce.integrations import areal as lce_areal
+    lce_areal.apply()           # AReaL's Megatron engine now calls areal_lce
+    # or by hand, the one-line patch:
+    # areal.engine.megatron_engine.chunked_lm_head_logprobs_entropy = lce_areal.chunked_lm_head_logprobs_entropy
+
+AReaL's contract (read from its source):
+  output_layer: the Megatron ColumnParallelLinear LM head. Its `tp_group`, `sequence_parallel`,
+      `allreduce_dgrad` and `fp32_operands` say how hidden arrives and how d_hidden is reduced; a bias,
+      `gather_output` or `config.defer_embedding_wgrad_compute` are refused (AReaL refuses the last two).
+  hidden_states [s, b, H] (AReaL: [T, 1, H] packed): this rank's sequence shard [s/tp, b, H] under
+      sequence parallel (gathered here, d_hidden reduce-scattered back), else the full sequence
+      (d_hidden all-reduced over TP when `allreduce_dgrad`); under context parallelism, CP-local tokens.
+  weight [V/tp, H]: this rank's vocab shard (the shared embedding when tied); every row is part of the
+      softmax, Megatron's vocabulary padding included, as in AReaL.
+  labels: global ids, s·b of them in sequence-major order ([T] or [T, 1]); no ignore_index.
+  temperature, logit_scale: floats > 0; logits z = (h·Wᵀ)·logit_scale / temperature.
+  chunk_size: AReaL's sequence chunk; must be > 0, otherwise unused (the fused op bounds its own memory).
+Returns AReaL's `ChunkedLMHeadOutput` (this module's look-alike when AReaL is not installed): six fp32
+tensors [s·b]:
+  logprobs           log softmax(z)[label]; the only differentiable output (to hidden and weight)
+  entropy            of softmax(z), detached (AReaL marks it non-differentiable)
+  vocab_min_logits, vocab_max_logits   min / max of (h·Wᵀ)·logit_scale, before temperature
+  vocab_mean_logits, vocab_norm_logits mean and L2 norm of the same row, from the op's epilogue sums
+      Σr, Σr² (mean = Σr·logit_scale / V, norm = sqrt(Σr²)·logit_scale), not from another pass.
+The four vocab statistics are over the whole vocabulary on every TP rank. AReaL's own chunked head
+computes them over each rank's local vocab shard (they differ per TP rank); at TP = 1 the two agree.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import NamedTuple
+
+import torch
+
+from .. import comms
+from ..api import linear_logprobs_entropy
+from ._common import check_op_options, patch, positive_float, restore, token_rows
+
+_NAME = "areal_lce.integrations.areal.chunked_lm_head_logprobs_entropy"
+PATCH_TARGET = ("areal.engine.megatron_engine", "chunked_lm_head_logprobs_entropy")
+
+
+class ChunkedLMHeadOutput(NamedTuple):
+    """Field-for-field AReaL's `ChunkedLMHeadOutput`, used only when AReaL is not importable."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    vocab_min_logits: torch.Tensor
+    vocab_max_logits: torch.Tensor
+    vocab_mean_logits: torch.Tensor
+    vocab_norm_logits: torch.Tensor
+
+
+@functools.lru_cache(maxsize=None)
+def output_type():
+    """AReaL's own ChunkedLMHeadOutput when AReaL is installed (its engine tests isinstance on it)."""
+    if importlib.util.find_spec("areal") is None:
+        return ChunkedLMHeadOutput
+    from areal.models.mcore.vocab_parallel_head import ChunkedLMHeadOutput as areal_type
+
+    return areal_type
+
+
+def _check_layer(output_layer) -> None:
+    if getattr(output_layer, "gather_output", False):
+        raise NotImplementedError(f"{_NAME}: needs a vocab-parallel output layer (gather_output=False)")
+    if getattr(getattr(output_layer, "config", None), "defer_embedding_wgrad_compute", False):
+        raise NotImplementedError(f"{_NAME}: incompatible with config.defer_embedding_wgrad_compute")
+    if not getattr(output_layer, "skip_bias_add", True) and getattr(output_layer, "bias", None) is not None:
+        raise NotImplementedError(f"{_NAME}: an LM-head bias is not supported by the fused op")
+
+
+def chunked_lm_head_logprobs_entropy(output_layer, hidden_states: torch.Tensor, weight: torch.Tensor,
+                                     labels: torch.Tensor, *, temperature: float, chunk_size: int,
+                                     logit_scale: float = 1.0, **op_options):
+    """AReaL's `chunked_lm_head_logprobs_entropy`; contract in the module docstring. `op_options` go to
+    `areal_lce.linear_logprobs_entropy` (backend, cache_bytes, check_labels, compact_ignored)."""
+    check_op_options(op_options, _NAME)
+    t = positive_float(temperature, "temperature", _NAME)
+    scale = positive_float(logit_scale, "logit_scale", _NAME)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"{_NAME}: chunk_size must be a positive int, got {chunk_size!r}")
+    _check_layer(output_layer)
+    tp_group = getattr(output_layer, "tp_group", None)
+    tp = comms.group_size(tp_group)
+    sp = tp > 1 and bool(getattr(output_layer, "sequence_parallel", False))
+    h2, y = token_rows(hidden_states, labels, tp if sp else 1, _NAME)
+    if getattr(output_layer, "fp32_operands", False):  # AReaL's enable_fp32_lm_head: fp32 GEMM operands
+        h2, weight = h2.float(), weight.float()
+    elif h2.dtype != weight.dtype:
+        raise ValueError(f"{_NAME}: hidden ({h2.dtype}) and weight ({weight.dtype}) dtypes must match")
+    out = linear_logprobs_entropy(
+        h2, weight, y, temperature=t / scale, tp_group=tp_group if tp > 1 else None, sequence_parallel=sp,
+        reduce_d_hidden=sp or bool(getattr(output_layer, "allreduce_dgrad", tp > 1)),
+        return_stats=True, return_logit_sums=True, **op_options)
+    vocab = weight.shape[0] * tp
+    return output_type()(
+        out.logprobs, out.entropy.detach(), out.min_logit * scale, out.max_logit * scale,
+        out.sum_logit * (scale / vocab), torch.sqrt(out.sumsq_logit) * scale)
+
+
+def apply(**op_options) -> list:
+    """Make AReaL's Megatron engine call `chunked_lm_head_logprobs_entropy` above (with `op_options`).
+    It only runs where AReaL's chunked head would: `enable_chunked_logits: true`,
+    `lm_head_loss_chunk_size > 0`. Returns the patched name; `remove()` undoes it."""
+    check_op_options(op_options, _NAME)
+    fn = functools.partial(chunked_lm_head_logprobs_entropy, **op_options) if op_options \
+        else chunked_lm_head_logprobs_entropy
+    return [patch(*PATCH_TARGET, fn)]
+
+
+def remove() -> list:
+    """Restore AReaL's own chunked head where `apply()` replaced it; returns the restored names."""
+    return [".".join(PATCH_TARGET)] if restore(*PATCH_TARGET) else []

@@ -1,0 +1,94 @@
+"""verl adapter: `linear_cross_entropy` with the signature and contract of verl's
+`verl.utils.kernel.linear_cross_entropy` (verl 0.9.1), computed by areal_lce's fused op.
+
+    from areal_lce.integrations import verl as lce_verl
+    lce_verl.apply()            # verl's Megatron fused forward now calls areal_lce
+    # or by hand, the one-line patch:
+    # verl.models.mcore.model_forward_fused.linear_cross_entropy = lce_verl.linear_cross_entropy
+
+verl's contract, as its Megatron fused forward uses it (`fused_output_processor` on megatron-core
+>= 0.18, the patched `GPTModel.forward` before; its transformers models call it the same way, unsharded):
+  hidden [T, 1, H] (or [N, H], [B, S, H]): the FULL sequence of this TP rank — verl gathers the sequence-
+      parallel shards itself (`gather_from_sequence_parallel_region`) before the call; under context
+      parallelism, this CP rank's tokens.
+  weight [V/tp, H]: this rank's vocab shard (vocabulary padding rows are part of the softmax, as in verl).
+  labels: global token ids, any shape with T elements ([1, T] in the THD path); no ignore_index.
+  temperature: float; logits are h·Wᵀ / temperature.
+  reduction: "none" -> per-token logprobs [T]; "sum" / "mean" -> their sum / mean over tokens (scalar).
+  dist_process_group: the TP group (None: unsharded weight).
+Returns (logprobs, entropy), fp32, flat [T] (logprobs a scalar under "sum"/"mean"); both differentiable.
+d_hidden is this rank's vocab-partial gradient, NOT reduced over TP: the backward of verl's SP gather
+(a reduce-scatter) reduces it. verl forces sequence parallel when TP > 1; TP > 1 without it leaves
+d_hidden partial here exactly as verl's kernel does. d_weight is this rank's shard gradient, in the
+weight's dtype (verl's kernel returns the hidden's dtype; in verl the two are the same).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..api import linear_logprobs_entropy
+from ._common import check_op_options, patch, positive_float, restore, token_rows
+
+_NAME = "areal_lce.integrations.verl.linear_cross_entropy"
+# Where verl 0.9.1 looks `linear_cross_entropy` up at call time: the Megatron fused forward (its
+# output_processor and legacy forward paths) and the 1F1B-overlap forward bind it at import; the
+# transformers (FSDP) models import it from its defining module inside their triton-backend forward.
+PATCH_TARGETS = ("verl.models.mcore.model_forward_fused", "verl.models.mcore.model_forward_1f1b_overlap",
+                 "verl.utils.kernel.linear_cross_entropy")
+_OPTIONAL_TARGETS = ("verl.models.mcore.model_forward_1f1b_overlap",)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: Optional[float] = 1.0,
+    reduction: Optional[str] = "none",
+    dist_process_group=None,
+    **op_options,
+):
+    """verl's `linear_cross_entropy(hidden, weight, labels, temperature, reduction, dist_process_group)`
+    -> (logprobs, entropy); contract in the module docstring. `op_options` go to
+    `areal_lce.linear_logprobs_entropy` (backend, cache_bytes, check_labels, compact_ignored)."""
+    check_op_options(op_options, _NAME)
+    t = positive_float(temperature, "temperature", _NAME)
+    if not isinstance(reduction, str) or reduction.lower() not in ("none", "sum", "mean"):
+        raise ValueError(f"{_NAME}: reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
+    h2, y = token_rows(hidden, labels, 1, _NAME)
+    if h2.dtype != weight.dtype:  # e.g. an fp32 residual stream: compute in the weight's dtype
+        h2 = h2.to(weight.dtype)
+    out = linear_logprobs_entropy(h2, weight, y, temperature=t, tp_group=dist_process_group,
+                                  sequence_parallel=False, reduce_d_hidden=False, **op_options)
+    logprobs = out.logprobs
+    if reduction.lower() == "sum":
+        logprobs = logprobs.sum()
+    elif reduction.lower() == "mean":
+        logprobs = logprobs.mean()
+    return logprobs, out.entropy
+
+
+def apply(**op_options) -> list:
+    """Make verl's fused forwards call `linear_cross_entropy` above (with `op_options`): every name in
+    PATCH_TARGETS. Returns the patched names; `remove()` undoes it. Needs verl importable (megatron-core,
+    ray, ...), and must run in the processes that run the model (verl's Ray workers)."""
+    check_op_options(op_options, _NAME)
+    fn = linear_cross_entropy
+    if op_options:
+        def fn(hidden, weight, labels, temperature=1.0, reduction="none", dist_process_group=None):
+            return linear_cross_entropy(hidden, weight, labels, temperature, reduction, dist_process_group,
+                                        **op_options)
+    patched = []
+    for name in PATCH_TARGETS:
+        try:
+            patched.append(patch(name, "linear_cross_entropy", fn))
+        except ModuleNotFoundError as e:
+            if name not in _OPTIONAL_TARGETS or e.name != name:  # a missing dependency is an error
+                raise
+    return patched
+
+
+def remove() -> list:
+    """Restore verl's own kernels where `apply()` replaced them; returns the restored names."""
+    return [f"{name}.linear_cross_entropy" for name in PATCH_TARGETS if restore(name, "linear_cross_entropy")]

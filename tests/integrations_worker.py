@@ -1,0 +1,123 @@
+"""TP=2 cases of the framework adapters (gloo, CPU), for tests/test_integrations.py.
+
+Launched by pytest:  python -m torch.distributed.run --nproc_per_node=2 tests/integrations_worker.py OUT.json
+Every rank builds the same full inputs, keeps its vocab shard of the weight (and its sequence rows where
+the framework hands the op sequence-parallel shards), and calls the adapter the way the framework does:
+  verl   hidden gathered by megatron's own gather_from_sequence_parallel_region (verl's SP path; its
+         backward reduce-scatter is the only reduction of d_hidden), weight shard, dist_process_group.
+  AReaL  a real megatron ColumnParallelLinear (tp_group given, no parallel_state) as output_layer, with
+         and without sequence parallel.
+Rank 0 writes {case: {metric: error}} with errors max |Δ| / max(1, max |ref|), the worst over ranks,
+against verl's own torch op (full weight) and the fp64 AReaL oracle.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+import _integrations as I  # noqa: E402
+from areal_lce.integrations import areal as lce_areal  # noqa: E402
+from areal_lce.integrations import verl as lce_verl  # noqa: E402
+
+T, H, V_SHARD = 12, 16, 37  # odd shard: labels at 36 / 37 sit on the shard edge
+
+
+def inputs(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, 1, H, generator=g)
+    weight = torch.randn(2 * V_SHARD, H, generator=g) * 0.5
+    labels = torch.randint(0, 2 * V_SHARD, (1, T), generator=g)
+    labels[0, :4] = torch.tensor([V_SHARD - 1, V_SHARD, 0, 2 * V_SHARD - 1])
+    return hidden, weight, labels, torch.randn(T, generator=g), torch.randn(T, generator=g)
+
+
+def verl_case(group, reduction: str, backend: str) -> dict:
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    rank = dist.get_rank(group)
+    hidden, weight, labels, g_lp, g_ent = inputs(1)
+    if reduction != "none":
+        g_lp = g_lp[0]
+    rows, cols = slice(rank * T // 2, (rank + 1) * T // 2), slice(rank * V_SHARD, (rank + 1) * V_SHARD)
+    h_loc = hidden[rows].clone().requires_grad_()
+    w_loc = weight[cols].clone().requires_grad_()
+    h_full = gather_from_sequence_parallel_region(h_loc, True, group)
+    lp, ent = lce_verl.linear_cross_entropy(h_full, w_loc, labels, 0.7, reduction, group, backend=backend)
+    lp_term = (lp * g_lp).sum() if reduction == "none" else g_lp * lp
+    (lp_term + (ent * g_ent).sum()).backward()
+    r_lp, r_ent, r_dh, r_dw = I.verl_reference(hidden, weight, labels, 0.7, g_lp, g_ent, reduction)
+    r_lp = {"none": r_lp, "sum": r_lp.sum(), "mean": r_lp.mean()}[reduction]
+    return dict(logprobs=I.scaled_err(lp, r_lp), entropy=I.scaled_err(ent, r_ent),
+                d_hidden=I.scaled_err(h_loc.grad.reshape(-1, H), r_dh[rows]),
+                d_weight=I.scaled_err(w_loc.grad, r_dw[cols]))
+
+
+def areal_case(group, sp: bool, backend: str) -> dict:
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    rank = dist.get_rank(group)
+    cfg = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, tensor_model_parallel_size=2,
+                            sequence_parallel=sp, use_cpu_initialization=True, gradient_accumulation_fusion=False)
+    layer = ColumnParallelLinear(H, 2 * V_SHARD, config=cfg, init_method=lambda t: t, bias=False,
+                                 gather_output=False, skip_weight_param_allocation=True, tp_group=group)
+    hidden, weight, labels, g_lp, _ = inputs(2)
+    rows = slice(rank * T // 2, (rank + 1) * T // 2) if sp else slice(None)
+    cols = slice(rank * V_SHARD, (rank + 1) * V_SHARD)
+    h_in = hidden[rows].clone().requires_grad_()
+    w_loc = weight[cols].clone().requires_grad_()
+    out = lce_areal.chunked_lm_head_logprobs_entropy(layer, h_in, w_loc, labels.reshape(T, 1), temperature=0.7,
+                                                     chunk_size=4, logit_scale=1.3, backend=backend)
+    (out.logprobs * g_lp).sum().backward()
+    refs, r_dh, r_dw = I.areal_oracle(hidden, weight, labels, 0.7, 1.3, g_lp)
+    errs = {name: I.scaled_err(o, r) for name, o, r in zip(I.AREAL_FIELDS, out, refs)}
+    errs.update(d_hidden=I.scaled_err(h_in.grad.reshape(-1, H), r_dh[rows]),
+                d_weight=I.scaled_err(w_loc.grad, r_dw[cols]),
+                allreduce_dgrad=float(layer.allreduce_dgrad != (not sp)),  # megatron's own flag: 1 = mismatch
+                entropy_grad=float(out.entropy.requires_grad))
+    return errs
+
+
+def main() -> int:
+    from areal_lce.megatron.compat import apply_cpu_shims
+
+    apply_cpu_shims()  # megatron's SP gather allocates on torch.cuda.current_device()
+    dist.init_process_group("gloo")
+    group = dist.new_group([0, 1])
+    cases = {}
+    for backend in ("torch", "reference"):
+        for red in ("none", "sum", "mean"):
+            cases[f"verl-{red}-{backend}"] = (verl_case, (group, red, backend))
+        for sp in (False, True):
+            cases[f"areal-sp{int(sp)}-{backend}"] = (areal_case, (group, sp, backend))
+    results = {}
+    for name, (fn, args) in cases.items():
+        try:
+            res = fn(*args)
+        except Exception:  # reported, not raised: every rank goes on to the same reductions
+            res = {"error": traceback.format_exc()[-3000:]}
+        keys = sorted(k for k in res if k != "error")
+        t = torch.tensor([res[k] for k in keys] + [float("error" in res)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        results[name] = dict(zip(keys, t[:-1].tolist()))
+        if t[-1] > 0:
+            results[name]["error"] = res.get("error", "failed on another rank")
+    if dist.get_rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""Framework adapters (areal_lce/integrations): verl's `linear_cross_entropy` and AReaL's
+`chunked_lm_head_logprobs_entropy`, against the frameworks' own semantics.
+
+* verl: against verl 0.9.1's own torch implementation of the op (FusedLinearForPPO, tests/_integrations.py),
+  values and gradients of hidden and weight, TP=1 in process and TP=2 on 2 gloo ranks through megatron's
+  own SP gather. Skipped only when verl is not installed aside (.ci/setup.sh installs it).
+* AReaL: against the fp64 materialised oracle of its documented semantics (logit_scale, temperature,
+  detached entropy, the four vocab statistics), TP=1 in process and TP=2 with a real megatron
+  ColumnParallelLinear as output_layer, with and without sequence parallel.
+* The patches: `apply()` / `remove()` on stand-in modules, and the patch point read from verl's source.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import _integrations as I
+from areal_lce.integrations import areal as lce_areal
+from areal_lce.integrations import verl as lce_verl
+
+from _cases import available_backends
+
+BACKENDS = [b for b in available_backends() if b != "triton_ascend"]
+needs_verl = pytest.mark.skipif(
+    not I.verl_available(), reason="verl 0.9.1 not installed aside: run .ci/setup.sh, or set AREAL_LCE_VERL_ASIDE "
+    "to a `pip install --no-deps --target DIR verl==0.9.1` dir")
+# fp32 against fp32 (verl's op) or fp64 (AReaL oracle); seen <= 7e-7 values, <= 6e-6 gradients
+TOL_VALUES, TOL_GRADS = 1e-5, 5e-5
+
+
+def _inputs(lead=(13, 1), h=16, v=45, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*lead, h, generator=g)
+    weight = torch.randn(v, h, generator=g) * 0.5
+    labels = torch.randint(0, v, (1, hidden[..., 0].numel()), generator=g)  # verl's THD labels: [1, T]
+    labels[0, 0], labels[0, -1] = 0, v - 1
+    n = labels.numel()
+    return hidden, weight, labels, torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+
+# ---------------------------------------------------------------------------------------------- verl
+
+@needs_verl
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_verl_matches_verl_torch_op(backend, reduction):
+    hidden, weight, labels, g_lp, g_ent = _inputs()
+    if reduction != "none":
+        g_lp = g_lp[0]
+    r_lp, r_ent, r_dh, r_dw = I.verl_reference(hidden, weight, labels, 0.7, g_lp, g_ent, reduction)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = lce_verl.linear_cross_entropy(h, w, labels, 0.7, reduction, None, backend=backend)
+    assert lp.dtype == ent.dtype == torch.float32 and ent.shape == (labels.numel(),)
+    assert lp.shape == ((labels.numel(),) if reduction == "none" else ())
+    lp_term = (lp * g_lp).sum() if reduction == "none" else g_lp * lp
+    (lp_term + (ent * g_ent).sum()).backward()
+    r_lp = {"none": r_lp, "sum": r_lp.sum(), "mean": r_lp.mean()}[reduction]
+    assert I.scaled_err(lp, r_lp) <= TOL_VALUES and I.scaled_err(ent, r_ent) <= TOL_VALUES
+    assert h.grad.shape == hidden.shape and w.grad.dtype == weight.dtype
+    assert I.scaled_err(h.grad.reshape(r_dh.shape), r_dh) <= TOL_GRADS
+    assert I.scaled_err(w.grad, r_dw) <= TOL_GRADS
+
+
+@needs_verl
+def test_verl_bf16_and_2d_hidden():
+    """[N, H] hidden with [N] labels; bf16 operands: values to fp32 accuracy of the same bf16 inputs,
+    gradients returned in bf16 as verl returns them."""
+    hidden, weight, labels, g_lp, g_ent = _inputs(lead=(11,), seed=1)
+    hb, wb = hidden.bfloat16(), weight.bfloat16()
+    r_lp, r_ent, r_dh, r_dw = I.verl_reference(hb.float(), wb.float(), labels, 1.0, g_lp, g_ent)
+    h, w = hb.clone().requires_grad_(), wb.clone().requires_grad_()
+    lp, ent = lce_verl.linear_cross_entropy(h, w, labels.reshape(-1), 1.0, backend="torch")
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    assert I.scaled_err(lp, r_lp) <= 1e-5 and I.scaled_err(ent, r_ent) <= 1e-5
+    assert h.grad.dtype == w.grad.dtype == torch.bfloat16
+    assert I.scaled_err(h.grad.float(), r_dh) <= 2e-2 and I.scaled_err(w.grad.float(), r_dw) <= 2e-2
+
+
+def test_verl_bad_input():
+    hidden, weight, labels, _, _ = _inputs()
+    call = lce_verl.linear_cross_entropy
+    with pytest.raises(TypeError, match="temperature"):
+        call(hidden, weight, labels, torch.tensor(0.7))
+    with pytest.raises(ValueError, match="temperature"):
+        call(hidden, weight, labels, 0.0)
+    with pytest.raises(ValueError, match="reduction"):
+        call(hidden, weight, labels, 1.0, "avg")
+    with pytest.raises(ValueError, match="labels"):
+        call(hidden, weight, labels[:, :-1], 1.0)
+    with pytest.raises(TypeError, match="tp_group"):
+        call(hidden, weight, labels, 1.0, tp_group=None)
+
+
+# --------------------------------------------------------------------------------------------- AReaL
+
+def _layer(**kw):
+    """The output_layer attributes AReaL's function reads, for TP = 1 in process (TP = 2 uses megatron's
+    real ColumnParallelLinear in tests/integrations_worker.py)."""
+    base = dict(tp_group=None, sequence_parallel=False, allreduce_dgrad=False, gather_output=False,
+                skip_bias_add=False, bias=None, config=types.SimpleNamespace(defer_embedding_wgrad_compute=False))
+    return types.SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("temperature,logit_scale", [(1.0, 1.0), (0.6, 1.7)], ids=["plain", "t0.6_scale1.7"])
+def test_areal_matches_oracle(backend, temperature, logit_scale):
+    hidden, weight, labels, g_lp, _ = _inputs(lead=(17, 1), v=61, seed=2)
+    labels = labels.reshape(-1, 1)  # AReaL's engine passes [T, 1]
+    refs, r_dh, r_dw = I.areal_oracle(hidden, weight, labels, temperature, logit_scale, g_lp)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = lce_areal.chunked_lm_head_logprobs_entropy(_layer(), h, w, labels, temperature=temperature, chunk_size=4,
+                                                     logit_scale=logit_scale, backend=backend)
+    assert type(out) is lce_areal.output_type() and out._fields == I.AREAL_FIELDS
+    for name, o, r in zip(I.AREAL_FIELDS, out, refs):
+        assert o.shape == (17,) and o.dtype == torch.float32, name
+        assert I.scaled_err(o, r) <= TOL_VALUES, (name, I.scaled_err(o, r))
+    assert out.logprobs.requires_grad and not out.entropy.requires_grad  # entropy is not differentiable in AReaL
+    (out.logprobs * g_lp).sum().backward()
+    assert I.scaled_err(h.grad.reshape(r_dh.shape), r_dh) <= TOL_GRADS and I.scaled_err(w.grad, r_dw) <= TOL_GRADS
+
+
+def test_areal_fp32_operands():
+    """AReaL's enable_fp32_lm_head: bf16 parameters, fp32 GEMM operands; gradients come back in bf16."""
+    hidden, weight, labels, g_lp, _ = _inputs(lead=(9, 1), seed=3)
+    hb, wb = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
+    refs, r_dh, r_dw = I.areal_oracle(hb.float(), wb.float(), labels, 0.8, 1.0, g_lp)
+    out = lce_areal.chunked_lm_head_logprobs_entropy(_layer(fp32_operands=True), hb, wb, labels, temperature=0.8,
+                                                     chunk_size=16, backend="torch")
+    assert all(I.scaled_err(o, r) <= TOL_VALUES for o, r in zip(out, refs))
+    (out.logprobs * g_lp).sum().backward()
+    assert hb.grad.dtype == wb.grad.dtype == torch.bfloat16
+    assert I.scaled_err(hb.grad.float().reshape(r_dh.shape), r_dh) <= 1e-2
+    assert I.scaled_err(wb.grad.float(), r_dw) <= 1e-2
+
+
+def test_areal_refusals():
+    hidden, weight, labels, _, _ = _inputs()
+    call = functools.partial(lce_areal.chunked_lm_head_logprobs_entropy, hidden_states=hidden, weight=weight,
+                             labels=labels, temperature=1.0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        call(_layer(), chunk_size=0)
+    with pytest.raises(ValueError, match="logit_scale"):
+        call(_layer(), chunk_size=8, logit_scale=-1.0)
+    with pytest.raises(NotImplementedError, match="bias"):
+        call(_layer(bias=torch.zeros(45)), chunk_size=8)
+    with pytest.raises(NotImplementedError, match="gather_output"):
+        call(_layer(gather_output=True), chunk_size=8)
+    with pytest.raises(NotImplementedError, match="defer_embedding_wgrad_compute"):
+        call(_layer(config=types.SimpleNamespace(defer_embedding_wgrad_compute=True)), chunk_size=8)
+    with pytest.raises(ValueError, match="dtypes"):
+        lce_areal.chunked_lm_head_logprobs_entropy(_layer(), hidden.double(), weight, labels, temperature=1.0,
+                                                   chunk_size=8)
+
+
+# ------------------------------------------------------------------------------------- TP = 2 (gloo)
+
+@functools.lru_cache(maxsize=1)
+def worker_results() -> dict:
+    import json
+    import tempfile
+
+    out = os.path.join(tempfile.mkdtemp(), "integrations.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(I.ROOT, "tests", "integrations_worker.py"), out]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    if proc.returncode != 0 or not os.path.exists(out):
+        raise RuntimeError(f"worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+@needs_verl
+@pytest.mark.parametrize("case", [f"verl-{r}-{b}" for r in ("none", "sum", "mean") for b in ("torch", "reference")])
+def test_verl_tp2_through_megatron_sp_gather(case):
+    r = worker_results()[case]
+    assert "error" not in r, r.get("error")
+    assert r["logprobs"] <= TOL_VALUES and r["entropy"] <= TOL_VALUES, r
+    # d_hidden reduced exactly once (by the gather's reduce-scatter): a second reduction gives ~1
+    assert r["d_hidden"] <= TOL_GRADS and r["d_weight"] <= TOL_GRADS, r
+
+
+@pytest.mark.parametrize("case", [f"areal-sp{s}-{b}" for s in (0, 1) for b in ("torch", "reference")])
+def test_areal_tp2_with_megatron_column_parallel_linear(case):
+    r = worker_results()[case]
+    assert "error" not in r, r.get("error")
+    assert r["allreduce_dgrad"] == 0 and r["entropy_grad"] == 0, r
+    assert all(r[f] <= TOL_VALUES for f in I.AREAL_FIELDS), r
+    assert r["d_hidden"] <= TOL_GRADS and r["d_weight"] <= TOL_GRADS, r
+
+
+# ------------------------------------------------------------------------------------------ patches
+
+def _fake_module(monkeypatch, name: str, attr: str):
+    sentinel = object()
+    monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**{attr: sentinel}))
+    return sentinel
+
+
+def test_verl_apply_and_remove(monkeypatch):
+    originals = {n: _fake_module(monkeypatch, n, "linear_cross_entropy") for n in lce_verl.PATCH_TARGETS}
+    assert lce_verl.apply() == [f"{n}.linear_cross_entropy" for n in lce_verl.PATCH_TARGETS]
+    assert all(sys.modules[n].linear_cross_entropy is lce_verl.linear_cross_entropy for n in originals)
+    assert len(lce_verl.apply(backend="torch")) == len(originals)  # re-apply with options: originals kept
+    fn = sys.modules[lce_verl.PATCH_TARGETS[0]].linear_cross_entropy
+    hidden, weight, labels, _, _ = _inputs()
+    lp, ent = fn(hidden, weight, labels, 0.9, "none", None)  # verl's positional call
+    assert lp.shape == ent.shape == (labels.numel(),)
+    assert len(lce_verl.remove()) == len(originals) and lce_verl.remove() == []
+    assert all(sys.modules[n].linear_cross_entropy is o for n, o in originals.items())
+
+
+def test_areal_apply_and_remove(monkeypatch):
+    module, attr = lce_areal.PATCH_TARGET
+    original = _fake_module(monkeypatch, module, attr)
+    assert lce_areal.apply(backend="torch") == [f"{module}.{attr}"]
+    assert sys.modules[module].chunked_lm_head_logprobs_entropy.keywords == {"backend": "torch"}
+    assert lce_areal.remove() == [f"{module}.{attr}"]
+    assert sys.modules[module].chunked_lm_head_logprobs_entropy is original
+    monkeypatch.setitem(sys.modules, module, types.SimpleNamespace())  # a version without the name
+    with pytest.raises(RuntimeError, match="has no attribute"):
+        lce_areal.apply()
+
+
+@needs_verl
+def test_verl_patch_point_in_verl_source():
+    """In the installed verl, model_forward_fused binds `linear_cross_entropy` at module level and calls it
+    by that global name with verl's six positional arguments: replacing the module attribute is enough."""
+    with open(I.VERL_FUSED_FILE) as f:
+        tree = ast.parse(f.read())
+    imports = [n for n in tree.body
+               if isinstance(n, ast.ImportFrom) and n.module == "verl.utils.kernel.linear_cross_entropy"]
+    assert [a.name for n in imports for a in n.names] == ["linear_cross_entropy"]
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+             and n.func.id == "linear_cross_entropy"]
+    assert len(calls) >= 2 and all(len(c.args) == 6 for c in calls)
+    rebinds = [n for n in ast.walk(tree)
+               if (isinstance(n, ast.FunctionDef) and n.name == "linear_cross_entropy")
+               or (isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "linear_cross_entropy"
+                                                     for t in n.targets))]
+    assert rebinds == []
