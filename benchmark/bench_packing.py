@@ -1,0 +1,170 @@
+"""Packed (THD) vs right-padded (BSHD) micro-batches, fused vs materialised LM head, RL-like lengths.
+
+    python -m benchmark.bench_packing --preset qwen2.5-0.5b --out DIR          # one GPU
+    python -m benchmark.bench_packing --preset tiny --seqs 8 --max-response 64  # CPU smoke run
+
+Every step trains on `--seqs` sequences of prompt `--prompt-len` tokens plus a response of uniform
+random length in [--min-response, --max-response] (what a GRPO batch looks like), split into
+micro-batches of `--micro-batch` sequences. Padded: each micro-batch is right-padded to its longest
+sequence. Packed: the engine packs each micro-batch into one THD row (engine.pack_sequences).
+Two jobs per layout x route, each on a fresh engine from the same seed and the same batches:
+  sft   one SFT step (token-mean NLL over response tokens)
+  grpo  the GRPO step minus the rollout: behaviour logprobs (policy, no grad), reference logprobs
+        (a frozen engine), and the PPO update with group advantages
+Reported: median step time over the steps after the first, real (unpadded) tokens per second, peak
+GPU memory, the first step's loss (must agree across the four configurations). Floor/targets: packed
+tokens/s >= 1.3x padded at these lengths; fused peak below materialised by at least the fp32 logits of a
+micro-batch (4 * tokens * V / tp bytes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from benchmark.bench_train import _git_sha, _sync
+
+
+def make_steps(args, vocab: int):
+    """Per step: right-padded micro-batches {'input_ids', 'labels'} with response-only labels."""
+    g = torch.Generator().manual_seed(42)
+    steps = []
+    for _ in range(args.steps):
+        mbs = []
+        for _ in range(0, args.seqs, args.micro_batch):
+            lens = torch.randint(args.min_response, args.max_response + 1, (args.micro_batch,), generator=g)
+            s = args.prompt_len + int(lens.max())
+            ids = torch.randint(0, vocab, (args.micro_batch, s), generator=g)
+            labels = torch.full_like(ids, -100)
+            for r, n in enumerate(lens.tolist()):
+                end = args.prompt_len + n
+                labels[r, args.prompt_len - 1: end - 1] = ids[r, args.prompt_len: end]
+                ids[r, end:] = 0
+            mbs.append({"input_ids": ids, "labels": labels})
+        steps.append(mbs)
+    return steps
+
+
+def build(args, fused: bool, pack: bool, trainable: bool = True):
+    from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig
+    from areal_lce.megatron.engine import MegatronEngine
+
+    cfg = EngineConfig(model=ModelConfig(preset=args.preset, max_seq_len=args.prompt_len + args.max_response),
+                       optim=OptimConfig(lr=1e-6, clip_grad=1.0), use_fused_linear_ce=fused, pack_sequences=pack,
+                       seed=1234)
+    return MegatronEngine(cfg, trainable=trainable)
+
+
+def sft_step(eng, mbs, _ref, _rl):
+    n = sum(int((mb["labels"] != -100).sum()) for mb in mbs)
+
+    def loss_fn(st, mb):
+        mask = mb["labels"].to(st.logprobs.device) != -100
+        return -(st.logprobs * mask).sum() / n, {}
+
+    return eng.train_step(mbs, loss_fn)["loss"]
+
+
+def grpo_step(eng, mbs, ref, rl_cfg):
+    from areal_lce.train.rl_losses import group_advantages, rl_loss
+
+    n_seq = sum(mb["input_ids"].shape[0] for mb in mbs)
+    n_tok = sum(int((mb["labels"] != -100).sum()) for mb in mbs)
+    adv = group_advantages(torch.linspace(0, 1, n_seq), 4)
+    batch, k = [], 0
+    for mb in mbs:
+        b = mb["input_ids"].shape[0]
+        old = eng.token_stats(mb["input_ids"], mb["labels"]).logprobs
+        refl = ref.token_stats(mb["input_ids"], mb["labels"]).logprobs
+        batch.append(dict(mb, advantages=adv[k:k + b].to(old.device), old_logprobs=old, ref_logprobs=refl,
+                          num_tokens=n_tok, num_seqs=n_seq))
+        k += b
+    return eng.train_step(batch, lambda st, mb: rl_loss(st, mb, rl_cfg))["loss"]
+
+
+def run(args, job: str, fused: bool, pack: bool, steps) -> dict:
+    from areal_lce.train.rl_config import RLConfig
+
+    eng = build(args, fused, pack)
+    ref = build(args, fused, pack, trainable=False) if job == "grpo" else None
+    fn = sft_step if job == "sft" else grpo_step
+    times, losses = [], []
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    for mbs in steps:
+        _sync()
+        t0 = time.perf_counter()
+        losses.append(fn(eng, mbs, ref, RLConfig()))
+        _sync()
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    real = statistics.mean(sum(int((mb["labels"] != -100).sum()) + mb["input_ids"].shape[0] for mb in s)
+                           for s in steps)  # ~ real tokens (targets + one per sequence)
+    med = statistics.median(times[1:] if len(times) > 1 else times)
+    del eng, ref
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"job": job, "route": "fused" if fused else "materialised", "layout": "packed" if pack else "padded",
+            "step_s": med, "step_s_all": times, "real_tokens_per_s": real / med, "peak_mem_gib": peak,
+            "loss": losses}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen2.5-0.5b")
+    ap.add_argument("--jobs", default="sft,grpo")
+    ap.add_argument("--seqs", type=int, default=32)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--min-response", type=int, default=64)
+    ap.add_argument("--max-response", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", default="bench_out")
+    args = ap.parse_args()
+    from areal_lce.megatron.model import resolve_arch
+    from areal_lce.megatron.config import ModelConfig
+
+    vocab = resolve_arch(ModelConfig(preset=args.preset)).vocab_size
+    steps = make_steps(args, vocab)
+    results = []
+    for job in args.jobs.split(","):
+        for fused in (True, False):
+            for pack in (True, False):
+                r = run(args, job, fused, pack, steps)
+                results.append(r)
+                print(f"{job:>4} {r['route']:>12} {r['layout']:>6}: step {r['step_s'] * 1e3:8.1f} ms  "
+                      f"{r['real_tokens_per_s']:9.0f} tok/s  peak {r['peak_mem_gib']:6.2f} GiB  loss[0] {r['loss'][0]:.6f}",
+                      flush=True)
+    summary = {}
+    for job in args.jobs.split(","):
+        by = {(r["route"], r["layout"]): r for r in results if r["job"] == job}
+        for route in ("fused", "materialised"):
+            summary[f"{job}_{route}_packed_over_padded_tokens_per_s"] = (
+                by[(route, "packed")]["real_tokens_per_s"] / by[(route, "padded")]["real_tokens_per_s"])
+        for layout in ("packed", "padded"):
+            summary[f"{job}_{layout}_memory_saved_gib"] = (by[("materialised", layout)]["peak_mem_gib"]
+                                                           - by[("fused", layout)]["peak_mem_gib"])
+        l0 = [r["loss"][0] for r in by.values()]
+        summary[f"{job}_first_loss_rel_spread"] = (max(l0) - min(l0)) / max(abs(min(l0)), 1e-12)
+    logits_gib = 4 * args.micro_batch * (args.prompt_len + args.max_response) * vocab / 2**30
+    print(json.dumps(summary, indent=1))
+    print(f"target: packed/padded tokens/s >= 1.3; memory saved >= fp32 logits of the longest padded "
+          f"micro-batch ({logits_gib:.2f} GiB)")
+    meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
+            "git": _git_sha(), "args": vars(args), "fp32_logits_longest_microbatch_gib": logits_gib}
+    try:
+        import triton
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"packing_{args.preset}.json"), "w") as fh:
+        json.dump({"meta": meta, "summary": summary, "results": results}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
