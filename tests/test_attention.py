@@ -292,3 +292,13 @@ def test_context_parallel_two_ranks_legacy_megatron():
     r = worker_results(LEGACY_DIR)
     assert tuple(r["meta"]["megatron_version"][:2]) < (0, 18), r["meta"]
     _check_cp2(r)
+
+
+@pytest.mark.gpu
+def test_varlen_attn_matches_sdpa_on_cuda():
+    """CUDA only: varlen_attn (flash) vs per-segment SDPA, packed and CP segments, bf16/fp16, GQA
+    (the kernel part of `python -m benchmark.gpu_attention_check`)."""
+    from benchmark.gpu_attention_check import kernel_cases
+
+    rows = kernel_cases()
+    assert all(r["pass"] for r in rows), [r for r in rows if not r["pass"]]
