@@ -286,10 +286,11 @@ class SDPAttention(MegatronModule):
         tensors = (psp.cu_seqlens_q, psp.cu_seqlens_q_padded, psp.cu_seqlens_kv, psp.cu_seqlens_kv_padded)
         key = (self.cp_size, self.cp_rank, query.shape[0], str(query.device), psp.max_seqlen_q, psp.max_seqlen_kv,
                getattr(psp, "local_cp_size", None), tuple(getattr(t, "_version", None) for t in tensors))
-        cached = psp.__dict__.get("_areal_lce_thd_plan")
+        store = getattr(psp, "__dict__", {})
+        cached = store.get("_areal_lce_thd_plan")
         if cached is None or cached[1] != key or any(a is not b for a, b in zip(cached[0], tensors)):
             cached = (tensors, key, thd_plan(psp, query.shape[0], self.cp_size, self.cp_rank, query.device))
-            psp.__dict__["_areal_lce_thd_plan"] = cached
+            store["_areal_lce_thd_plan"] = cached
         return cached[2]
 
 
