@@ -1,6 +1,8 @@
 """Context-parallel cases for tests/test_attention.py: 2 gloo ranks (CPU), one launch for every case.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/attention_worker.py OUT.json
+    # CP=2 x TP=2 with sequence parallelism (not in CI; results in docs/results/):
+    python -m torch.distributed.run --standalone --nproc_per_node=4 tests/attention_worker.py OUT.json --tp 2 --sp
 
 Each case returns {metric: value}; metrics are maximum absolute differences (reduced with MAX over the
 ranks), so pytest asserts on the worst rank. The helpers at the top (tiny GPTModel with SDPAttention,
@@ -28,8 +30,8 @@ VOCAB = 512
 THD_LENGTHS = [7, 12, 3, 9]  # real lengths: padding to multiples of 2*cp is exercised (7 -> 8, 3 -> 4, 9 -> 12)
 
 
-def init_parallel(cp: int, seed: int = 1234) -> None:
-    """Megatron parallel state with context-parallel size `cp` (TP = PP = 1) over the current world."""
+def init_parallel(cp: int, tp: int = 1, seed: int = 1234) -> None:
+    """Megatron parallel state with context-parallel size `cp` and tensor-parallel size `tp` (PP = 1)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
@@ -42,22 +44,23 @@ def init_parallel(cp: int, seed: int = 1234) -> None:
         init_distributed(ParallelConfig(), seed)
     apply_cpu_shims()
     if not (mpu.model_parallel_is_initialized() and mpu.get_context_parallel_world_size() == cp
-            and mpu.get_tensor_model_parallel_world_size() == 1 and mpu.get_pipeline_model_parallel_world_size() == 1):
+            and mpu.get_tensor_model_parallel_world_size() == tp and mpu.get_pipeline_model_parallel_world_size() == 1):
         if mpu.model_parallel_is_initialized():
             mpu.destroy_model_parallel()
-        mpu.initialize_model_parallel(context_parallel_size=cp, create_gloo_process_groups=True)
+        mpu.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                      create_gloo_process_groups=True)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
     torch.manual_seed(seed)
 
 
-def build_tiny(cp: int, state=None):
+def build_tiny(cp: int, state=None, tp: int = 1, sp: bool = False):
     """The `tiny` preset (Qwen2-shaped: 4 heads / 2 KV heads, RoPE, untied) as a GPTModel of the local
     spec with SDPAttention, context-parallel size `cp` (parallel state already initialised)."""
     from areal_lce.megatron import model as M
     from areal_lce.megatron.config import ModelConfig
 
     cfg = ModelConfig(preset="tiny", max_seq_len=64)
-    par = types.SimpleNamespace(tensor_parallel=1, pipeline_parallel=1, sequence_parallel=False, context_parallel=cp)
+    par = types.SimpleNamespace(tensor_parallel=tp, pipeline_parallel=1, sequence_parallel=sp, context_parallel=cp)
     gpt = M.build_gpt_model(M.resolve_arch(cfg), cfg, par, torch.float32)
     with torch.no_grad():  # random (not zero) q/k/v biases, as a trained Qwen2 has
         for name, p in gpt.named_parameters():
@@ -146,9 +149,10 @@ def _loss_weight(shape, seed):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def gpt_case() -> dict:
+def gpt_case(tp: int = 1, sp: bool = False) -> dict:
     """GPTModel at CP=2 vs CP=1 on the same weights (fp32): gathered logits and CP-summed parameter
-    gradients, BSHD (b=2, s=16) and THD (4 packed sequences padded to multiples of 4)."""
+    gradients, BSHD (b=2, s=16) and THD (4 packed sequences padded to multiples of 2*cp*tp). With
+    tp > 1 (4 ranks) logits and gradients are this rank's tensor-parallel shards."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
@@ -158,20 +162,28 @@ def gpt_case() -> dict:
     t_ids, t_pos, cu = thd_batch()
     w_bshd, w_thd = _loss_weight((b, s, VOCAB), 11), _loss_weight((1, sum(THD_LENGTHS), VOCAB), 12)
 
-    init_parallel(1)  # reference: CP=1 (both ranks compute it, data parallel on the same data)
-    ref_model = build_tiny(1)
+    init_parallel(1, tp)  # reference: CP=1 (every CP rank computes it: data parallel on the same data)
+    shard = lambda w: w.chunk(tp, -1)[mpu.get_tensor_model_parallel_rank()]  # noqa: E731
+    w_bshd, w_thd = shard(w_bshd), shard(w_thd)
+    pad = CP.pad_for_context_parallel(cu, 2, multiple=4 * tp)  # the CP=2 layout
+    ref_model = build_tiny(1, tp=tp, sp=sp)
     state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in ref_model.state_dict().items()}
     ref_bshd = ref_model(ids, pos, None)
     (ref_bshd * w_bshd).sum().backward()
     ref_bshd_grads = grads(ref_model)
     ref_model.zero_grad()
-    ref_thd = ref_model(t_ids, t_pos, None, packed_seq_params=packed_seq_params(cu))
+    if tp == 1:  # unpadded pack
+        ref_thd = ref_model(t_ids, t_pos, None, packed_seq_params=packed_seq_params(cu))
+    else:  # sequence parallelism splits the packed tokens: the padded pack (real tokens kept)
+        ref_thd = ref_model(CP.pad_packed(t_ids, pad), CP.pad_packed(t_pos, pad), None,
+                            packed_seq_params=packed_seq_params(cu, pad.cu_seqlens_padded, pad.max_seqlen))
+        ref_thd = ref_thd.index_select(1, pad.index)
     (ref_thd * w_thd).sum().backward()
     ref_thd_grads = grads(ref_model)
 
-    init_parallel(2)
+    init_parallel(2, tp)
     group = mpu.get_context_parallel_group()
-    model = build_tiny(2, state)
+    model = build_tiny(2, state, tp=tp, sp=sp)
     out = {}
 
     def cp_summed_grads():
@@ -195,9 +207,8 @@ def gpt_case() -> dict:
     gathered_naive = comms.all_gather_rows(naive.transpose(0, 1).contiguous(), group).transpose(0, 1)
     out["bshd_contiguous_split_error"] = float((gathered_naive - ref_bshd).abs().max())
 
-    # THD: pad every sequence to a multiple of 2*cp, split per sequence, gather, drop the padding;
+    # THD: pad every sequence to a multiple of 2*cp*tp, split per sequence, gather, drop the padding;
     # every rank computes the same loss on the gathered logits (the gather's backward keeps own slices).
-    pad = CP.pad_for_context_parallel(cu, 2)
     psp = packed_seq_params(cu, pad.cu_seqlens_padded, pad.max_seqlen)
     local_ids = CP.split_for_context_parallel(CP.pad_packed(t_ids, pad), group, pad.cu_seqlens_padded)
     local_pos = CP.split_for_context_parallel(CP.pad_packed(t_pos, pad), group, pad.cu_seqlens_padded)
@@ -226,13 +237,22 @@ def refusal_case() -> dict:
 
 
 def main() -> None:
+    """OUT.json [--tp N [--sp]]: with --tp 2 on 4 ranks the GPTModel case runs CP=2 x TP=2 (x SP)."""
+    import argparse
+
     import torch.distributed as dist
 
     from areal_lce.megatron.compat import megatron_version
 
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--sp", action="store_true")
+    args = ap.parse_args()
     init_parallel(2)
-    results = {"meta": {"megatron_version": list(megatron_version())}}
-    for name, fn in (("split", split_case), ("gpt", gpt_case), ("refusal", refusal_case)):
+    results = {"meta": {"megatron_version": list(megatron_version()), "tp": args.tp, "sp": args.sp,
+                        "world": dist.get_world_size()}}
+    for name, fn in (("split", split_case), ("gpt", lambda: gpt_case(args.tp, args.sp)), ("refusal", refusal_case)):
         try:
             res = fn()
             vals = torch.tensor([float(v) for v in res.values()], dtype=torch.float64)
@@ -241,7 +261,7 @@ def main() -> None:
         except Exception:  # report, keep going: pytest shows which case failed and why
             results[name] = {"error": traceback.format_exc()}
     if dist.get_rank() == 0:
-        with open(sys.argv[1], "w") as f:
+        with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()

@@ -65,6 +65,10 @@ class VarlenSegments(NamedTuple):
 
 
 def make_segments(q_lens: torch.Tensor, k_lens: torch.Tensor, device) -> VarlenSegments:
+    """Segments of these query / key lengths (host int tensors; empty segments dropped)."""
+    if q_lens.shape != k_lens.shape or bool((q_lens > k_lens).any()):
+        raise ValueError(f"every segment needs at least as many keys as queries: {q_lens.tolist()[:8]} queries, "
+                         f"{k_lens.tolist()[:8]} keys")
     keep = q_lens > 0
     q_lens, k_lens = q_lens[keep], k_lens[keep]
     bq = [0] + torch.cumsum(q_lens, 0).tolist()
@@ -157,6 +161,9 @@ def thd_plan(psp, local_tokens: int, cp_size: int, cp_rank: int, device) -> ThdP
     if len(real) != len(lengths) or any(r > n for r, n in zip(real, lengths)):
         raise ValueError(f"packed_seq_params.cu_seqlens_q lengths {real[:4]}... must not exceed the "
                          f"cu_seqlens_q_padded lengths {lengths[:4]}... (same number of sequences)")
+    if getattr(psp, "local_cp_size", None) not in (None, cp_size):
+        raise NotImplementedError(f"packed_seq_params.local_cp_size={psp.local_cp_size} (hybrid context "
+                                  f"parallelism) is not supported; the CP group has {cp_size} ranks")
     if sum(lengths) != local_tokens * cp_size:
         raise ValueError(f"packed_seq_params.{padded_name}[-1] = {sum(lengths)} but attention got "
                          f"{local_tokens} tokens" + (f" x cp {cp_size}" if cp_size > 1 else ""))
@@ -246,7 +253,7 @@ class SDPAttention(MegatronModule):
             if s % 2:
                 raise ValueError(f"context parallel: the local sequence ({s} tokens) must hold two equal chunks")
             key, value = self._gather_kv(key, value)
-            inv = gathered_to_packed([s * self.cp_size], self.cp_size).to(key.device)
+            inv = _unzigzag_index(s * self.cp_size, self.cp_size, key.device)
             key, value = key.index_select(0, inv), value.index_select(0, inv)  # sequence order
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
         k, v = _expand_kv(k, self.heads, 1), _expand_kv(v, self.heads, 1)
@@ -269,17 +276,25 @@ class SDPAttention(MegatronModule):
             key, value = key.index_select(0, plan.k_index), value.index_select(0, plan.k_index)
         out = causal_varlen_attention(query, key, value, plan.segments, self.scale, dropout)
         if plan.real is not None:
-            out = out * plan.real[:, None, None].to(out.dtype)  # padding slots: zeros
+            out = out.masked_fill(~plan.real[:, None, None], 0.0)  # padding slots: zeros
         return out.reshape(query.shape[0], self.heads * self.head_dim)
 
     def _plan(self, psp, query) -> ThdPlan:
-        # Shared by every layer of one forward: cached on the PackedSeqParams object, keyed by its tensors.
-        key = (self.cp_size, self.cp_rank, query.shape[0], str(query.device),
-               tuple((id(t), t._version) if isinstance(t, torch.Tensor) else t for t in (
-                   psp.cu_seqlens_q, psp.cu_seqlens_q_padded, psp.cu_seqlens_kv, psp.cu_seqlens_kv_padded,
-                   psp.max_seqlen_q, psp.max_seqlen_kv)))
-        cached = psp.__dict__.get("_areal_lce_thd_plan")
-        if cached is None or cached[0] != key:
-            cached = (key, thd_plan(psp, query.shape[0], self.cp_size, self.cp_rank, query.device))
-            psp.__dict__["_areal_lce_thd_plan"] = cached
-        return cached[1]
+        # Shared by every layer of one forward: cached on the PackedSeqParams object. The entry keeps its
+        # cu_seqlens tensors alive and is matched by identity and version, so a replaced or modified
+        # tensor recomputes the plan.
+        tensors = (psp.cu_seqlens_q, psp.cu_seqlens_q_padded, psp.cu_seqlens_kv, psp.cu_seqlens_kv_padded)
+        key = (self.cp_size, self.cp_rank, query.shape[0], str(query.device), psp.max_seqlen_q, psp.max_seqlen_kv,
+               getattr(psp, "local_cp_size", None), tuple(getattr(t, "_version", None) for t in tensors))
+        store = getattr(psp, "__dict__", {})
+        cached = store.get("_areal_lce_thd_plan")
+        if cached is None or cached[1] != key or any(a is not b for a, b in zip(cached[0], tensors)):
+            cached = (tensors, key, thd_plan(psp, query.shape[0], self.cp_size, self.cp_rank, query.device))
+            store["_areal_lce_thd_plan"] = cached
+        return cached[2]
+
+
+@functools.lru_cache(maxsize=64)
+def _unzigzag_index(tokens: int, cp_size: int, device: torch.device) -> torch.Tensor:
+    """BSHD: gathered (rank-ordered) rows -> sequence order."""
+    return gathered_to_packed([tokens], cp_size).to(device)
