@@ -110,7 +110,7 @@ def test_bad_yaml_is_rejected_naming_the_option(tmp_path, yaml_text, named):
     (["data.format=chat"], "data.format"),
     (["data.max_seq_len=1024", "engine.model.max_seq_len=512"], "data.max_seq_len"),
     (["engine.parallel.sequence_parallel=true"], "sequence_parallel"),   # needs tensor_parallel > 1
-    (["engine.parallel.context_parallel=2"], "context_parallel"),
+    (["engine.parallel.context_parallel=2", "engine.parallel.pipeline_parallel=2"], "context_parallel"),
     (["trainer.steps=10", "trainer.stop_at=10"], "trainer.stop_at"),
     (["trainer.steps=4", "engine.optim.lr_schedule=cosine", "engine.optim.warmup_steps=4"], "warmup_steps"),
 ])

@@ -152,7 +152,6 @@ def _fake_model(**cfg):
 
 @pytest.mark.parametrize("cfg,seam,match", [
     pytest.param(dict(mtp_num_layers=1), "output_layer", "mtp_num_layers", id="mtp-legacy-seam"),
-    pytest.param(dict(context_parallel_size=2), "output_processor", "context_parallel", id="cp2"),
     pytest.param(dict(defer_embedding_wgrad_compute=True), "output_processor", "defer_embedding", id="defer-wgrad"),
     pytest.param(dict(use_mup=True, mup_output_mult=0.5), "output_layer", "MuP", id="mup-legacy-seam"),
 ])
@@ -173,7 +172,7 @@ def test_mtp_and_parallel_output_false_pass_the_output_processor_checks():
 
 def test_config_refusals():
     with pytest.raises(ValueError, match="context_parallel"):
-        ParallelConfig(context_parallel=2)
+        ParallelConfig(context_parallel=2, pipeline_parallel=2)
     with pytest.raises(ValueError, match="sequence_parallel"):
         ParallelConfig(sequence_parallel=True)
     with pytest.raises(ValueError, match="capture_seam"):

@@ -131,10 +131,6 @@ def test_refusals_name_the_option():
     with pytest.raises(ValueError, match="defer_embedding_wgrad_compute"):
         call(labels)
     model.config.defer_embedding_wgrad_compute = False
-    model.config.context_parallel_size = 2
-    with pytest.raises(ValueError, match="context_parallel"):
-        call(labels)
-    model.config.context_parallel_size = 1
 
 
 def test_square_batch_layout():
@@ -150,11 +146,11 @@ def test_seam_checks_without_token_stats():
         capture.CaptureContext(labels=torch.zeros(1, 4, dtype=torch.long), temperature=1.0, vocab_size=None)
     ctx = capture.CaptureContext(labels=torch.zeros(2, 4, dtype=torch.long), temperature=1.0, vocab_size=10)
     layer = types.SimpleNamespace(weight=torch.zeros(10, 8), sequence_parallel=False, tp_group=None,
-                                  config=types.SimpleNamespace(context_parallel_size=2))
-    with pytest.raises(ValueError, match="context_parallel"):
+                                  config=types.SimpleNamespace(defer_embedding_wgrad_compute=True))
+    with pytest.raises(ValueError, match="defer_embedding_wgrad_compute"):
         capture.stats_output_processor(hidden_states=torch.zeros(4, 2, 8), output_layer=layer, output_weight=None,
                                        context=ctx, config=layer.config)
-    layer.config.context_parallel_size = 1
+    layer.config.defer_embedding_wgrad_compute = False
     with pytest.raises(ValueError, match="laid out like input_ids"):
         capture.stats_output_processor(hidden_states=torch.zeros(4, 2, 8), output_layer=layer, output_weight=None,
                                        context=ctx, config=layer.config, input_ids=torch.zeros(4, 2, dtype=torch.long))

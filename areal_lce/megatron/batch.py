@@ -3,35 +3,55 @@
 The jobs hand the engine right-padded [b, s] input_ids and labels (ignore_index on padding and on
 tokens without a target). `prepare` turns that into the model's inputs -- padded [b, s] rows, or, with
 `engine.pack_sequences`, every row's tokens up to its last target packed into one [1, T] THD row with
-`PackedSeqParams` -- and `ModelBatch.stats` turns the model's per-token output back into the padded
-[b, s] layout, so losses and metrics never see which layout ran.
+`PackedSeqParams` -- and, under context parallelism, this CP rank's zigzag share of them (context_parallel.py:
+BSHD rows split along the sequence, THD sequences each padded to a multiple of 2*cp and split).
+`ModelBatch.stats` turns the model's per-token output back into the caller's padded [b, s] layout
+(under CP through a differentiable all-gather: every CP rank then holds the same full statistics and
+computes the same loss; each rank's backward reaches only its own tokens), so losses and metrics never
+see which layout ran.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
+from .context_parallel import (gather_from_context_parallel, pad_for_context_parallel, pad_packed,
+                               split_for_context_parallel)
 from .packing import PackedRows, pack_rows
 from .stats import TokenStats
 
 
 @dataclass
 class ModelBatch:
-    input_ids: torch.Tensor  # [b, s'] padded, or [1, T] packed
+    input_ids: torch.Tensor  # [b, s'] padded, or [1, T] packed (this CP rank's share under CP)
     labels: torch.Tensor  # laid out like input_ids
     position_ids: torch.Tensor
     attention_mask: Optional[torch.Tensor]
     packed: Optional[PackedRows]  # None: BSHD
     shape: tuple  # (b, s) of the caller's padded batch
+    cp_group: Any = None  # context-parallel group when cp > 1
+    cp_padding: Any = None  # THD under CP: ContextParallelPadding of the packed sequences
 
     @property
     def packed_seq_params(self):
-        return None if self.packed is None else self.packed.packed_seq_params()
+        if self.packed is None:
+            return None
+        psp = self.packed.packed_seq_params()
+        if self.cp_padding is not None:  # real lengths + the padded layout megatron's THD RoPE and attention use
+            psp.cu_seqlens_q_padded = psp.cu_seqlens_kv_padded = self.cp_padding.cu_seqlens_padded
+            psp.max_seqlen_q = psp.max_seqlen_kv = self.cp_padding.max_seqlen
+        return psp
 
     def stats(self, out: torch.Tensor) -> TokenStats:
-        """Model output (packed stats [b, s', 4] or [1, T, 4]) -> TokenStats in the caller's [b, s] layout."""
+        """Model output (packed stats [b, s', 4] or [1, T, 4], CP-local under CP) -> TokenStats in the
+        caller's [b, s] layout."""
+        if self.cp_group is not None:
+            cu = None if self.cp_padding is None else self.cp_padding.cu_seqlens_padded
+            out = gather_from_context_parallel(out, self.cp_group, cu)
+            if self.cp_padding is not None:
+                out = out.index_select(1, self.cp_padding.index.to(out.device))
         if self.packed is not None:
             return TokenStats.unpack(self.packed.unpack(out))
         b, s = self.shape
@@ -39,7 +59,8 @@ class ModelBatch:
 
 
 def prepare(input_ids: torch.Tensor, labels: torch.Tensor, *, device, max_seq_len: int, pack: bool,
-            seq_multiple: int = 1, min_packed_length: int = 0, ignore_index: int = -100) -> ModelBatch:
+            seq_multiple: int = 1, min_packed_length: int = 0, cp_group=None, cp_size: int = 1,
+            ignore_index: int = -100) -> ModelBatch:
     """Model inputs of one right-padded micro-batch. `seq_multiple`: the sequence (BSHD) or packed row
     (THD) length must be a multiple of it (tensor-parallel size under sequence parallelism)."""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
@@ -49,16 +70,28 @@ def prepare(input_ids: torch.Tensor, labels: torch.Tensor, *, device, max_seq_le
     if s > max_seq_len:
         raise ValueError(f"sequence length {s} exceeds model.max_seq_len={max_seq_len}")
     ids, lab = input_ids.to(device, torch.long), labels.to(device, torch.long)
+    group = cp_group if cp_size > 1 else None
     if pack:
-        rows = pack_rows(ids, lab, pad_to_multiple=seq_multiple, min_length=min_packed_length,
+        rows = pack_rows(ids, lab, pad_to_multiple=1 if group else seq_multiple, min_length=min_packed_length,
                          ignore_index=ignore_index)
-        return ModelBatch(rows.input_ids, rows.labels, rows.position_ids, None, rows, (b, s))
-    pad = (-s) % seq_multiple
-    if pad:  # sequence parallelism splits the sequence over TP ranks: right-pad, labels ignored
+        if group is None:
+            return ModelBatch(rows.input_ids, rows.labels, rows.position_ids, None, rows, (b, s))
+        # every packed sequence padded to a multiple of 2*cp (x tp under SP: each CP share is then split
+        # over TP too), then this rank's zigzag chunks of each
+        padding = pad_for_context_parallel(rows.cu_seqlens, cp_size, 2 * cp_size * seq_multiple)
+        cu = padding.cu_seqlens_padded
+        local = [split_for_context_parallel(pad_packed(x, padding, fill), group, cu)
+                 for x, fill in ((rows.input_ids, 0), (rows.labels, ignore_index), (rows.position_ids, 0))]
+        return ModelBatch(*local, None, rows, (b, s), group, padding)
+    pad = (-s) % (seq_multiple * (2 * cp_size if group else 1))
+    if pad:  # sequence / context parallelism split the sequence: right-pad, labels ignored
         ids = torch.nn.functional.pad(ids, (0, pad), value=0)
         lab = torch.nn.functional.pad(lab, (0, pad), value=ignore_index)
     sp = ids.shape[1]
     pos = torch.arange(sp, device=device).unsqueeze(0).expand(b, sp)
+    if group is not None:
+        ids, lab, pos = (split_for_context_parallel(x, group) for x in (ids, lab, pos))
+        return ModelBatch(ids, lab, pos, None, None, (b, s), group)
     mask = None
     if device.type != "cuda":  # megatron builds its default causal mask on CUDA only
         mask = torch.triu(torch.ones(sp, sp, dtype=torch.bool, device=device), diagonal=1)[None, None]

@@ -86,10 +86,9 @@ def resolve_seam(name: str) -> str:
 
 def check_seam_config(config, seam: str, fused: bool = True) -> None:
     """Refuse, naming the option, what a route cannot reproduce exactly. Run by `token_stats` and again by
-    the seam itself (the processor / the replaced output layer), so a direct caller gets the same checks."""
-    if getattr(config, "context_parallel_size", 1) != 1:
-        raise ValueError(f"context_parallel_size={config.context_parallel_size}: context parallelism is not "
-                         "supported by token_stats yet (parallel.context_parallel must be 1)")
+    the seam itself (the processor / the replaced output layer), so a direct caller gets the same checks.
+    Context parallelism needs no check: the statistics are per token, so CP-local hidden states and labels
+    give CP-local statistics (the LM-head weight gradient is partial per CP rank; megatron's DDP sums it)."""
     if not fused:
         return
     if getattr(config, "mtp_num_layers", None) and seam == "output_layer":

@@ -98,16 +98,19 @@ class ParallelConfig:
                   "outside tensor-parallel regions); needs tensor_parallel > 1"},
     )
     context_parallel: int = field(
-        default=1, metadata={"help": "context-parallel size; only 1 is supported"}
+        default=1,
+        metadata={"help": "context-parallel size: every sequence is cut into 2 x context_parallel chunks and "
+                  "each CP rank keeps chunks r and 2cp-1-r (megatron's zigzag); attention all-gathers K/V "
+                  "over the CP group. Needs model.attention=sdpa and pipeline_parallel=1"},
     )
 
     def __post_init__(self):
         for name in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name}={getattr(self, name)} must be >= 1")
-        if self.context_parallel != 1:
-            raise ValueError(f"parallel.context_parallel={self.context_parallel}: context parallelism "
-                             "is not supported (the token statistics would need a cross-CP gather); use 1")
+        if self.context_parallel > 1 and self.pipeline_parallel > 1:
+            raise ValueError(f"parallel.context_parallel={self.context_parallel} with parallel.pipeline_parallel="
+                             f"{self.pipeline_parallel}: context parallelism runs with pipeline_parallel=1 only")
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError("parallel.sequence_parallel=true needs parallel.tensor_parallel > 1")
 
@@ -178,6 +181,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.capture_seam not in CAPTURE_SEAMS:
             raise ValueError(f"capture_seam={self.capture_seam!r}: expected one of {CAPTURE_SEAMS}")
+        if self.parallel.context_parallel > 1 and self.model.attention != "sdpa":
+            raise ValueError(f"parallel.context_parallel={self.parallel.context_parallel} needs model.attention='sdpa' "
+                             f"(megatron's local DotProductAttention refuses context parallelism)")
         if self.pack_sequences and self.model.attention != "sdpa":
             raise ValueError(f"pack_sequences=true needs model.attention='sdpa' (megatron's local "
                              f"DotProductAttention refuses packed sequences), got {self.model.attention!r}")

@@ -101,6 +101,7 @@ class MegatronEngine:
         self.mp_group = mpu.get_model_parallel_group()
         self.dp_group = mpu.get_data_parallel_group()
         self.pp_group = mpu.get_pipeline_model_parallel_group()
+        self.cp_group = mpu.get_context_parallel_group()
         self.optimizer, self.megatron_optimizer = None, False
         if trainable:
             self._build_optimizer()
@@ -164,7 +165,7 @@ class MegatronEngine:
     def _prepare(self, input_ids: torch.Tensor, labels: torch.Tensor, min_packed_length: int = 0) -> ModelBatch:
         return prepare_batch(input_ids, labels, device=self.device, max_seq_len=self.cfg.model.max_seq_len,
                              pack=self.cfg.pack_sequences, seq_multiple=self._seq_multiple(),
-                             min_packed_length=min_packed_length)
+                             min_packed_length=min_packed_length, cp_group=self.cp_group, cp_size=self.dist.cp_size)
 
     def _call_model(self, mb: ModelBatch, temperature: float) -> torch.Tensor:
         """One model call through `token_stats`' route: packed stats [b, s, 4] / [1, T, 4] on the last
@@ -310,7 +311,10 @@ class MegatronEngine:
             for mb in microbatches:
                 stats = self.token_stats(mb["input_ids"], mb["labels"],
                                          temperature=float(mb.get("temperature", 1.0)), grad=True)
-                account(mb, stats).backward()
+                # Under CP every rank holds the full statistics and the same loss, and its backward reaches
+                # only its own tokens; megatron's DDP averages over data x context parallel ranks, so the
+                # loss is scaled by cp for that average to be the sum of the CP shares (as Megatron-LM does).
+                (account(mb, stats) * self.dist.cp_size).backward()
         # DP all-reduce of the grad buffers, SP norm grads over TP, tied embeddings across stages.
         finalize_model_grads([self.model])
         lr = lr_at(self.step_count, self.cfg.optim)

@@ -29,7 +29,9 @@ class DistInfo:
     pp_rank: int
     pp_size: int
     dp_rank: int
-    dp_size: int
+    dp_size: int  # data-parallel replicas (context-parallel ranks of one replica are not counted)
+    cp_rank: int
+    cp_size: int
     device: torch.device
     backend: str
 
@@ -74,21 +76,21 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int = 1234) -> DistInfo
         _OWNS_PROCESS_GROUP = True
     world = dist.get_world_size()
     tp, pp = parallel_cfg.tensor_parallel, parallel_cfg.pipeline_parallel
-    if world % (tp * pp) != 0:
+    cp = parallel_cfg.context_parallel
+    if world % (tp * pp * cp) != 0:
         raise ValueError(f"world size {world} is not divisible by parallel.tensor_parallel={tp} x "
-                         f"parallel.pipeline_parallel={pp}")
-    if parallel_cfg.context_parallel != 1:
-        raise ValueError("parallel.context_parallel > 1 is not supported")
+                         f"parallel.pipeline_parallel={pp} x parallel.context_parallel={cp}")
     same = (mpu.model_parallel_is_initialized()
             and mpu.get_tensor_model_parallel_world_size() == tp
-            and mpu.get_pipeline_model_parallel_world_size() == pp)
+            and mpu.get_pipeline_model_parallel_world_size() == pp
+            and mpu.get_context_parallel_world_size() == cp)
     if not same:  # idempotent: a second engine (e.g. an RL reference policy) shares the groups
         if mpu.model_parallel_is_initialized():
             mpu.destroy_model_parallel()
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
-            context_parallel_size=1,
+            context_parallel_size=cp,
             create_gloo_process_groups=not cuda,
         )
     # The inference-style tracker keeps per-region seeds without CUDA generator states (CPU-safe).
@@ -103,6 +105,7 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int = 1234) -> DistInfo
         tp_rank=mpu.get_tensor_model_parallel_rank(), tp_size=tp,
         pp_rank=mpu.get_pipeline_model_parallel_rank(), pp_size=pp,
         dp_rank=mpu.get_data_parallel_rank(), dp_size=mpu.get_data_parallel_world_size(),
+        cp_rank=mpu.get_context_parallel_rank(), cp_size=cp,
         device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
         backend=backend,
     )
