@@ -243,12 +243,14 @@ def legacy_last_token(output_layer, ctx: LastTokenContext):
         del output_layer.forward
 
 
-def run_last_token(model, gpt_model, seam: str, ctx: LastTokenContext, input_ids, position_ids, attention_mask):
-    """[b, V_pad] fp32 logits at ctx.positions on the last stage (hidden states on other stages)."""
+def run_last_token(model, gpt_model, seam: str, ctx: LastTokenContext, input_ids, position_ids, attention_mask,
+                   **model_kwargs):
+    """[b, V_pad] fp32 logits at ctx.positions on the last stage (hidden states on other stages).
+    `model_kwargs` go to GPTModel.forward (e.g. inference_context= for the KV cache)."""
     if seam == "output_processor":
-        return model(input_ids, position_ids, attention_mask,
+        return model(input_ids, position_ids, attention_mask, **model_kwargs,
                      output_processor=last_token_output_processor, output_processor_context=ctx)
     if not gpt_model.post_process:
-        return model(input_ids, position_ids, attention_mask)
+        return model(input_ids, position_ids, attention_mask, **model_kwargs)
     with legacy_last_token(gpt_model.output_layer, ctx):
-        return model(input_ids, position_ids, attention_mask)[:, 0]
+        return model(input_ids, position_ids, attention_mask, **model_kwargs)[:, 0]

@@ -166,6 +166,12 @@ class EngineConfig:
         metadata={"help": f"one of {CAPTURE_SEAMS}: auto = GPTModel's output_processor when the "
                   "installed megatron-core has it (>= 0.18), else the output_layer replacement"},
     )
+    kv_cache: bool = field(
+        default=True,
+        metadata={"help": "generate with a KV cache (megatron-core's static inference context: prompts "
+                  "prefilled once, one token per step against cached keys/values); false: re-run the "
+                  "whole prefix for every new token (the reference route)"},
+    )
     seed: int = field(default=1234, metadata={"help": "seed of parameter init, dropout and sampling"})
 
     def __post_init__(self):

@@ -179,6 +179,10 @@ def _sdpa_attention_class():
                     packed_seq_params=None, **_unused):
             if packed_seq_params is not None or attention_bias is not None:
                 raise ValueError("SDPAttention: packed sequences and attention bias are not supported")
+            if key.shape[0] != query.shape[0] or (attention_mask is not None and attention_mask.shape[0] > 1):
+                # KV-cache generation (megatron's static inference): decode shapes, per-sequence masks
+                return cached_attention(query, key, value, attention_mask, self.scale,
+                                        self.dropout if self.training else 0.0)
             s, b = query.shape[0], query.shape[1]
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
             if self.heads != self.groups:  # grouped-query attention: share each K/V head
@@ -189,6 +193,29 @@ def _sdpa_attention_class():
             return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
 
     return SDPAttention
+
+
+def cached_attention(query, key, value, attention_mask, scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """KV-cache attention: query [sq, b, heads, d] = the LAST sq positions of key/value [sk, b, groups, d] (query i
+    sees keys j <= sk - sq + i) minus keys `attention_mask` ([b|1, 1, sq|1, sk] bool, True = masked, megatron's
+    convention) hides. GQA heads fold into query rows (K/V never repeated); a fully masked row sees all keys."""
+    (sq, b, heads, d), sk, groups = query.shape, key.shape[0], key.shape[2]
+    rep = heads // groups
+    if sq > sk or rep * groups != heads:
+        raise ValueError(f"cached_attention: q {tuple(query.shape)}, k {tuple(key.shape)}: need sq <= sk, groups | heads")
+    q = query.reshape(sq, b, groups, rep, d).permute(1, 2, 3, 0, 4).reshape(b, groups, rep * sq, d)
+    allowed = None
+    if sq > 1:  # causal, offset by the cached prefix sk - sq
+        allowed = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril(sk - sq)[None, None]
+    if attention_mask is not None:
+        keep = ~attention_mask.to(device=query.device, dtype=torch.bool)
+        allowed = keep if allowed is None else allowed & keep
+    if allowed is not None:
+        allowed = (allowed | ~allowed.any(-1, keepdim=True)).expand(-1, 1, sq, sk)
+        allowed = allowed.unsqueeze(2).expand(-1, 1, rep, sq, sk).reshape(-1, 1, rep * sq, sk)
+    out = F.scaled_dot_product_attention(q, key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
+                                         attn_mask=allowed, scale=scale, dropout_p=dropout_p)
+    return out.reshape(b, groups, rep, sq, d).permute(3, 0, 1, 2, 4).reshape(sq, b, heads * d)
 
 
 def use_te_spec() -> bool:
