@@ -121,13 +121,18 @@ def sequence_parallel_off(gpt_model):
     if not gpt_model.config.sequence_parallel:
         yield
         return
-    from megatron.core.transformer.utils import set_model_to_sequence_parallel
+    from megatron.core.transformer import utils
 
-    set_model_to_sequence_parallel(gpt_model, False)
+    def forget():  # megatron caches the model's modules by id(): a freed model's id can come back
+        (getattr(utils, "_sequence_parallel_attr_cache", None) or {}).pop(id(gpt_model), None)
+
+    forget()
+    utils.set_model_to_sequence_parallel(gpt_model, False)
     try:
         yield
     finally:
-        set_model_to_sequence_parallel(gpt_model, True)
+        utils.set_model_to_sequence_parallel(gpt_model, True)
+        forget()
 
 
 # ------------------------------------------------------------------------------------ KV cache
