@@ -202,3 +202,20 @@ def test_grpo_tiny_same_metrics_with_and_without_kv_cache(tmp_path, decode_batch
     assert [r["step"] for r in records[True]] == [1, 2, 3]
     for a, b in zip(records[True], records[False]):
         assert {k: v for k, v in a.items() if k not in machine} == {k: v for k, v in b.items() if k not in machine}
+
+
+def test_rollout_benchmark_smoke(tmp_path, monkeypatch):
+    """benchmark/bench_rollout.py on the tiny preset (the GPU run uses the same code path)."""
+    import json
+
+    from benchmark import bench_rollout
+
+    monkeypatch.setattr(sys, "argv", ["bench_rollout", "--preset", "tiny", "--new-tokens", "6", "--recompute-tokens", "2",
+                                      "--prompt-len", "9", "--prompt-spread", "5", "--prompts", "2", "--group", "2",
+                                      "--micro-batch", "2", "--out", str(tmp_path)])
+    bench_rollout.main()
+    (path,) = tmp_path.glob("rollout_tiny_tp1.json")
+    r = json.loads(path.read_text())["results"]
+    assert r["kv_cache"]["new_tokens"] == 6 and r["recompute_at_end"]["new_tokens"] == 2
+    assert r["recompute_tokens_same_as_kv_fraction"] == 1.0  # fp32 on CPU: the routes agree
+    assert set(r["step_phases_s"]) == {"behaviour_logprobs", "reference_logprobs", "update"}
