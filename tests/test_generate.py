@@ -27,7 +27,7 @@ from test_megatron_capture import worker_results  # noqa: E402
 from areal_lce.megatron import generate as G  # noqa: E402
 from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig  # noqa: E402
 from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
-from areal_lce.megatron.model import cached_attention  # noqa: E402
+from areal_lce.megatron.kv_attention import cached_attention  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # 1 to 11 tokens: the longest prompt sets the cache's prompt width, the others are left-padded
@@ -101,9 +101,23 @@ def test_cached_attention_matches_fp64_reference(sq, sk, heads, groups, masked):
     assert (out.double() - ref).abs().max() <= 1e-5, (out.double() - ref).abs().max()
 
 
+def test_cached_attention_mask_reuse_follows_the_mask():
+    """The SDPA-form mask is reused across the layers of one forward (same mask object) and rebuilt for
+    a new object or after an in-place change."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 2, 4, 8, generator=g), torch.randn(5, 2, 2, 8, generator=g), torch.randn(5, 2, 2, 8, generator=g)
+    mask = torch.zeros(2, 1, 1, 5, dtype=torch.bool)
+    full = cached_attention(q, k, v, mask, 0.3)
+    mask[1, ..., :3] = True  # in place: row 1 now hides its first three keys
+    hidden = cached_attention(q, k, v, mask, 0.3)
+    assert torch.equal(hidden[:, 0], full[:, 0]) and not torch.allclose(hidden[:, 1], full[:, 1])
+    assert torch.allclose(hidden, cached_attention(q, k, v, mask.clone(), 0.3))
+    assert (hidden.double() - _reference(q, k, v, mask, 0.3)).abs().max() <= 1e-5
+
+
 def test_cached_attention_refuses_more_queries_than_keys():
     q = torch.zeros(4, 1, 2, 8)
-    with pytest.raises(ValueError, match="sq <= sk"):
+    with pytest.raises(ValueError, match="must not exceed the key length"):
         cached_attention(q, torch.zeros(3, 1, 2, 8), torch.zeros(3, 1, 2, 8), None, 1.0)
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .compat import tensor_cuda_is_identity
+from .kv_attention import cached_attention
 from .config import ModelConfig, ParallelConfig
 
 TINY_VOCAB = 512
@@ -193,29 +194,6 @@ def _sdpa_attention_class():
             return out.permute(2, 0, 1, 3).reshape(s, b, self.heads * self.head_dim)
 
     return SDPAttention
-
-
-def cached_attention(query, key, value, attention_mask, scale: float, dropout_p: float = 0.0) -> torch.Tensor:
-    """KV-cache attention: query [sq, b, heads, d] = the LAST sq positions of key/value [sk, b, groups, d] (query i
-    sees keys j <= sk - sq + i) minus keys `attention_mask` ([b|1, 1, sq|1, sk] bool, True = masked, megatron's
-    convention) hides. GQA heads fold into query rows (K/V never repeated); a fully masked row sees all keys."""
-    (sq, b, heads, d), sk, groups = query.shape, key.shape[0], key.shape[2]
-    rep = heads // groups
-    if sq > sk or rep * groups != heads:
-        raise ValueError(f"cached_attention: q {tuple(query.shape)}, k {tuple(key.shape)}: need sq <= sk, groups | heads")
-    q = query.reshape(sq, b, groups, rep, d).permute(1, 2, 3, 0, 4).reshape(b, groups, rep * sq, d)
-    allowed = None
-    if sq > 1:  # causal, offset by the cached prefix sk - sq
-        allowed = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril(sk - sq)[None, None]
-    if attention_mask is not None:
-        keep = ~attention_mask.to(device=query.device, dtype=torch.bool)
-        allowed = keep if allowed is None else allowed & keep
-    if allowed is not None:
-        allowed = (allowed | ~allowed.any(-1, keepdim=True)).expand(-1, 1, sq, sk)
-        allowed = allowed.unsqueeze(2).expand(-1, 1, rep, sq, sk).reshape(-1, 1, rep * sq, sk)
-    out = F.scaled_dot_product_attention(q, key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3),
-                                         attn_mask=allowed, scale=scale, dropout_p=dropout_p)
-    return out.reshape(b, groups, rep, sq, d).permute(3, 0, 1, 2, 4).reshape(sq, b, heads * d)
 
 
 def use_te_spec() -> bool:
