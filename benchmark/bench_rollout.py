@@ -47,7 +47,8 @@ def _rollout(eng, prompts, n: int, kv: bool, seed: int) -> dict:
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     _sync(); t0 = time.perf_counter()
-    resp = eng.generate(prompts, n, temperature=1.0, top_p=1.0, eos_id=None, generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
+    resp = eng.generate(prompts, n, temperature=1.0, top_p=1.0, eos_id=None, generator=gen)
     _sync(); dt = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else eng.peak_mem_gib()
     return {"s": dt, "ms_per_token": dt / n * 1e3, "new_tokens": n, "peak_mem_gib": peak,
@@ -90,7 +91,8 @@ def main():
     same = sum(a[:r] == b for a, b in zip(kv["resp"], start["resp"])) / len(prompts)
     estimate = (start["ms_per_token"] + end["ms_per_token"]) / 2 * n / 1e3
     print(f"[rollout] full recompute: {start['ms_per_token']:.1f} ms/token from the prompts, "
-          f"{end['ms_per_token']:.1f} ms/token at prefix +{n - r}: ESTIMATED {estimate:.1f} s for {n} tokens", flush=True)
+          f"{end['ms_per_token']:.1f} ms/token at prefix +{n - r}: ESTIMATED {estimate:.1f} s for {n} tokens",
+          flush=True)
     times, out = grpo_passes(args, eng, ref, prompts, kv["resp"], g)
     rest = sum(times.values())
     print("[step] " + " ".join(f"{k}={v * 1e3:.0f}ms" for k, v in times.items()), flush=True)

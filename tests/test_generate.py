@@ -105,7 +105,8 @@ def test_cached_attention_mask_reuse_follows_the_mask():
     """The SDPA-form mask is reused across the layers of one forward (same mask object) and rebuilt for
     a new object or after an in-place change."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(1, 2, 4, 8, generator=g), torch.randn(5, 2, 2, 8, generator=g), torch.randn(5, 2, 2, 8, generator=g)
+    q = torch.randn(1, 2, 4, 8, generator=g)
+    k, v = torch.randn(5, 2, 2, 8, generator=g), torch.randn(5, 2, 2, 8, generator=g)
     mask = torch.zeros(2, 1, 1, 5, dtype=torch.bool)
     full = cached_attention(q, k, v, mask, 0.3)
     mask[1, ..., :3] = True  # in place: row 1 now hides its first three keys
@@ -205,9 +206,9 @@ def test_grpo_tiny_same_metrics_with_and_without_kv_cache(tmp_path, decode_batch
 
     records, forwards = {}, []
     for kv in (True, False):
-        cfg = load_config(REPO / "configs" / "grpo_tiny.yaml",
-                          [f"trainer.output_dir={tmp_path / str(kv)}", "trainer.progress=false", "trainer.steps=3",
-                           "trainer.save_interval=0", "trainer.save_final=false", f"engine.kv_cache={str(kv).lower()}"])
+        overrides = [f"trainer.output_dir={tmp_path / str(kv)}", "trainer.progress=false", "trainer.steps=3",
+                     "trainer.save_interval=0", "trainer.save_final=false", f"engine.kv_cache={str(kv).lower()}"]
+        cfg = load_config(REPO / "configs" / "grpo_tiny.yaml", overrides)
         assert cfg.engine.kv_cache is kv
         records[kv] = rl.run(cfg)["records"]
         forwards.append(len(decode_batches))
@@ -224,9 +225,9 @@ def test_rollout_benchmark_smoke(tmp_path, monkeypatch):
 
     from benchmark import bench_rollout
 
-    monkeypatch.setattr(sys, "argv", ["bench_rollout", "--preset", "tiny", "--new-tokens", "6", "--recompute-tokens", "2",
-                                      "--prompt-len", "9", "--prompt-spread", "5", "--prompts", "2", "--group", "2",
-                                      "--micro-batch", "2", "--out", str(tmp_path)])
+    argv = ["--preset", "tiny", "--new-tokens", "6", "--recompute-tokens", "2", "--prompt-len", "9", "--prompt-spread",
+            "5", "--prompts", "2", "--group", "2", "--micro-batch", "2", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", ["bench_rollout", *argv])
     bench_rollout.main()
     (path,) = tmp_path.glob("rollout_tiny_tp1.json")
     r = json.loads(path.read_text())["results"]

@@ -68,14 +68,17 @@ def generate_tokens(engine, prompts: List[List[int]], max_new_tokens: int, *, te
     cached = engine.cfg.kv_cache and kv_cache_supported(engine)
     was_training = engine.model.training
     engine.model.eval()
+    max_seq_len = engine.cfg.model.max_seq_len
+
+    def recompute(live, new):
+        return recompute_next_logits(engine, [prompts[i] + new[i] for i in live])
+
     try:
         with sequence_parallel_off(engine.gpt) if cached else contextlib.nullcontext():
-            if cached:
-                steps = CachedSteps(engine, prompts, max_new_tokens)
-            else:
-                steps = lambda live, new: recompute_next_logits(engine, [prompts[i] + new[i] for i in live])
-            return sample_loop(steps, prompts, max_new_tokens, engine.cfg.model.max_seq_len,
-                               temperature, top_p, eos_id, generator)
+            # at most max_seq_len - shortest prompt steps: the loop stops when a live sequence reaches it
+            steps = min(max_new_tokens, max_seq_len - min(len(p) for p in prompts))
+            step = CachedSteps(engine, prompts, steps) if cached else recompute
+            return sample_loop(step, prompts, max_new_tokens, max_seq_len, temperature, top_p, eos_id, generator)
     finally:
         if was_training:
             engine.model.train()
@@ -142,12 +145,13 @@ class CachedSteps:
     """Next-token logits through megatron's StaticInferenceContext: prefill on the first call, then one
     token per call; finished sequences are dropped from the cache batch."""
 
-    def __init__(self, engine, prompts: List[List[int]], max_new_tokens: int):
+    def __init__(self, engine, prompts: List[List[int]], max_steps: int):
         from megatron.core.inference.contexts import StaticInferenceContext
 
         self.engine, self.prompts = engine, prompts
         self.width = max(len(p) for p in prompts)  # prompts are left-padded to this many slots
-        self.ctx = StaticInferenceContext(len(prompts), self.width + max(max_new_tokens, 1) - 1)
+        # step t > 0 writes slot width + t - 1: the last of max_steps steps needs width + max_steps - 1 slots
+        self.ctx = StaticInferenceContext(len(prompts), self.width + max(max_steps, 1) - 1)
         self.rows = list(range(len(prompts)))  # prompt index of each active cache row, in row order
         self.pad = torch.tensor([self.width - len(p) for p in prompts], device=engine.device)
         self.padded = bool(self.pad.any())
