@@ -92,14 +92,45 @@ def run_sft(args, fused: bool) -> dict:
             "tokens_per_s": tokens / med, "peak_mem_gib": max(peaks[1:] or peaks), "loss": losses}
 
 
-def run_grpo(args, fused: bool) -> dict:
+def grpo_passes(args, eng, ref, prompts, resp, g) -> tuple:
+    """The phases of one GRPO step after its rollout: behaviour and reference logprob passes and the PPO
+    update, in microbatches of args.micro_batch. Returns ({phase: seconds}, train_step's output)."""
     from areal_lce.train.rl_config import RLConfig
     from areal_lce.train.rl_losses import group_advantages, rl_loss
 
+    _sync(); t1 = time.perf_counter()
+    seqs = [p + r for p, r in zip(prompts, resp)]
+    s = max(len(x) for x in seqs)
+    ids = torch.zeros(len(seqs), s, dtype=torch.long)
+    labels = torch.full((len(seqs), s), -100, dtype=torch.long)
+    for i, (p, x) in enumerate(zip(prompts, seqs)):
+        ids[i, : len(x)] = torch.tensor(x)
+        labels[i, len(p) - 1: len(x) - 1] = torch.tensor(x[len(p):])
+    old = torch.cat([eng.token_stats(ids[i:i + args.micro_batch], labels[i:i + args.micro_batch]).logprobs
+                     for i in range(0, len(seqs), args.micro_batch)])
+    _sync(); t2 = time.perf_counter()
+    refl = torch.cat([ref.token_stats(ids[i:i + args.micro_batch], labels[i:i + args.micro_batch]).logprobs
+                      for i in range(0, len(seqs), args.micro_batch)])
+    _sync(); t3 = time.perf_counter()
+    rewards = torch.rand(len(seqs), generator=g)
+    adv = group_advantages(rewards, args.group)
+    n_tok = int((labels != -100).sum())
+    mbs = []
+    for i in range(0, len(seqs), args.micro_batch):
+        sl = slice(i, i + args.micro_batch)
+        mbs.append({"input_ids": ids[sl], "labels": labels[sl], "advantages": adv[sl].to(old.device),
+                    "old_logprobs": old[sl], "ref_logprobs": refl[sl], "num_tokens": n_tok,
+                    "num_seqs": len(seqs)})
+    rl = RLConfig()
+    out = eng.train_step(mbs, lambda st, mb: rl_loss(st, mb, rl))
+    _sync(); t4 = time.perf_counter()
+    return {"behaviour_logprobs": t2 - t1, "reference_logprobs": t3 - t2, "update": t4 - t3}, out
+
+
+def run_grpo(args, fused: bool) -> dict:
     eng = _engine(args, fused)
     ref = _engine(args, fused, trainable=False)  # frozen reference policy, as the RL job builds it
     print(f"[grpo] engines built ({'fused' if fused else 'materialised'})", flush=True)
-    rl = RLConfig()
     phases = {"rollout": [], "behaviour_logprobs": [], "reference_logprobs": [], "update": []}
     peaks = []
     g = torch.Generator().manual_seed(7)
@@ -112,32 +143,10 @@ def run_grpo(args, fused: bool) -> dict:
         _sync(); t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(step)  # the engine samples on the host
         resp = eng.generate(prompts, args.new_tokens, temperature=1.0, top_p=1.0, eos_id=None, generator=gen)
-        _sync(); t1 = time.perf_counter()
-        seqs = [p + r for p, r in zip(prompts, resp)]
-        s = max(len(x) for x in seqs)
-        ids = torch.zeros(len(seqs), s, dtype=torch.long)
-        labels = torch.full((len(seqs), s), -100, dtype=torch.long)
-        for i, (p, x) in enumerate(zip(prompts, seqs)):
-            ids[i, : len(x)] = torch.tensor(x)
-            labels[i, len(p) - 1: len(x) - 1] = torch.tensor(x[len(p):])
-        old = torch.cat([eng.token_stats(ids[i:i + args.micro_batch], labels[i:i + args.micro_batch]).logprobs
-                         for i in range(0, len(seqs), args.micro_batch)])
-        _sync(); t2 = time.perf_counter()
-        refl = torch.cat([ref.token_stats(ids[i:i + args.micro_batch], labels[i:i + args.micro_batch]).logprobs
-                          for i in range(0, len(seqs), args.micro_batch)])
-        _sync(); t3 = time.perf_counter()
-        rewards = torch.rand(len(seqs), generator=g)
-        adv = group_advantages(rewards, args.group)
-        n_tok = int((labels != -100).sum())
-        mbs = []
-        for i in range(0, len(seqs), args.micro_batch):
-            sl = slice(i, i + args.micro_batch)
-            mbs.append({"input_ids": ids[sl], "labels": labels[sl], "advantages": adv[sl].to(old.device),
-                        "old_logprobs": old[sl], "ref_logprobs": refl[sl], "num_tokens": n_tok,
-                        "num_seqs": len(seqs)})
-        out = eng.train_step(mbs, lambda st, mb: rl_loss(st, mb, rl))
-        _sync(); t4 = time.perf_counter()
-        for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+        _sync()
+        phases["rollout"].append(time.perf_counter() - t0)
+        times, out = grpo_passes(args, eng, ref, prompts, resp, g)
+        for k, v in times.items():
             phases[k].append(v)
         print(f"[grpo {'fused' if fused else 'materialised'} step {step}] " +
               " ".join(f"{k}={v[-1] * 1e3:.0f}ms" for k, v in phases.items()), flush=True)

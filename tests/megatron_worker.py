@@ -228,6 +228,59 @@ def hf_case(hf_dir: str, sp: bool = True) -> dict:
     return out
 
 
+KV_PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15, 16, 17], [18, 19]]
+
+
+def kv_case() -> dict:
+    """Generation through the KV cache vs full recompute (fp32): greedy and seeded sampling, prompts of
+    1-8 tokens, sequences stopping at EOS, at TP=2 (sequence parallel off and on) and PP=2. Tokens must be
+    identical between the routes and across ranks, and finished sequences must leave the decode batch."""
+    from areal_lce.megatron import generate as G
+
+    batches, real = [], G.CachedSteps._forward
+
+    def spy(self, ids, mask):
+        batches.append(ids.shape[0])
+        return real(self, ids, mask)
+
+    G.CachedSteps._forward = spy
+    out, bad = {}, []
+    try:
+        for name, kw in (("tp2", {}), ("tp2-sp", {"sp": True}), ("pp2", {"tp": 1, "pp": 2})):
+            e = engine(True, sp=kw.pop("sp", False), tied=False, **kw)
+            ids, labels = batch(21)
+            before = e.token_stats(ids, labels).logprobs
+            for temp in (0.0, 1.0):
+                def run(kv, eos=None):
+                    e.cfg.kv_cache = kv
+                    return e.generate(KV_PROMPTS, 10, temperature=temp, eos_id=eos,
+                                      generator=torch.Generator().manual_seed(11))
+                free = run(False)
+                eos = free[0][2]  # the first prompt's third token: it stops there, others run on
+                batches.clear()
+                gen = {kv: run(kv, eos) for kv in (True, False)}
+                lengths = [len(x) for x in gen[True]]
+                every = [None] * torch.distributed.get_world_size()
+                torch.distributed.all_gather_object(every, gen[True])
+                key = f"{name}-t{temp:g}"
+                out[f"{key}-differs"] = float(gen[True] != gen[False])
+                out[f"{key}-ranks_differ"] = float(any(x != gen[True] for x in every))
+                out[f"{key}-stopped"] = float(min(lengths) < 10 <= max(lengths))
+                # prefill (all rows) then one forward per step; the batch shrinks as sequences stop
+                out[f"{key}-dropped"] = float(batches[0] == len(KV_PROMPTS) and batches[-1] == lengths.count(10)
+                                              and len(batches) == max(lengths))
+                if out[f"{key}-differs"] or out[f"{key}-ranks_differ"] or not out[f"{key}-dropped"]:
+                    bad.append((key, gen[True], gen[False], batches[:]))
+            # sequence parallelism (off while generating) is back: same statistics as before
+            out[f"{name}-stats_changed"] = float((e.token_stats(ids, labels).logprobs - before).abs().max())
+            out[f"{name}-sp_restored"] = float(e.gpt.config.sequence_parallel == (name == "tp2-sp"))
+    finally:
+        G.CachedSteps._forward = real
+    if bad:
+        raise AssertionError(f"KV cache vs recompute: {bad}")
+    return out
+
+
 def main() -> None:
     out_path = sys.argv[1]
     hf_dir = sys.argv[2] if len(sys.argv) > 2 else ""
@@ -246,6 +299,7 @@ def main() -> None:
         "tp2-train-sp1": lambda: train_case(True),
         "tp2-pack-sp1": lambda: pack_case(True),
         "dp2": dp_case,
+        "kv-cache": kv_case,
     }
     if hf_dir:
         cases["tp2-hf-checkpoint"] = lambda: hf_case(hf_dir)

@@ -36,6 +36,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from .. import comms
 from .context_parallel import gathered_to_packed, ranges, sequence_lengths, zigzag_positions
+from .kv_attention import cached_attention
 
 
 def causal_attention(q, k, v, scale: float, dropout: float = 0.0) -> torch.Tensor:
@@ -224,14 +225,16 @@ class SDPAttention(MegatronModule):
                 packed_seq_params=None, **_unused):
         if attention_bias is not None:
             raise ValueError("SDPAttention: attention_bias is not supported")
+        dropout = self.dropout if self.training else 0.0
+        if packed_seq_params is None and (key.shape[0] != query.shape[0]
+                                          or (attention_mask is not None and attention_mask.shape[0] > 1)):
+            # KV-cache generation (megatron's static inference context): decode shapes (queries fewer than
+            # the cached keys, mask type no_mask) and per-sequence padding masks, kv_attention.py
+            if self.cp_size > 1:
+                raise ValueError("SDPAttention: KV-cache decoding under context parallelism is not supported")
+            return cached_attention(query, key, value, attention_mask, self.scale, dropout)
         if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"SDPAttention supports causal masks only, got attn_mask_type={attn_mask_type}")
-        # Decode (queries fewer than keys, e.g. a KV cache): every kernel below is causal aligned lower
-        # right, which is what decoding needs; the layouts (BSHD cache, THD cu_seqlens_kv) are not wired.
-        if key.shape[0] != query.shape[0]:
-            raise NotImplementedError(f"SDPAttention: {query.shape[0]} queries but {key.shape[0]} keys "
-                                      "(decoding against a KV cache) is not supported")
-        dropout = self.dropout if self.training else 0.0
         if packed_seq_params is None:
             return self._bshd(query, key, value, dropout)
         if packed_seq_params.qkv_format != "thd":

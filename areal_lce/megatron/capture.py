@@ -304,12 +304,18 @@ class LastTokenContext:
 
 def _last_token_logits(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx: LastTokenContext):
     """[s_local, b, H] hidden -> full-vocabulary [b, V_pad] fp32 logits at ctx.positions (no grad),
-    on every TP rank. Only b rows of logits are ever built."""
+    on every TP rank. Only b rows of logits are ever built. Under context parallelism the hidden states
+    of this CP rank's zigzag chunks are gathered back into sequence order first (BSHD)."""
+    from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
+
+    from .context_parallel import gather_from_context_parallel
 
     tp_group, tp = _tp(output_layer)
     if output_layer.sequence_parallel and tp > 1:
         hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, group=tp_group)
+    if mpu.get_context_parallel_world_size() > 1:
+        hidden = gather_from_context_parallel(hidden.transpose(0, 1), mpu.get_context_parallel_group()).transpose(0, 1)
     rows = torch.arange(hidden.shape[1], device=hidden.device)
     picked = hidden[ctx.positions.to(hidden.device), rows]  # [b, H]
     logits = (picked.to(weight.dtype) @ weight.t()).float()  # [b, V_pad / tp]
@@ -344,12 +350,14 @@ def legacy_last_token(output_layer, ctx: LastTokenContext):
         del output_layer.forward
 
 
-def run_last_token(model, gpt_model, seam: str, ctx: LastTokenContext, input_ids, position_ids, attention_mask):
-    """[b, V_pad] fp32 logits at ctx.positions on the last stage (hidden states on other stages)."""
+def run_last_token(model, gpt_model, seam: str, ctx: LastTokenContext, input_ids, position_ids, attention_mask,
+                   **model_kwargs):
+    """[b, V_pad] fp32 logits at ctx.positions on the last stage (hidden states on other stages).
+    `model_kwargs` go to GPTModel.forward (e.g. inference_context= for the KV cache)."""
     if seam == "output_processor":
-        return model(input_ids, position_ids, attention_mask,
+        return model(input_ids, position_ids, attention_mask, **model_kwargs,
                      output_processor=last_token_output_processor, output_processor_context=ctx)
     if not gpt_model.post_process:
-        return model(input_ids, position_ids, attention_mask)
+        return model(input_ids, position_ids, attention_mask, **model_kwargs)
     with legacy_last_token(gpt_model.output_layer, ctx):
-        return model(input_ids, position_ids, attention_mask)[:, 0]
+        return model(input_ids, position_ids, attention_mask, **model_kwargs)[:, 0]

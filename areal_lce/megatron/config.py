@@ -176,6 +176,12 @@ class EngineConfig:
                   "spent on padding, which dominates RL batches of variable-length responses. false: "
                   "right-padded [batch, seq] rows. Needs model.attention=sdpa"},
     )
+    kv_cache: bool = field(
+        default=True,
+        metadata={"help": "generate with a KV cache (megatron-core's static inference context: prompts "
+                  "prefilled once, one token per step against cached keys/values); false: re-run the "
+                  "whole prefix for every new token (the reference route)"},
+    )
     seed: int = field(default=1234, metadata={"help": "seed of parameter init, dropout and sampling"})
 
     def __post_init__(self):

@@ -21,7 +21,7 @@ pass right-padded [b, s] batches; with `pack_sequences` the engine packs them in
 micro-batch (batch.py) and returns stats in the padded layout. Pipeline parallelism runs Megatron's
 1F1B schedule (the capture seam only runs on the last stage; statistics and logits are shared with the
 other stages by a sum over the pipeline group).
-`generate` samples on the engine's device (sampling.py).
+`generate` samples on the engine's device (sampling.py), through a KV cache by default (generate.py).
 """
 from __future__ import annotations
 
@@ -37,10 +37,10 @@ from .. import comms
 from . import capture
 from .batch import ModelBatch, packed_length
 from .batch import prepare as prepare_batch
+from . import generate as generation
 from .config import EngineConfig
 from .model import build_gpt_model, load_hf_checkpoint, resolve_arch
 from .parallel import init_distributed, object_from_last_stage
-from .sampling import sample_tokens
 from .stats import TokenStats, model_output
 
 
@@ -356,69 +356,20 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------------------ generation
     @torch.no_grad()
-    def _next_logits(self, seqs: List[List[int]]) -> torch.Tensor:
-        """Full-vocabulary fp32 logits [n, vocab] of the token after each sequence, on every rank.
-        Only the n last-position rows of logits are computed (LM-head seam), never [n, s, vocab]."""
-        lengths = [len(x) for x in seqs]
-        s = max(lengths)
-        ids = torch.zeros(len(seqs), s, dtype=torch.long)
-        for i, x in enumerate(seqs):
-            ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-        ctx = capture.LastTokenContext(positions=torch.tensor(lengths, device=self.device) - 1)
-        if self.dist.pp_size == 1:
-            mb = prepare_batch(ids, torch.full_like(ids, -100), device=self.device,
-                               max_seq_len=self.cfg.model.max_seq_len, pack=False, seq_multiple=self._seq_multiple())
-            out = capture.run_last_token(self.model, self.gpt, self.seam, ctx, mb.input_ids, mb.position_ids,
-                                         mb.attention_mask)
-            return out[:, : self.vocab_size]
-        store = {}
-
-        def keep(i, out):
-            store[i] = out[:, : self.vocab_size].float()
-            return out.float().sum() * 0.0
-
-        self._run_schedule([(ids, torch.full_like(ids, -100), 1.0)], keep, forward_only=True, last_token=ctx)
-        t = store.get(0, torch.zeros(len(seqs), self.vocab_size, device=self.device)).contiguous()
-        comms.all_reduce_sum_(t, self.pp_group)  # SUM over stages: only the last stage holds logits
-        return t
-
-    @torch.no_grad()
     def generate(self, prompts: List[List[int]], max_new_tokens: int, *, temperature: float = 1.0,
                  top_p: float = 1.0, eos_id: Optional[int] = None,
                  generator: Optional[torch.Generator] = None) -> List[List[int]]:
         """Sample continuations (new tokens only) from the current policy; identical on every TP rank
         when the CPU `generator` is seeded identically (default: seeded from cfg.seed and the call count).
-        Sampling runs on the engine's device; only the chosen token ids reach the host."""
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("generate needs non-empty prompts")
-        if max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError("generate: max_new_tokens >= 0, temperature >= 0 and 0 < top_p <= 1 required")
+        Sampling runs on the engine's device; only the chosen token ids reach the host. With
+        cfg.kv_cache the prompts are prefilled once and each new token reads cached keys/values
+        (megatron-core's static inference context); else every step re-runs the whole prefix (generate.py)."""
+        generation.check_request(prompts, max_new_tokens, temperature, top_p)
         if generator is None:
             generator = torch.Generator().manual_seed(self.cfg.seed * 1000003 + self._gen_calls)
         self._gen_calls += 1
-        was_training = self.model.training
-        self.model.eval()
-        seqs = [list(p) for p in prompts]
-        new: List[List[int]] = [[] for _ in prompts]
-        live = list(range(len(prompts)))
-        for _ in range(max_new_tokens):
-            if not live:
-                break
-            if max(len(seqs[i]) for i in live) >= self.cfg.model.max_seq_len:
-                break
-            logits = self._next_logits([seqs[i] for i in live])  # [n, vocab] on the engine's device
-            toks = sample_tokens(logits, temperature, top_p, generator).tolist()
-            still = []
-            for j, i in enumerate(live):
-                t = toks[j]
-                seqs[i].append(t)
-                new[i].append(t)
-                if eos_id is None or t != eos_id:
-                    still.append(i)
-            live = still
-        if was_training:
-            self.model.train()
-        return new
+        return generation.generate_tokens(self, prompts, max_new_tokens, temperature=temperature, top_p=top_p,
+                                          eos_id=eos_id, generator=generator)
 
     # ------------------------------------------------------------------------------ state
     def parameters_named(self) -> Dict[str, torch.nn.Parameter]:
