@@ -97,10 +97,11 @@ def pg_loss(stats, mb):
 
 
 def engine(fused: bool, *, sp: bool, tied: bool, seam: str = "auto", lr: float = 0.0, ckpt: str = "",
-           vocab: int = VOCAB, tp: int = 2, pp: int = 1, dtype: str = "fp32", pack: bool = True):
+           vocab: int = VOCAB, tp: int = 2, pp: int = 1, dtype: str = "fp32", pack: bool = True, cp: int = 1):
     model = ModelConfig(preset="tiny", tie_word_embeddings=None if ckpt else tied, hf_checkpoint_dir=ckpt,
                         max_seq_len=64, dtype=dtype)
-    cfg = EngineConfig(model=model, parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp),
+    cfg = EngineConfig(model=model, parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp,
+                                                            context_parallel=cp),
                        optim=OptimConfig(lr=lr, clip_grad=0.0 if lr == 0 else 1.0),
                        use_fused_linear_ce=fused, capture_seam=seam, lce_backend="torch", pack_sequences=pack)
     return MegatronEngine(cfg, vocab_size=vocab)
@@ -150,6 +151,31 @@ def pack_case(sp: bool) -> dict:
                                                                                      batch(700 + step, b=3, s=11))],
                                          pg_loss)["loss"] for step in range(3)]
         out[f"max_rel_loss_fused{int(fused)}"] = max(abs(a - b) / abs(b) for a, b in zip(losses[True], losses[False]))
+    return out
+
+
+def cp_case() -> dict:
+    """Context parallel 2 (one replica, each rank holds the zigzag half of every sequence) vs CP=1 on the
+    same 2 ranks (two data-parallel replicas fed the same micro-batches): per-step losses, statistics
+    and greedy generation, fused and materialised, packed (THD) and padded (BSHD)."""
+    out = {}
+    for fused in (True, False):
+        for pack in (True, False):
+            runs = {}
+            for cp in (2, 1):
+                e = engine(fused, sp=False, tied=True, tp=1, lr=3e-3, pack=pack, cp=cp)
+                losses = [e.train_step([{"input_ids": i, "labels": l} for i, l in (batch(800 + k), batch(900 + k, b=3, s=11))],
+                                       pg_loss)["loss"] for k in range(3)]
+                ids, labels = batch(950, b=3, s=13)
+                st = e.token_stats(ids, labels, temperature=0.8)
+                greedy = e.generate([[1, 2, 3], [4, 5, 6, 7, 8]], 4, temperature=0.0) if pack else None
+                runs[cp] = (losses, st, greedy)
+            (la, sa, ga), (lb, sb, gb) = runs[2], runs[1]
+            tag = f"fused{int(fused)}_pack{int(pack)}"
+            out[f"max_rel_loss_{tag}"] = max(abs(a - b) / abs(b) for a, b in zip(la, lb))
+            out[f"d_stats_{tag}"] = max(float((x - y).abs().max()) for x, y in zip(sa, sb))
+            if pack:
+                out[f"greedy_differs_{tag}"] = float(ga != gb)
     return out
 
 
@@ -298,6 +324,7 @@ def main() -> None:
         "tp2-sp1-tied-bf16": lambda: route_case(True, True, "auto", dtype="bf16"),
         "tp2-train-sp1": lambda: train_case(True),
         "tp2-pack-sp1": lambda: pack_case(True),
+        "cp2": cp_case,
         "dp2": dp_case,
         "kv-cache": kv_case,
     }

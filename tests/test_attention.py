@@ -200,10 +200,13 @@ def test_thd_plan_follows_replaced_cu_seqlens():
     assert torch.equal(attn(q, k, v, None, packed_seq_params=psp), fresh[2])
 
 
-def test_decode_shapes_refused():
+def test_decode_shapes_are_the_last_rows_of_causal_attention():
+    """Decoding against a KV cache (1 query, 5 cached keys) = the last row of full causal attention."""
     attn = _attention()
-    with pytest.raises(NotImplementedError, match="KV cache"):
-        attn(torch.randn(1, 2, 4, 16), torch.randn(5, 2, 2, 16), torch.randn(5, 2, 2, 16), None)
+    q, k, v = torch.randn(5, 2, 4, 16), torch.randn(5, 2, 2, 16), torch.randn(5, 2, 2, 16)
+    full = attn(q, k, v, None)
+    last = attn(q[-1:], k, v, None)
+    torch.testing.assert_close(last, full[-1:], atol=1e-5, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- helpers, one rank

@@ -240,6 +240,14 @@ def test_packed_matches_padded_tp2_sp():
     assert r["max_rel_loss_fused1"] <= 1e-5 and r["max_rel_loss_fused0"] <= 1e-5, r
 
 
+def test_context_parallel_two_ranks_matches_cp1():
+    r = worker_results()["cp2"]
+    assert "error" not in r, r.get("error")
+    for k, v in r.items():
+        limit = 1e-5 if k.startswith("max_rel_loss") else 2e-5 if k.startswith("d_stats") else 0.0
+        assert v <= limit, f"{k} = {v:.3e}"
+
+
 def test_data_parallel_two_ranks():
     r = worker_results()["dp2"]
     assert "error" not in r, r.get("error")

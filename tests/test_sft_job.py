@@ -96,12 +96,14 @@ def test_incomplete_checkpoint_is_ignored(tmp_path):
     assert ckpt.resolve_resume("auto", tmp_path / "nothing") is None
 
 
-# One launch per layout: TP=2 (vocab-sharded LM head through the fused op) and DP=2 (each rank takes
-# half of the global batch; the token-mean loss must then equal the single-process run's).
-@pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
-def test_torchrun_launch(tmp_path, tp):
-    out = tmp_path / f"tp{tp}"
-    overrides = [f"engine.parallel.tensor_parallel={tp}", "trainer.steps=4", "engine.optim.warmup_steps=1",
+# One launch per layout: TP=2 (vocab-sharded LM head through the fused op), DP=2 (each rank takes
+# half of the global batch) and CP=2 (each rank takes the zigzag half of every sequence); with DP and CP
+# the token-mean loss must equal the single-process run's.
+@pytest.mark.parametrize("tp,cp", [(2, 1), (1, 1), (1, 2)], ids=["tp2", "dp2", "cp2"])
+def test_torchrun_launch(tmp_path, tp, cp):
+    out = tmp_path / f"tp{tp}_cp{cp}"
+    overrides = [f"engine.parallel.tensor_parallel={tp}", f"engine.parallel.context_parallel={cp}",
+                 "trainer.steps=4", "engine.optim.warmup_steps=1",
                  "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "trainer.save_interval=0",
                  f"trainer.output_dir={out}", "trainer.progress=false", "trainer.log_interval=1",
                  "trainer.sample_prompts=2"]
@@ -110,7 +112,7 @@ def test_torchrun_launch(tmp_path, tp):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"TP {tp} x PP 1 x DP {2 // tp}" in proc.stdout and "fused linear op" in proc.stdout
+    assert f"TP {tp} x PP 1 x CP {cp} x DP {2 // tp // cp}" in proc.stdout and "fused linear op" in proc.stdout
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(math.isfinite(r["loss"]) and r["loss"] < 6.0 for r in rows)
@@ -121,6 +123,8 @@ def test_torchrun_launch(tmp_path, tp):
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["prompt"] for s in samples] == ["Upper: robot\n", "Reverse: north\n"]
     assert all(s["reference"] for s in samples) and proc.stdout.count(" -> ") == 2
-    if tp == 1:  # data parallel: same global batches, same init -> the single-process run's losses
-        single = sft.run(load_config(TINY, [o.replace(str(out), str(tmp_path / "single")) for o in overrides]))
+    if tp == 1:  # data / context parallel: same global batches, same init -> the single-process run's losses
+        single_overrides = [o.replace(str(out), str(tmp_path / "single")) for o in overrides]
+        single_overrides[1] = "engine.parallel.context_parallel=1"
+        single = sft.run(load_config(TINY, single_overrides))
         assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in single["records"]], rel=1e-5)

@@ -59,6 +59,12 @@ class ModelConfig:
                   "flash kernels on GPU, causal) | megatron (megatron-core DotProductAttention, stores the "
                   "[b, heads, s, s] probabilities); ignored when the Transformer Engine spec is used"},
     )
+    activation_recompute: bool = field(
+        default=False,
+        metadata={"help": "recompute every transformer layer in the backward instead of storing its "
+                  "activations (megatron-core's full, uniform recompute of one layer at a time): long "
+                  "sequences fit at the cost of one more forward"},
+    )
     vocab_size: int = field(
         default=0,
         metadata={"help": "true vocabulary size override (0: from the tokenizer passed to the engine, "

@@ -165,7 +165,7 @@ def use_te_spec() -> bool:
     return True
 
 
-def build_transformer_config(arch: ArchSpec, parallel: ParallelConfig, dtype: torch.dtype):
+def build_transformer_config(arch: ArchSpec, parallel: ParallelConfig, dtype: torch.dtype, recompute: bool = False):
     from megatron.core.transformer import TransformerConfig
 
     cpu = not torch.cuda.is_available()
@@ -186,6 +186,8 @@ def build_transformer_config(arch: ArchSpec, parallel: ParallelConfig, dtype: to
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, cross_entropy_loss_fusion=False,
         attention_softmax_in_fp32=True,
+        recompute_granularity="full" if recompute else None, recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
         # CPU/gloo: plain isend/irecv between pipeline stages (no batched p2p + device sync).
         batch_p2p_comm=not cpu,
     )
@@ -207,7 +209,7 @@ def build_gpt_model(arch: ArchSpec, model_cfg: ModelConfig, parallel: ParallelCo
     if arch.num_layers % parallel.pipeline_parallel:
         raise ValueError(f"parallel.pipeline_parallel={parallel.pipeline_parallel} must divide the "
                          f"number of layers ({arch.num_layers})")
-    config = build_transformer_config(arch, parallel, dtype)
+    config = build_transformer_config(arch, parallel, dtype, recompute=model_cfg.activation_recompute)
     if use_te_spec():
         layer_spec = get_gpt_layer_with_transformer_engine_spec()
     else:

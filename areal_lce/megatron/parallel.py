@@ -2,7 +2,7 @@
 
 `init_distributed` works the same under torchrun (RANK/WORLD_SIZE/MASTER_ADDR in the environment)
 and in a plain single process (a one-rank group on a free local port). Backend: nccl with CUDA,
-gloo without. Data parallelism is whatever remains of the world after TP x PP.
+gloo without. Data parallelism is whatever remains of the world after TP x PP x CP.
 """
 from __future__ import annotations
 

@@ -295,7 +295,7 @@ def _train(cfg, dist_info, engine_factory) -> dict:
         print(f"[{cfg.job}] task {cfg.rl.task} {cfg.rl.task_options or ''}, reward "
               f"{cfg.rl.reward_fn or job.task.default_reward}, advantage {job.advantage}, tokenizer "
               f"{job.tok.name} ({job.tok.vocab_size} ids), world {dist_info.world_size} = TP {dist_info.tp_size} "
-              f"x PP {dist_info.pp_size} x DP {dist_info.dp_size}, LM-head route: {route}, rollout: "
+              f"x PP {dist_info.pp_size} x CP {dist_info.cp_size} x DP {dist_info.dp_size}, LM-head route: {route}, rollout: "
               f"{'KV cache' if cfg.engine.kv_cache else 'full recompute'}"
               + (f", resumed from {resume_from} (step {start})" if resume_from else ""), flush=True)
     bar = ProgressBar(tr.steps, initial=start, enabled=tr.progress, is_main=main, desc=cfg.job)

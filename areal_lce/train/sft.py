@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=N -m areal_lce.train configs/sft_tiny.yaml [key=value ...]
 
 Each optimizer step takes global batch `step` of the dataset (a pure function of the data seed and
-the step), gives every data-parallel rank its contiguous slice (DP = world / (TP x PP)), splits the
+the step), gives every data-parallel rank its contiguous slice (DP = world / (TP x PP x CP)), splits the
 slice into micro-batches and calls `engine.train_step`. The per-token statistics come from the fused
 linear op at the LM head when `engine.use_fused_linear_ce` is true, else from materialised logits.
 Rank 0 writes metrics.jsonl, config.yaml, metrics.png and shows the progress bar.
@@ -114,7 +114,8 @@ def _train(cfg: JobConfig, dist_info, engine_factory) -> dict:
         route = "fused linear op" if cfg.engine.use_fused_linear_ce else "materialised logits"
         resumed = f", resumed from {resume_from} (step {start})" if resume_from else ""
         print(f"[sft] {len(dataset)} examples, tokenizer {tok.name} ({tok.vocab_size} ids), world "
-              f"{dist_info.world_size} = TP {dist_info.tp_size} x PP {dist_info.pp_size} x DP {dp_size}, "
+              f"{dist_info.world_size} = TP {dist_info.tp_size} x PP {dist_info.pp_size} x CP {dist_info.cp_size} x "
+              f"DP {dp_size}, "
               f"LM-head route: {route}{resumed}", flush=True)
     bar = ProgressBar(tr.steps, initial=start, enabled=tr.progress, is_main=is_main, desc="sft")
 
