@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One GPU lease: the GPU checks and benchmarks named on the command line, logs and JSON results packed
+# into $OUT/results.tgz (the device returns few files). Usage, from the repository root on the GPU machine,
+# with the megatron-core wheel in .carry/ (the GPU image has none):
+#   bash benchmark/gpu_session.sh gpu_check gpu_attention_check bench_packing bench_rollout
+set -u
+OUT=${OUT:-bench_out}
+W=$OUT/work
+mkdir -p "$W"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/*.whl && export PYTHONPATH=/tmp/site:$PWD
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$W/device.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$W/device.txt"
+git rev-parse HEAD >> "$W/device.txt" 2>/dev/null || true
+run() {  # name timeout_s command...
+  local name=$1 t=$2; shift 2
+  echo "=== $name"
+  timeout "$t" "$@" > "$W/$name.log" 2>&1
+  echo "rc=$? ($name)"
+  grep -v -i "warn\|deprecat" "$W/$name.log" | tail -n 14
+}
+for job in "$@"; do
+  case $job in
+    gpu_check) run gpu_check 240 python3 -m benchmark.gpu_check --out "$W" ;;
+    gpu_attention_check) run gpu_attention_check 150 python3 -m benchmark.gpu_attention_check --out "$W" ;;
+    bench_packing) run bench_packing 300 python3 -m benchmark.bench_packing --preset qwen2.5-0.5b --seqs 32 --micro-batch 4 --out "$W" ;;
+    bench_rollout) run bench_rollout 300 torchrun --nproc_per_node=1 -m benchmark.bench_rollout --preset qwen2.5-0.5b --out "$W" ;;
+    bench_lce) run bench_lce 420 python3 -m benchmark.bench_lce --shapes small,qwen7b,llama8b,wide_n --out "$W" ;;
+    cp_*) set -- ${job//_/ }; seq=$3; route=$2
+          run "cp_${route}_${seq}" 200 torchrun --nproc_per_node=2 -m benchmark.bench_cp --seq "$seq" --route "$route" \
+              ${RECOMPUTE:+--recompute} --out "$W" ;;
+    *) echo "unknown job $job" ;;
+  esac
+done
+tar czf "$OUT/results.tgz" -C "$W" .
