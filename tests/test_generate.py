@@ -36,7 +36,8 @@ PROMPTS = [[5, 9, 2, 7, 1, 3, 8, 4, 6, 10, 11], [17, 3, 1], [400], [21, 22, 23, 
 
 def _engine(attention: str = "sdpa", seam: str = "auto", max_seq_len: int = 64) -> MegatronEngine:
     cfg = EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=max_seq_len, attention=attention),
-                       optim=OptimConfig(lr=0.0), lce_backend="torch", capture_seam=seam)
+                       optim=OptimConfig(lr=0.0), lce_backend="torch", capture_seam=seam,
+                       pack_sequences=attention == "sdpa")  # megatron's attention takes no packed rows
     return MegatronEngine(cfg, vocab_size=W.VOCAB)
 
 
