@@ -112,3 +112,142 @@ def test_valid_chunk_budget_still_works(monkeypatch):
     small = _call(backend="torch").logprobs
     monkeypatch.delenv("AREAL_LCE_TORCH_CHUNK_BYTES")
     torch.testing.assert_close(small, _call(backend="torch").logprobs)
+
+
+# ------------------------------------------------------------------------ config
+
+def _yaml(tmp_path, text: str) -> Path:
+    p = tmp_path / "job.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_duplicate_yaml_key_names_the_key_and_line(tmp_path):
+    p = _yaml(tmp_path, "job: sft\ntrainer:\n  steps: 3\nengine:\n  seed: 1\ntrainer:\n  steps: 5\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'trainer' \(first given on line 2\)(.|\n)*line 6"):
+        load_config(p)
+    p = _yaml(tmp_path, "engine:\n  optim:\n    lr: 0.1\n    lr: 0.2\n")  # nested too
+    with pytest.raises(ConfigError, match="duplicate key 'lr'"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="duplicate key 'n'"):  # and in a mapping given on the command line
+        load_config(None, ["rl.task_options={n: 1, n: 2}"])
+
+
+def test_yaml_1_2_numbers_are_accepted_for_numeric_options_only(tmp_path):
+    p = _yaml(tmp_path, "engine:\n  optim:\n    lr: 1e-3\n    min_lr: 1E-5\n    betas: [0.9, 9.5e-1]\n"
+                        "  lce_cache_bytes: 1e6\ntrainer:\n  output_dir: 1e3\nrl:\n  clip_eps_high: 3e-1\n")
+    cfg = load_config(p)
+    assert cfg.engine.optim.lr == 1e-3 and cfg.engine.optim.min_lr == 1e-5
+    assert cfg.engine.optim.betas == (0.9, 0.95) and cfg.rl.clip_eps_high == 0.3
+    assert cfg.engine.lce_cache_bytes == 1_000_000 and isinstance(cfg.engine.lce_cache_bytes, int)
+    assert cfg.trainer.output_dir == "1e3"  # a string option keeps its text
+    with pytest.raises(ConfigError, match="engine.optim.lr"):
+        load_config(_yaml(tmp_path, "engine:\n  optim:\n    lr: 1e-3x\n"))
+    with pytest.raises(ConfigError, match="engine.lce_cache_bytes"):
+        load_config(_yaml(tmp_path, "engine:\n  lce_cache_bytes: 1.5e0\n"))
+
+
+def test_malformed_yaml_takes_the_config_error_path(tmp_path, capsys):
+    from areal_lce.train.__main__ import main
+
+    p = _yaml(tmp_path, "job: sft\ntrainer: {steps: 3\n")
+    assert main([str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error:") and "job.yaml" in err and "line 2" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("override,named", [("engine.lce_backend=torhc", "engine.lce_backend"),
+                                            ("rl.temperature=inf", "rl.temperature"),
+                                            ("rl.temperature=nan", "rl.temperature"),
+                                            ("engine.parallel.timeout_s=0", "timeout_s")])
+def test_bad_engine_and_rl_options_fail_at_config_load(override, named, monkeypatch, capsys):
+    from areal_lce.train import __main__ as entry
+
+    with pytest.raises(ConfigError, match=named):
+        load_config(GRPO_TINY, [override])
+    monkeypatch.setattr(entry, "run_job", lambda cfg: pytest.fail("the job started"))  # no model is built
+    assert entry.main([str(GRPO_TINY), override]) == 2
+    assert named in capsys.readouterr().err
+    with pytest.raises(ValueError, match="rl.temperature"):  # the dataclass itself, built from Python
+        from areal_lce.train.rl_config import RLConfig
+        RLConfig(temperature=float("inf"))
+
+
+def test_collective_timeout_option():
+    from areal_lce.megatron.config import ParallelConfig
+
+    assert ParallelConfig().timeout_s == 600.0
+    assert load_config(SFT_TINY, ["engine.parallel.timeout_s=30"]).engine.parallel.timeout_s == 30.0
+
+
+# ------------------------------------------------------------------------ two gloo ranks, one launch
+
+@functools.lru_cache(maxsize=None)
+def worker_results() -> dict:
+    tmp = tempfile.mkdtemp(prefix="areal_lce_reliability_")
+    out = os.path.join(tmp, "worker.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "tests" / "reliability_worker.py"), out, tmp]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=REPO)
+    if not os.path.exists(out):
+        raise RuntimeError(f"worker failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def _case(name: str) -> dict:
+    res = worker_results()[name]
+    for rank, r in res.items():
+        assert "error" not in r or name == "stall", f"rank {rank}: {r['error']}"
+    return res
+
+
+def test_tp_rank_with_an_all_padding_shard_matches_the_reference():
+    """vocab_size <= V_shard at TP=2: rank 1 owns no real token. Fused (torch, reference backends) and
+    materialised routes against the unsharded fp64 reference, logprob-only and logprob+entropy losses."""
+    res = _case("padding_shard")
+    for rank, cases in res.items():
+        assert sorted(cases) == sorted(f"{r}-{loss}" for r in ("torch", "reference", "materialised")
+                                       for loss in ("lp", "lp_ent"))
+        for key, r in cases.items():
+            for k in ("d_logprobs", "d_entropy", "d_hidden_grad", "d_weight_grad"):
+                assert r[k] <= 1e-5 * max(1.0, r["scale"]), (rank, key, k, r[k])
+    assert all(r["d_weight_grad"] == 0.0 for r in res["1"].values())  # padding rows get exactly zero
+
+
+def test_full_weight_with_tp_group_is_still_refused():
+    for rank, r in _case("full_weight").items():
+        assert "not the full weight" in r["refused"], (rank, r)
+        assert r["zero_shard_error"] == "", (rank, r)  # an all-zero shard is not taken for a full weight
+
+
+def test_tp_ranks_with_different_labels_get_a_clear_error_not_an_abort():
+    for rank, r in _case("label_mismatch").items():
+        assert "number of ignore_index labels differs across the tensor-parallel group" in r["ignore_pattern"]
+        assert "min 1, max 2" in r["ignore_pattern"] and f"[rank {rank} of 2]" in r["ignore_pattern"]
+        assert r["label_value"].startswith("ValueError: labels differ across the tensor-parallel group"), r
+        assert r["after_ok"] == 1.0  # the group is still in step
+
+
+def test_sft_at_tp2_with_an_all_padding_lm_head_shard_trains_on_both_routes():
+    from areal_lce.megatron.model import padded_vocab_size
+
+    assert padded_vocab_size(259, 512, 2) == 1024  # rank 1's 512 rows are ids 512..1023: padding only
+    losses = _case("sft_padding")["0"]["losses"]
+    assert len(losses["True"]) == 3 and all(5.0 < x < 5.7 for x in losses["True"]), losses
+    assert losses["True"] == pytest.approx(losses["False"], rel=1e-5), losses
+
+
+def test_a_stalled_rank_makes_the_other_fail_within_the_timeout():
+    """engine.parallel.timeout_s=6 (tests/reliability_worker.py): rank 1 sleeps; rank 0's world barrier and
+    the op's all-reduce over Megatron's TP group must both raise after ~6 s, naming the collective."""
+    res = worker_results()["stall"]["0"]
+    assert "error" not in res or isinstance(res["error"], str) and not res["error"].startswith("Traceback"), res
+    for what in ("world_barrier", "op_tp_all_reduce"):
+        r = res[what]
+        assert r["error"].startswith("CollectiveError: ") and "failed on global rank 0" in r["error"], r
+        assert "Timed out" in r["error"] and "engine.parallel.timeout_s" in r["error"], r
+        assert 5.0 <= r["elapsed_s"] <= 30.0, r
+    assert res["world_barrier"]["error"].startswith("CollectiveError: barrier")
+    assert res["op_tp_all_reduce"]["error"].startswith("CollectiveError: all-reduce")
