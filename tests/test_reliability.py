@@ -180,6 +180,56 @@ def test_collective_timeout_option():
     assert load_config(SFT_TINY, ["engine.parallel.timeout_s=30"]).engine.parallel.timeout_s == 30.0
 
 
+# ------------------------------------------------------------------------ token ids beyond the vocabulary
+
+class SmallVocabTokenizer(ByteTokenizer):
+    """Bytes as ids, but a 128-id vocabulary: any non-ASCII character gives an id the model lacks."""
+
+    name = "small-vocab"
+
+    def __init__(self, special_ids=(125, 126, 127)):
+        super().__init__()
+        self.vocab_size = 128
+        self.pad_id, self.bos_id, self.eos_id = special_ids
+
+
+def _no_engine(*args, **kwargs):
+    raise AssertionError("the engine was built: the bad token id was not caught at data load")
+
+
+def test_sft_token_id_beyond_vocab_fails_at_data_load(tmp_path, monkeypatch):
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt": "Say:", "response": "ok"}) + "\n"
+                    + json.dumps({"prompt": "Sag:", "response": "schön"}) + "\n")
+    monkeypatch.setattr(sft, "load_tokenizer", lambda spec: SmallVocabTokenizer())
+    cfg = load_config(SFT_TINY, [f"data.path={data}", f"trainer.output_dir={tmp_path / 'run'}",
+                                 "trainer.progress=false"])
+    with pytest.raises(ValueError, match=rf"{data}:2\).*token id 195 .*vocabulary of 128 ids"):
+        sft.run(cfg, engine_factory=_no_engine)
+
+
+def test_rl_token_id_beyond_vocab_is_named(monkeypatch):
+    from areal_lce.train import rl
+
+    cfg = load_config(GRPO_TINY, ["rl.task_options={template: 'Sag {x}:ü'}"])
+    info = types.SimpleNamespace(dp_size=1, dp_rank=0, tp_size=1)
+    monkeypatch.setattr(rl, "load_tokenizer", lambda spec: SmallVocabTokenizer(special_ids=(125, 126, 300)))
+    with pytest.raises(ValueError, match="eos_id: token id 300 .*vocabulary of 128"):
+        rl.RLJob(cfg, info, engine_factory=_no_engine)
+
+    class Frozen:
+        def __init__(self, *a, **k):
+            pass
+
+        def parameters_named(self):
+            return {}
+
+    monkeypatch.setattr(rl, "load_tokenizer", lambda spec: SmallVocabTokenizer())
+    job = rl.RLJob(cfg, info, engine_factory=Frozen)
+    with pytest.raises(ValueError, match=r"rl.task='say_letter' prompt 'Sag A:ü': token id 195 .*128"):
+        job.encode_prompt("Sag A:ü")
+
+
 # ------------------------------------------------------------------------ two gloo ranks, one launch
 
 @functools.lru_cache(maxsize=None)
