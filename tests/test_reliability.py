@@ -230,6 +230,85 @@ def test_rl_token_id_beyond_vocab_is_named(monkeypatch):
         job.encode_prompt("Sag A:ü")
 
 
+# ------------------------------------------------------------------------ kill, damage, resume
+
+def test_torn_metrics_line_is_skipped_and_repaired(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    with pytest.warns(RuntimeWarning, match="torn last line"):
+        assert [r["step"] for r in read_metrics(path)] == [1, 2]
+    with pytest.warns(RuntimeWarning, match="torn last line"):
+        MetricsLog(path, resume_step=2)
+    assert path.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'  # repaired
+    path.write_text('{"step": 1}\n{"st\n{"step": 3}\n')  # damage before the end is not a torn write
+    with pytest.raises(ValueError, match="metrics.jsonl:2"):
+        read_metrics(path)
+
+
+def _sft_cfg(out, *overrides):
+    return load_config(SFT_TINY, [f"trainer.output_dir={out}", "trainer.global_batch_size=4",
+                                  "trainer.micro_batch_size=2", "trainer.progress=false", "trainer.log_interval=100",
+                                  "engine.optim.warmup_steps=1", "trainer.sample_prompts=0", "trainer.plot=false",
+                                  "trainer.steps=4", "trainer.save_interval=1", *overrides])
+
+
+def _trace_durability(monkeypatch) -> list:
+    """Record os.fsync (of which path) and os.replace calls, in order."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.realpath(os.readlink(f"/proc/self/fd/{fd}"))))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.realpath(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to map file descriptors to paths")
+def test_resume_past_a_torn_metrics_line_and_a_corrupt_checkpoint_is_exact(tmp_path, monkeypatch):
+    full = {r["step"]: r["loss"] for r in sft.run(_sft_cfg(tmp_path / "full"))["records"]}
+
+    run = tmp_path / "killed"
+    with monkeypatch.context() as m:
+        events = _trace_durability(m)
+        sft.run(_sft_cfg(run, "trainer.stop_at=3"))  # "killed" after step 3, checkpoints 1, 2, 3 on disk
+    # durable: each file fsynced under its temporary name, renamed, its directory fsynced, COMPLETE last
+    step3 = os.path.realpath(ckpt.checkpoint_dir(run, 3))
+    order = [e for e in events if e[1].startswith(step3)]
+    complete = order.index(("replace", os.path.join(step3, ckpt.MARKER)))
+    for name in ("engine/rank00000.pt", ckpt.STATE_FILE):
+        final = os.path.join(step3, name)
+        assert order.index(("fsync", final + ".tmp")) < order.index(("replace", final)) < complete, order
+    assert ("fsync", os.path.join(step3, "engine")) in order[:complete] and ("fsync", step3) in order[complete:]
+
+    # damage: the newest checkpoint's engine file is truncated behind its COMPLETE marker, and the
+    # metrics log ends in a half-written line
+    rank_file = ckpt.checkpoint_dir(run, 3) / "engine" / "rank00000.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:1000])
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "loss": 1.2')
+    with pytest.warns(RuntimeWarning) as warned:
+        resumed = sft.run(_sft_cfg(run, "trainer.resume=true"))
+    said = " | ".join(str(w.message) for w in warned)
+    assert "torn last line" in said and f"checkpoint {ckpt.checkpoint_dir(run, 3)} is marked COMPLETE" in said
+    # resumed from step 2: steps 3 and 4 are bitwise the uninterrupted run's
+    assert {r["step"]: r["loss"] for r in resumed["records"]} == {3: full[3], 4: full[4]}
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]
+
+    for s in (1, 2, 3, 4):  # nothing readable left: an error naming every checkpoint tried, not a fresh start
+        f = ckpt.checkpoint_dir(run, s) / "engine" / "rank00000.pt"
+        f.write_bytes(b"garbage")
+    with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match="no complete checkpoint .* can be loaded"):
+        sft.run(_sft_cfg(run, "trainer.resume=auto"))
+    assert ckpt.list_checkpoints(run)  # and the run directory was not cleared
+
+
 # ------------------------------------------------------------------------ two gloo ranks, one launch
 
 @functools.lru_cache(maxsize=None)

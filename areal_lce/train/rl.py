@@ -32,7 +32,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .checkpoint import clear_run_dir, end_of_step, load_checkpoint, resolve_resume
+from .checkpoint import clear_run_dir, end_of_step, load_resumable, resolve_resume
 from .data import Example, check_special_ids, check_token_ids, collate
 from .logging_utils import MetricsLog, ProgressBar, format_record, plot_metrics, read_metrics
 from .rewards import load_reward
@@ -291,7 +291,8 @@ def _train(cfg, dist_info, engine_factory) -> dict:
     torch.manual_seed(tr.seed)
     start = 0
     if resume_from is not None:
-        start = int(load_checkpoint(job.policy, resume_from)["step"])
+        resume_from, state = load_resumable(job.policy, out, resume_from)  # falls back past a damaged one
+        start = int(state["step"])
     log = MetricsLog(out / "metrics.jsonl", enabled=main, resume_step=start)
     if main:
         route = "fused linear op" if cfg.engine.use_fused_linear_ce else "materialised logits"

@@ -107,7 +107,7 @@ def _train(cfg: JobConfig, dist_info, engine_factory) -> dict:
     torch.manual_seed(tr.seed)
     start = 0
     if resume_from is not None:
-        state = ckpt.load_checkpoint(engine, resume_from)
+        resume_from, state = ckpt.load_resumable(engine, out, resume_from)  # falls back past a damaged one
         start = int(state["step"])
     metrics = MetricsLog(out / "metrics.jsonl", enabled=is_main, resume_step=start)
     if is_main:
