@@ -1,6 +1,7 @@
 """Functional API: validate once, resolve the backend once, call the autograd Function."""
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Union
 
 import torch
@@ -15,9 +16,13 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 def _check_tensors(hidden, weight, labels, sequence_parallel: bool, tp: int):
     if not torch.is_tensor(hidden) or hidden.dim() < 1:
-        raise TypeError(f"hidden must be a tensor [..., H], got {type(hidden).__name__}")
+        got = "a 0-d tensor" if torch.is_tensor(hidden) else type(hidden).__name__
+        raise TypeError(f"hidden must be a tensor [..., H] with at least one dimension, got {got}")
     if not torch.is_tensor(weight) or weight.dim() != 2:
         raise ValueError(f"weight must be a 2-D tensor [V, H], got shape {tuple(getattr(weight, 'shape', ()))}")
+    if hidden.shape[-1] == 0 or weight.shape[0] == 0:
+        raise ValueError(f"hidden's H and weight's V must be > 0, got hidden {tuple(hidden.shape)}, "
+                         f"weight {tuple(weight.shape)}")
     if hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden's last dim ({hidden.shape[-1]}) must equal weight's H ({weight.shape[1]}); "
                          f"hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}")
@@ -31,6 +36,9 @@ def _check_tensors(hidden, weight, labels, sequence_parallel: bool, tp: int):
     if hidden.device != weight.device or labels.device != hidden.device:
         raise ValueError(f"hidden ({hidden.device}), weight ({weight.device}) and labels ({labels.device}) "
                          "must be on the same device")
+    if hidden.is_meta:
+        raise ValueError("hidden, weight and labels are on the meta device (shapes without data): materialise "
+                         "them (e.g. module.to_empty(device=...) and initialise) before calling the op")
     rows = hidden.numel() // hidden.shape[-1] if hidden.shape[-1] else 0
     if sequence_parallel:
         if labels.numel() != rows * tp:
@@ -51,10 +59,31 @@ def _inv_temperature(temperature, labels: torch.Tensor) -> tuple[Optional[float]
             raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not broadcast to labels "
                              f"{tuple(labels.shape)}") from e
         return None, (1.0 / t).reshape(-1).contiguous()
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a float or a tensor, got {temperature!r}")
     t = float(temperature)
     if not t > 0 or t == float("inf"):
         raise ValueError(f"temperature must be a finite float > 0, got {temperature}")
+    if 1.0 / t > torch.finfo(torch.float32).max:
+        raise ValueError(f"temperature={temperature} is too small: 1/temperature overflows fp32 (the logits are "
+                         "scaled by it in fp32)")
     return t, None
+
+
+def _check_options(ignore_index, vocab_size) -> None:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index must be an int (e.g. -100), got {ignore_index!r}")
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral)):
+        raise TypeError(f"vocab_size must be an int or None, got {vocab_size!r}")
+
+
+def _tp_key(y: torch.Tensor, ignore_index: int, v_shard: int) -> torch.Tensor:
+    """int64 fingerprint of (labels, their ignore pattern, the shard size): equal on the TP ranks when they
+    agree. Σ (y'+2)·(i mod 1021 + 1) with y' = labels clamped to [-1, 2^24] (-1 at ignore_index): < 2^62
+    below 2^28 labels, so no overflow."""
+    i = torch.arange(y.numel(), device=y.device)
+    yy = torch.where(y == ignore_index, -1, y.clamp(-1, 1 << 24)) + 2
+    return (yy * (i % 1021 + 1)).sum() + (v_shard * 1_000_003 + y.numel() * 999_983)
 
 
 def linear_logprobs_entropy(
@@ -105,10 +134,13 @@ def linear_logprobs_entropy(
         Turn off when the caller's own mapping already reduces it (Megatron's
         copy_to_tensor_model_parallel_region), so it is reduced exactly once.
     check_labels: raise on labels outside [0, vocab_size) that are not ignore_index, and on
-        non-positive temperatures in a tensor; costs one small reduction and a host sync.
+        non-positive temperatures in a tensor; costs one small reduction and a host sync. Under tp_group
+        it also checks that every rank passes the same labels (ignore pattern included) and shard size,
+        with one all-reduce of 2 int64 per call (off: the shard size is checked once per group only).
     Determinism: bitwise-identical outputs and gradients run to run for the same inputs and backend.
     """
-    tp = comms.group_size(tp_group)
+    _check_options(ignore_index, vocab_size)
+    tp = comms.checked_group_size(tp_group, "tp_group")
     _check_tensors(hidden, weight, labels, sequence_parallel, tp)
     if sequence_parallel and tp > 1 and not reduce_d_hidden:
         raise ValueError("sequence_parallel=True reduce-scatters d_hidden inside the op; reduce_d_hidden=False "
@@ -123,10 +155,13 @@ def linear_logprobs_entropy(
         raise ValueError(f"vocab_size={vocab_size!r} must be an int in [1, {v_total}] "
                          f"(weight rows {v_shard} × tp {tp})")
     if tp > 1:
-        if vocab_size <= v_shard:
-            raise ValueError(f"tp_group has {tp} ranks but weight already has {v_shard} rows >= vocab_size="
-                             f"{vocab_size}: pass this rank's vocab shard [vocab/tp, H], not the full weight")
-        comms.check_same_across_group(v_shard, tp_group, "weight's vocab shard size (weight.shape[0])")
+        if not check_labels:  # else checked per call together with the labels, below
+            comms.check_same_across_group(v_shard, tp_group, "weight's vocab shard size (weight.shape[0])")
+        if vocab_size <= v_shard:  # ranks > 0 hold only padding (legal), unless this is the full weight
+            comms.check_not_replicated(weight[:vocab_size], tp_group, "weight (rows below vocab_size)",
+                                       f"tp_group has {tp} ranks and weight's {v_shard} rows already cover "
+                                       f"vocab_size={vocab_size}, identically on every rank: pass this "
+                                       "rank's vocab shard [vocab/tp, H], not the full weight")
     vocab_start = comms.group_rank(tp_group) * v_shard
     scalar_t, inv_t = _inv_temperature(temperature, labels)
     if sequence_parallel and inv_t is not None and inv_t.numel() != labels.numel():
@@ -137,13 +172,22 @@ def linear_logprobs_entropy(
         checks = [bad.sum()]
         if inv_t is not None:
             checks.append((~(inv_t > 0) | torch.isinf(inv_t)).sum())
+        if tp > 1:  # labels (ignore pattern included) and shard size must agree over TP: one 2-int MAX
+            checks += comms.agreement_votes(_tp_key(y, ignore_index, v_shard), tp_group).unbind()
         counts = torch.stack(checks).tolist()  # the one host sync of the checks
+        if tp > 1 and counts[-2] != -counts[-1]:
+            comms.raise_disagreement(
+                {"weight's vocab shard size (weight.shape[0])": v_shard, "labels.numel()": y.numel(),
+                 "the number of ignore_index labels": int((y == ignore_index).sum())}, tp_group,
+                "labels differ across the tensor-parallel group (same count and ignore_index rows, other ids)",
+                "every rank must pass an equal-sized vocab shard and the same global labels")
         if counts[0]:
             first = int(y[bad][0])
             raise ValueError(f"labels: {counts[0]} value(s) outside [0, vocab_size={vocab_size}) and not "
                              f"ignore_index={ignore_index} (first: {first})")
-        if len(counts) > 1 and counts[1]:
-            raise ValueError("temperature tensor has values that are not finite and > 0")
+        if inv_t is not None and counts[1]:
+            raise ValueError("temperature tensor has values that are not finite and > 0 (or so small that "
+                             "1/temperature overflows fp32)")
     name = resolve_backend(backend, hidden.device, hidden.dtype)
     params = LCEParams(
         temperature=scalar_t, ignore_index=ignore_index, vocab_size=vocab_size, vocab_start=vocab_start,

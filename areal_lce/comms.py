@@ -11,6 +11,7 @@ already complete on each rank and needs no reduction; only partial sums over voc
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -26,6 +27,26 @@ def _flat_collective(new: str, old: str):
 _CHECKED = set()  # (group, value, what) already found equal: the check runs once per group and size
 
 
+class CollectiveError(RuntimeError):
+    """A collective of areal_lce failed (typically timed out because another rank stalled or died)."""
+
+
+@contextlib.contextmanager
+def _named(what: str, group):
+    """Re-raise a failed collective naming it, its group size and this rank (torch's gloo timeout says only
+    'Timed out waiting Nms for recv operation')."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise CollectiveError(
+            f"{what} over a {group_size(group) if group is not None else dist.get_world_size()}-rank group failed "
+            f"on global rank {rank}: {e} -- another rank stalled or died, or the process group's timeout "
+            "(engine.parallel.timeout_s in the train jobs) expired") from e
+
+
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -37,12 +58,13 @@ def group_rank(group) -> int:
 def _all_reduce_(t: torch.Tensor, op, group) -> torch.Tensor:
     if group_size(group) == 1:
         return t
-    if t.device.type == "cpu" and dist.get_backend(group) == "nccl":
-        # host-side values (job metrics) over an NCCL group: NCCL reduces device tensors only
-        dev = t.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(dev, op=op, group=group)
-        return t.copy_(dev)
-    dist.all_reduce(t, op=op, group=group)
+    with _named(f"all-reduce {str(op).rsplit('.', 1)[-1]} of {tuple(t.shape)}", group):
+        if t.device.type == "cpu" and dist.get_backend(group) == "nccl":
+            # host-side values (job metrics) over an NCCL group: NCCL reduces device tensors only
+            dev = t.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(dev, op=op, group=group)
+            return t.copy_(dev)
+        dist.all_reduce(t, op=op, group=group)
     return t
 
 
@@ -63,7 +85,8 @@ def all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
         return t
     t = t.contiguous()
     out = torch.empty((world * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    _flat_collective("all_gather_single", "all_gather_into_tensor")(out, t, group=group)
+    with _named(f"all-gather of {tuple(t.shape)} rows", group):
+        _flat_collective("all_gather_single", "all_gather_into_tensor")(out, t, group=group)
     return out
 
 
@@ -74,7 +97,8 @@ def reduce_scatter_rows(t: torch.Tensor, group) -> torch.Tensor:
         return t
     t = t.contiguous()
     out = torch.empty((t.shape[0] // world,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-    _flat_collective("reduce_scatter_single", "reduce_scatter_tensor")(out, t, op=dist.ReduceOp.SUM, group=group)
+    with _named(f"reduce-scatter of {tuple(t.shape)} rows", group):
+        _flat_collective("reduce_scatter_single", "reduce_scatter_tensor")(out, t, op=dist.ReduceOp.SUM, group=group)
     return out
 
 
@@ -84,11 +108,61 @@ def check_same_across_group(value: int, group, what: str) -> None:
         return
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     t = torch.tensor([value, -value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    with _named(f"all-reduce MAX checking {what}", group):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     if int(t[0]) != value or -int(t[1]) != value:
         raise ValueError(f"{what} differs across the tensor-parallel group (this rank: {value}, "
                          f"max {int(t[0])}, min {-int(t[1])}); Megatron shards must be equal")
     _CHECKED.add((id(group), value, what))
+
+
+def checked_group_size(group, what: str) -> int:
+    """`group_size`, with an error naming the option when `group` is not a process group (e.g. an int)."""
+    if group is None:
+        return 1
+    if isinstance(group, (bool, int, float, str, bytes)):
+        raise TypeError(f"{what} must be a torch.distributed ProcessGroup or None, got {group!r}")
+    try:
+        return dist.get_world_size(group)
+    except (AttributeError, TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"{what} must be a torch.distributed ProcessGroup or None, got {group!r} ({e})") from e
+
+
+def agreement_votes(key: torch.Tensor, group) -> torch.Tensor:
+    """[max, -min] of an int64 scalar over the group, left on device (the caller syncs once): the ranks
+    agree iff votes[0] == -votes[1]."""
+    t = torch.stack([key, -key]).to(torch.int64)
+    return _all_reduce_(t, dist.ReduceOp.MAX, group)  # MAX of [key, -key]: the group's max and -min
+
+
+def raise_disagreement(values: dict, group, otherwise: str, hint: str) -> None:
+    """Collective, on the failure path only (every rank saw the votes disagree): one MAX of [v, -v] over
+    the named integers, then a ValueError on every rank naming those that differ (else `otherwise`)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    v = torch.tensor(list(values.values()), dtype=torch.int64, device=device)
+    t = torch.cat([v, -v])
+    with _named("all-reduce MAX explaining a disagreement", group):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # per-value max and -min over the group
+    k = len(values)
+    differ = [f"{name} differs across the tensor-parallel group (this rank: {val}, min {-int(t[k + i])}, "
+              f"max {int(t[i])})" for i, (name, val) in enumerate(values.items()) if int(t[i]) != -int(t[k + i])]
+    raise ValueError(f"{'; '.join(differ) or otherwise} [rank {group_rank(group)} of {group_size(group)}]: {hint}")
+
+
+def check_not_replicated(t: torch.Tensor, group, what: str, message: str) -> None:
+    """Raise `message` on every rank if `t` is identical (and not all zero) on every rank of the group: a
+    full, unsharded tensor handed in where each rank's shard belongs. One MAX of 4 float64, once per
+    (group, shape)."""
+    key = (id(group), tuple(t.shape), what)
+    if group_size(group) == 1 or key in _CHECKED:
+        return
+    d = t.detach().double()
+    fp = torch.stack([d.sum(), d.square().sum()])
+    both = torch.cat([fp, -fp])
+    _all_reduce_(both, dist.ReduceOp.MAX, group)  # MAX of [fp, -fp]: equal everywhere iff max == min
+    if torch.equal(both[:2], -both[2:]) and float(fp[1]) != 0.0:
+        raise ValueError(message)
+    _CHECKED.add(key)
 
 
 class AllReduceSumReplicatedGrad(torch.autograd.Function):
@@ -156,10 +230,20 @@ def all_gather_rows_replicated_grad(t: torch.Tensor, group: Optional[object]) ->
     return t if group_size(group) == 1 else AllGatherRowsReplicatedGrad.apply(t, group)
 
 
+def all_ranks_true(flag: bool) -> bool:
+    """True iff `flag` is true on every rank of the job (a collective when the job has several ranks)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return bool(flag)
+    t = torch.tensor([int(bool(flag))], dtype=torch.int64)
+    _all_reduce_(t, dist.ReduceOp.MIN, dist.group.WORLD)  # MIN of 0/1 flags: an AND over the ranks
+    return bool(t[0])
+
+
 def barrier_world() -> None:
     """Wait for every rank of the job (checkpoint files on disk before one rank marks them complete)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        with _named("barrier", None):
+            dist.barrier()
 
 
 def broadcast_object(obj, src: int, group):
@@ -167,5 +251,6 @@ def broadcast_object(obj, src: int, group):
     if group_size(group) == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    with _named(f"broadcast of an object from rank {src}", group):
+        dist.broadcast_object_list(box, src=src, group=group)
     return box[0]

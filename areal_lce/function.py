@@ -1,6 +1,7 @@
 """The autograd Function of the fused op: one backend call per pass plus the TP communication."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -47,6 +48,46 @@ def _empty_stats(n: int, device, sums: bool) -> ShardStats:
     zero = torch.zeros(n, device=device)
     return ShardStats(m=-inf, s=zero, a=zero.clone(), zy=zero.clone(), mn=inf,
                       lsum=zero.clone() if sums else None, lsq=zero.clone() if sums else None)
+
+
+class _SecondOrderRefused(torch.autograd.Function):
+    """forward: identity on the first `n` tensors (gradients built under create_graph=True); the rest
+    only connect it to the graph. backward: raises (the op's backward is not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, n: int, *tensors):
+        return tuple(t.view_as(t) for t in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError("linear_logprobs_entropy does not support second-order gradients (its backward is "
+                           "not differentiable): a gradient taken with create_graph=True cannot be "
+                           "differentiated again")
+
+
+def once_differentiable(backward):
+    """Run `backward` without recording a graph. Under create_graph=True its gradients are tied to the
+    saved tensors and incoming gradients that require grad, through a node that raises when
+    differentiated, so a second-order gradient errors instead of reading as zero (torch's
+    once_differentiable ties them to the incoming gradients only, missing d/dh through the saved h)."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grad_outputs):
+        anchors = []
+        if torch.is_grad_enabled():
+            anchors = [t for t in (*ctx.saved_tensors, *grad_outputs) if torch.is_tensor(t) and t.requires_grad]
+        with torch.no_grad():
+            grads = backward(ctx, *grad_outputs)
+        if not anchors:
+            return grads
+        slots = [i for i, g in enumerate(grads) if g is not None]
+        tied = _SecondOrderRefused.apply(len(slots), *(grads[i] for i in slots), *anchors)
+        out = list(grads)
+        for i, g in zip(slots, tied):
+            out[i] = g
+        return tuple(out)
+
+    return wrapper
 
 
 class LinearLogprobsEntropy(torch.autograd.Function):
@@ -116,14 +157,15 @@ class LinearLogprobsEntropy(torch.autograd.Function):
             if not params.compact_ignored:
                 full = torch.where(valid, full, torch.zeros_like(full))
             outs.append(full)
-        ctx.save_for_backward(h_c, weight, y_c, t_c, lse, ent, idx, valid)
+        ctx.save_for_backward(h_c, weight, y_c, t_c, lse, ent, idx, valid, outs[0])  # outs[0]: see once_differentiable
         ctx.params, ctx.cache, ctx.n, ctx.n_local, ctx.hidden_dtype = params, cache, n, n_local, hidden.dtype
         ctx.mark_non_differentiable(*(o for o in outs[2:] if o is not None))
         return tuple(outs)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g_lp, g_ent, *_g_stats):
-        h_c, weight, y_c, t_c, lse, ent, idx, valid = ctx.saved_tensors
+        h_c, weight, y_c, t_c, lse, ent, idx, valid, _ = ctx.saved_tensors
         params: LCEParams = ctx.params
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_dh or need_dw):

@@ -59,8 +59,12 @@ def logprobs_entropy_from_logits(
     valid = y != ignore_index
     local = y - start
     own = (local >= 0) & (local < valid_cols) & valid
-    picked = logp.gather(-1, local.clamp(0, max(valid_cols - 1, 0))[..., None]).squeeze(-1) if valid_cols \
-        else torch.zeros_like(lse)
+    if valid_cols:
+        picked = logp.gather(-1, local.clamp(0, valid_cols - 1)[..., None]).squeeze(-1)
+    else:
+        # A shard of padding only owns no label; its 0 is still taken through lse, so that this rank's
+        # backward reaches the exp-sum's SUM collective exactly as the other ranks' backward does.
+        picked = logp.sum(-1)
     lp = comms.all_reduce_sum_replicated_grad(torch.where(own, picked, torch.zeros_like(picked)), tp_group)
     t_raw = t[..., 0] if torch.is_tensor(t) else t
     zero = torch.zeros_like(lse)

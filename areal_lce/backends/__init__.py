@@ -52,6 +52,8 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype = torch.
     """Resolve 'auto' / the env var to a concrete name and check it can run on `device`."""
     if name == "auto":
         name = os.environ.get(ENV_VAR, "auto") or "auto"
+        if name not in _REGISTRY and name != "auto":
+            raise ValueError(f"environment variable {ENV_VAR}={name!r} is not one of {BACKENDS + ('auto',)}")
     if name == "auto" and dtype == torch.float64:
         return "torch"  # the Triton kernels take bf16/fp16/fp32; fp64 (checks) runs chunked torch
     if name == "auto":

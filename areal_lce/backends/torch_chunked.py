@@ -25,9 +25,26 @@ def _chunks(n: int, size: int):
         yield start, min(n, start + size)
 
 
+CHUNK_ENV = "AREAL_LCE_TORCH_CHUNK_BYTES"
+
+
+def chunk_budget(device: torch.device) -> int:
+    """Bytes of one fp32 logits block: $AREAL_LCE_TORCH_CHUNK_BYTES (a positive integer), else the default."""
+    text = os.environ.get(CHUNK_ENV, "").strip()
+    if not text:
+        return (32 if device.type == "cpu" else 256) << 20
+    try:
+        budget = int(text)
+    except ValueError:
+        budget = 0
+    if budget <= 0:
+        raise ValueError(f"environment variable {CHUNK_ENV}={text!r} must be a positive integer number of bytes "
+                         "(e.g. 33554432)")
+    return budget
+
+
 def chunk_shape(n: int, v: int, device: torch.device) -> tuple[int, int]:
-    default = (32 if device.type == "cpu" else 256) << 20
-    budget = int(os.environ.get("AREAL_LCE_TORCH_CHUNK_BYTES", default))
+    budget = chunk_budget(device)
     n_chunk = max(1, min(n, 1024 if device.type == "cpu" else 4096))
     v_chunk = max(128, min(max(v, 1), budget // (4 * n_chunk)))
     return n_chunk, v_chunk

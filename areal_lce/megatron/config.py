@@ -9,10 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
+from ..backends import BACKENDS
+
 PRESETS = ("tiny", "tiny-llama", "qwen2.5-0.5b", "qwen2.5-7b")
 DTYPES = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine")
 CAPTURE_SEAMS = ("auto", "output_processor", "output_layer")
+LCE_BACKENDS = ("auto",) + BACKENDS
 
 
 @dataclass
@@ -109,11 +112,20 @@ class ParallelConfig:
                   "each CP rank keeps chunks r and 2cp-1-r (megatron's zigzag); attention all-gathers K/V "
                   "over the CP group. Needs model.attention=sdpa and pipeline_parallel=1"},
     )
+    timeout_s: float = field(
+        default=600.0,
+        metadata={"help": "timeout of every collective (torch.distributed process group and Megatron's groups): "
+                  "a rank that stalls or dies makes the others fail with an error after this many seconds "
+                  "instead of hanging. 600 = Megatron-LM's default --distributed-timeout-minutes=10; raise it "
+                  "when one rank may legitimately run alone longer (e.g. saving a large checkpoint)"},
+    )
 
     def __post_init__(self):
         for name in ("tensor_parallel", "pipeline_parallel", "context_parallel"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name}={getattr(self, name)} must be >= 1")
+        if not 0 < self.timeout_s < float("inf"):
+            raise ValueError(f"parallel.timeout_s={self.timeout_s} must be a finite number of seconds > 0")
         if self.context_parallel > 1 and self.pipeline_parallel > 1:
             raise ValueError(f"parallel.context_parallel={self.context_parallel} with parallel.pipeline_parallel="
                              f"{self.pipeline_parallel}: context parallelism runs with pipeline_parallel=1 only")
@@ -191,6 +203,8 @@ class EngineConfig:
     seed: int = field(default=1234, metadata={"help": "seed of parameter init, dropout and sampling"})
 
     def __post_init__(self):
+        if self.lce_backend not in LCE_BACKENDS:
+            raise ValueError(f"engine.lce_backend={self.lce_backend!r}: expected one of {LCE_BACKENDS}")
         if self.capture_seam not in CAPTURE_SEAMS:
             raise ValueError(f"capture_seam={self.capture_seam!r}: expected one of {CAPTURE_SEAMS}")
         if self.parallel.context_parallel > 1 and self.model.attention != "sdpa":

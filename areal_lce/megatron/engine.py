@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .. import comms
+from .. import comms, durable
 from . import capture
 from .batch import ModelBatch, packed_length
 from .batch import prepare as prepare_batch
@@ -397,7 +397,7 @@ class MegatronEngine:
                     "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()},
             "meta": {"world_size": self.dist.world_size, "tp": self.dist.tp_size, "vocab_size": self.vocab_size},
         }
-        torch.save(state, self._rank_file(path))
+        durable.torch_save(state, self._rank_file(path))  # temp name, fsync, rename: on disk before COMPLETE
 
     def load(self, path: str) -> None:
         from megatron.core import tensor_parallel

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,9 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int = 1234) -> DistInfo
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        dist.init_process_group(backend=backend)
+        # a stalled or dead rank makes the others raise after timeout_s instead of hanging (torch's default:
+        # 10 min for NCCL, 30 min for gloo)
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=parallel_cfg.timeout_s))
         _OWNS_PROCESS_GROUP = True
     world = dist.get_world_size()
     tp, pp = parallel_cfg.tensor_parallel, parallel_cfg.pipeline_parallel
@@ -92,6 +95,7 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int = 1234) -> DistInfo
             pipeline_model_parallel_size=pp,
             context_parallel_size=cp,
             create_gloo_process_groups=not cuda,
+            distributed_timeout_minutes=parallel_cfg.timeout_s / 60,  # the TP/DP/PP groups' collectives
         )
     # The inference-style tracker keeps per-region seeds without CUDA generator states (CPU-safe).
     # Pipeline stages get distinct seeds (as Megatron-LM does), so their layers are not initialised

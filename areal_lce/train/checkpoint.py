@@ -10,16 +10,23 @@ Layout::
 The data order is a pure function of (shuffle_seed, step) (see data.py), so the step number is the
 whole data-loader state; the engine restores every RNG, so a resumed run's next step equals the
 uninterrupted run's.
+
+Durability: every file is written under a temporary name, fsynced and renamed (areal_lce.durable), the
+directories are fsynced, and COMPLETE comes last, after a barrier: a checkpoint marked complete is on
+disk. A complete checkpoint that still cannot be read (a damaged disk, a file edited by hand) is
+skipped on resume with a warning naming it, and the previous complete one is loaded instead.
 """
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Optional, Union
 
-from .. import comms
+from .. import comms, durable
 
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
@@ -84,12 +91,13 @@ def save_checkpoint(engine, output_dir, step: int, state: dict, is_main: bool) -
         (path / MARKER).unlink(missing_ok=True)
         path.mkdir(parents=True, exist_ok=True)
     _barrier()
-    engine.save(str(path / "engine"))
+    engine.save(str(path / "engine"))  # each rank's files durably (temp name, fsync, rename)
     _barrier()
     if is_main:
-        with open(path / STATE_FILE, "w") as f:
-            json.dump({**state, "step": step}, f, indent=1)
-        (path / MARKER).write_text("ok\n")
+        durable.write_text(path / STATE_FILE, json.dumps({**state, "step": step}, indent=1))
+        durable.fsync_dir(path / "engine")
+        durable.write_text(path / MARKER, "ok\n")  # last: everything above is on disk
+        durable.fsync_dir(path.parent)
     _barrier()
     return path
 
@@ -103,6 +111,37 @@ def load_checkpoint(engine, path) -> dict:
         state = json.load(f)
     engine.load(str(path / "engine"))
     return state
+
+
+# What a damaged (truncated, overwritten) checkpoint file raises when read; a layout mismatch (ValueError)
+# is not among them: it would fail on every checkpoint alike.
+_UNREADABLE = (OSError, EOFError, RuntimeError, KeyError, pickle.UnpicklingError, json.JSONDecodeError,
+               UnicodeDecodeError)
+
+
+def load_resumable(engine, output_dir, path) -> tuple[Path, dict]:
+    """Collective: load checkpoint `path` (the latest complete one) into `engine`; when any rank cannot read
+    its files, warn naming it and try the previous complete checkpoint, on every rank together.
+    Returns (the checkpoint loaded, its trainer state); raises when none can be read."""
+    path = Path(path)
+    step = int(_STEP_DIR.match(path.name).group(1))
+    failures = []
+    for s, candidate in reversed(list_checkpoints(output_dir)):
+        if s > step:
+            continue
+        error = ""
+        try:
+            state = load_checkpoint(engine, candidate)
+        except _UNREADABLE as e:
+            error = f"{type(e).__name__}: {e}"
+        if comms.all_ranks_true(not error):
+            return candidate, state
+        why = error or "another rank could not read its files"
+        failures.append(f"{candidate}: {why}")
+        warnings.warn(f"checkpoint {candidate} is marked {MARKER} but cannot be loaded ({why}); falling back to "
+                      "the previous complete checkpoint", RuntimeWarning, stacklevel=2)
+    raise RuntimeError(f"no complete checkpoint under {checkpoint_root(output_dir)} can be loaded:\n  "
+                       + "\n  ".join(failures or [f"{path}: not found"]))
 
 
 def end_of_step(engine, trainer, output_dir, step: int, state: dict, is_main: bool, say, job: str) -> bool:

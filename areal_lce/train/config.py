@@ -3,31 +3,26 @@
 A job is one `JobConfig`. YAML only sets fields that exist (unknown keys are errors naming the full
 dotted option), overrides `a.b.c=value` are typed by the dataclass field they target, and every
 dataclass checks its own cross-field constraints in `__post_init__`, naming the offending option.
+The loader and type machinery live in `config_io` (strict YAML: duplicate keys are errors).
 
     cfg = load_config("configs/sft_tiny.yaml", ["trainer.steps=20", "engine.use_fused_linear_ce=false"])
     print(format_help(JobConfig))   # every option with its type, default and help string
 """
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
-
-import yaml
+from typing import Sequence, Union
 
 from areal_lce.megatron.config import EngineConfig
 
+from . import config_io
+from .config_io import (ConfigError, dump_yaml, from_dict, iter_fields, load_yaml, parse_value,  # noqa: F401
+                        to_dict)
 from .rl_config import RLConfig
 
 JOBS = ("sft", "grpo", "ppo")
 DATA_FORMATS = ("prompt_response", "text")
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the offending option."""
 
 
 def _help(text: str) -> dict:
@@ -172,298 +167,22 @@ class JobConfig:
                               f"{self.trainer.steps} (0 disables it)")
 
 
-# ----------------------------------------------------------------------------------------------
-# Generic machinery: dict -> dataclass with type checks, typed string overrides, help listing.
-# ----------------------------------------------------------------------------------------------
-
-_NONE_WORDS = ("none", "null", "~")
-_TRUE_WORDS = ("true", "1", "yes", "on")
-_FALSE_WORDS = ("false", "0", "no", "off")
-
-
-def _hints(cls) -> dict:
-    return typing.get_type_hints(cls)
-
-
-def _is_union(tp) -> bool:
-    return typing.get_origin(tp) in (Union, types.UnionType)
-
-
-def _type_name(tp) -> str:
-    if isinstance(tp, type):
-        return tp.__name__
-    return str(tp).replace("typing.", "")
-
-
-def _check_value(tp, value, key: str):
-    """Return `value` as type `tp` (YAML values: int widens to float, list to tuple), else raise."""
-    if dataclasses.is_dataclass(tp):
-        raise ConfigError(f"option '{key}' is a section; set its fields ({key}.FIELD)")
-    if tp is Any:
-        return value
-    if _is_union(tp):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _check_value(arg, value, key)
-            except ConfigError:
-                pass
-        raise ConfigError(f"option '{key}' expects {_type_name(tp)}, got {value!r}")
-    origin = typing.get_origin(tp)
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"option '{key}' expects a mapping ({_type_name(tp)}), got {value!r}")
-        return dict(value)
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"option '{key}' expects a list ({_type_name(tp)}), got {value!r}")
-        args = typing.get_args(tp)
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(args) != len(value):
-                raise ConfigError(f"option '{key}' expects {len(args)} values, got {len(value)}")
-            return tuple(_check_value(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
-        elem = args[0] if args else Any
-        items = [_check_value(elem, v, f"{key}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif isinstance(tp, type) and isinstance(value, tp):
-        return value
-    raise ConfigError(f"option '{key}' expects {_type_name(tp)}, got {value!r}")
-
-
-def from_dict(cls, data: Optional[dict], prefix: str = ""):
-    """Build dataclass `cls` from a nested dict; unknown keys and wrong types raise ConfigError."""
-    data = {} if data is None else data
-    if not isinstance(data, dict):
-        raise ConfigError(f"section '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {data!r}")
-    hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
-    kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            raise ConfigError(f"unknown option '{prefix}{key}' (valid in this section: {', '.join(names)})")
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            kwargs[key] = from_dict(tp, value, f"{prefix}{key}.")
-        else:
-            kwargs[key] = _check_value(tp, value, f"{prefix}{key}")
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as e:  # a nested section's own check: say which section
-        where = prefix.rstrip(".") or "<root>"
-        raise ConfigError(f"invalid section '{where}': {e}") from e
-
-
-def to_dict(cfg) -> dict:
-    """Plain nested dict of a config (tuples as lists, so it round-trips through YAML)."""
-    def plain(v):
-        if isinstance(v, (list, tuple)):
-            return [plain(x) for x in v]
-        if isinstance(v, dict):
-            return {k: plain(x) for k, x in v.items()}
-        return v
-    return plain(dataclasses.asdict(cfg))
-
-
-def dump_yaml(cfg) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
-
-
-def _field_type(cls, dotted: str):
-    """Type of the field at dotted path `dotted` below dataclass `cls`; unknown parts raise."""
-    parts = dotted.split(".")
-    tp = cls
-    for i, part in enumerate(parts):
-        if typing.get_origin(tp) is dict or tp is dict or tp is Any:
-            return Any  # a key inside a mapping option (e.g. rl.task_options.n=3): YAML-typed value
-        if not dataclasses.is_dataclass(tp):
-            raise ConfigError(f"unknown option '{dotted}': '{'.'.join(parts[:i])}' is not a section")
-        names = [f.name for f in dataclasses.fields(tp) if f.init]
-        if part not in names:
-            where = ".".join(parts[:i]) or "<root>"
-            raise ConfigError(f"unknown option '{dotted}' (valid in '{where}': {', '.join(names)})")
-        tp = _hints(tp)[part]
-    return tp
-
-
-def parse_value(tp, text: str, key: str):
-    """Parse the command-line string `text` as a value of type `tp` (the field's annotation)."""
-    s = text.strip()
-    if dataclasses.is_dataclass(tp):
-        raise ConfigError(f"option '{key}' is a section; override its fields ({key}.FIELD=...)")
-    if _is_union(tp):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if type(None) in typing.get_args(tp) and s.lower() in _NONE_WORDS:
-            return None
-        for arg in args:
-            try:
-                return parse_value(arg, s, key)
-            except ConfigError:
-                pass
-        raise ConfigError(f"option '{key}' expects {_type_name(tp)}, got {text!r}")
-    origin = typing.get_origin(tp)
-    if origin is dict or tp is dict:
-        try:
-            raw = yaml.safe_load(s) if s else {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"option '{key}': cannot parse mapping {text!r}: {e}") from e
-        if not isinstance(raw, dict):
-            raise ConfigError(f"option '{key}' expects a mapping like {{a: 1}}, got {text!r}")
-        return raw
-    if origin in (list, tuple):
-        if s.startswith("["):
-            try:
-                raw = yaml.safe_load(s)
-            except yaml.YAMLError as e:
-                raise ConfigError(f"option '{key}': cannot parse list {text!r}: {e}") from e
-            if not isinstance(raw, list):
-                raise ConfigError(f"option '{key}' expects a list, got {text!r}")
-            raw = [str(x) for x in raw]
-        else:
-            raw = [p for p in s.split(",") if p.strip()] if s else []
-        args = typing.get_args(tp)
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(args) != len(raw):
-                raise ConfigError(f"option '{key}' expects {len(args)} comma-separated values, got {text!r}")
-            return tuple(parse_value(a, r, key) for a, r in zip(args, raw))
-        elem = args[0] if args else str
-        items = [parse_value(elem, r, key) for r in raw]
-        return tuple(items) if origin is tuple else items
-    if tp is bool:
-        if s.lower() in _TRUE_WORDS:
-            return True
-        if s.lower() in _FALSE_WORDS:
-            return False
-        raise ConfigError(f"option '{key}' expects a bool (true/false), got {text!r}")
-    if tp is int:
-        try:
-            return int(s)
-        except ValueError:
-            try:
-                f = float(s)  # accept 1e6
-            except ValueError:
-                f = None
-            if f is not None and f.is_integer():
-                return int(f)
-            raise ConfigError(f"option '{key}' expects an int, got {text!r}") from None
-    if tp is float:
-        try:
-            return float(s)
-        except ValueError:
-            raise ConfigError(f"option '{key}' expects a float, got {text!r}") from None
-    if tp is str:
-        return text
-    if tp is Any:
-        return yaml.safe_load(s)
-    raise ConfigError(f"option '{key}' has unsupported type {_type_name(tp)} for command-line overrides")
-
-
 def apply_overrides(data: dict, overrides: Sequence[str], cls=None) -> dict:
-    """Set dotted `key=value` overrides into the nested dict `data` (typed by `cls`'s fields)."""
-    cls = JobConfig if cls is None else cls
-    data = {} if data is None else data
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. trainer.steps=10)")
-        key, text = item.split("=", 1)
-        key = key.strip().lstrip("-")
-        if not key:
-            raise ConfigError(f"override {item!r} has an empty key")
-        value = parse_value(_field_type(cls, key), text, key)
-        node = data
-        parts = key.split(".")
-        for part in parts[:-1]:
-            nxt = node.get(part)
-            if nxt is None:
-                nxt = node[part] = {}
-            elif not isinstance(nxt, dict):
-                raise ConfigError(f"section '{part}' in the YAML is not a mapping (override {key})")
-            node = nxt
-        node[parts[-1]] = value
-    return data
-
-
-def load_yaml(path: Union[str, Path]) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} not found")
-    with open(path) as f:
-        data = yaml.safe_load(f)
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
-    return data
+    """Set dotted `key=value` overrides into the nested dict `data` (typed by `cls`'s fields, JobConfig's
+    by default)."""
+    return config_io.apply_overrides(data, overrides, JobConfig if cls is None else cls)
 
 
 def load_config(path: Union[str, Path, None] = None, overrides: Sequence[str] = (), cls=None):
     """YAML file (optional) + dotted overrides -> validated config (JobConfig by default)."""
-    cls = JobConfig if cls is None else cls
-    data = load_yaml(path) if path is not None else {}
-    data = apply_overrides(data, overrides, cls)
-    return from_dict(cls, data)
-
-
-def iter_fields(cls, prefix: str = ""):
-    """Yield (dotted name, type, default, help) for every leaf option below dataclass `cls`."""
-    hints = _hints(cls)
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        tp = hints[f.name]
-        name = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(tp):
-            yield from iter_fields(tp, name + ".")
-            continue
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        else:
-            default = dataclasses.MISSING
-        yield name, tp, default, f.metadata.get("help", "")
+    return config_io.load_config(path, overrides, JobConfig if cls is None else cls)
 
 
 def format_help(cls=None) -> str:
     """Text listing of every option: dotted name, type, default and help string."""
-    cls = JobConfig if cls is None else cls
-    lines = []
-    for name, tp, default, text in iter_fields(cls):
-        shown = "<required>" if default is dataclasses.MISSING else repr(default)
-        lines.append(f"  {name}  ({_type_name(tp)}, default {shown})")
-        if text:
-            lines.append(f"      {text}")
-    return "\n".join(lines)
+    return config_io.format_help(JobConfig if cls is None else cls)
 
 
 def format_markdown(cls=None) -> str:
     """Markdown tables of every option (one per top-level section), from the help strings."""
-    cls = JobConfig if cls is None else cls
-    out, section = [], None
-    for name, tp, default, text in iter_fields(cls):
-        top = name.split(".")[0] if "." in name else ""
-        if top != section:
-            section = top
-            out += ["", f"### `{top}`" if top else "### top level", "",
-                    "| option | type | default | meaning |", "|---|---|---|---|"]
-        shown = "required" if default is dataclasses.MISSING else repr(default)
-        cell = text.replace("|", "\\|")
-        out.append(f"| `{name}` | {_type_name(tp)} | `{shown}` | {cell} |")
-    return "\n".join(out).strip() + "\n"
+    return config_io.format_markdown(JobConfig if cls is None else cls)

@@ -86,6 +86,24 @@ def tokenize_example(row: dict, cfg: DataConfig, tok, where: str = "example") ->
     return Example(ids=tuple(ids[: cfg.max_seq_len]), loss_start=loss_start)
 
 
+def check_token_ids(ids, vocab_size: int, where: str, option: str = "data.tokenizer") -> None:
+    """Raise naming `where`, the token id and the vocabulary when an id is outside [0, vocab_size): the
+    model's embedding would otherwise fail later with an opaque index error."""
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(i for i in ids if not 0 <= i < vocab_size)
+        raise ValueError(f"{where}: token id {bad} is outside the model's vocabulary of {vocab_size} ids "
+                         f"({option} produces ids the model cannot embed; set engine.model.vocab_size to "
+                         "cover them or use the model's own tokenizer)")
+
+
+def check_special_ids(tok, vocab_size: int) -> None:
+    """The tokenizer's pad/bos/eos ids, which the jobs feed to the model, must be in the vocabulary."""
+    for name in ("pad_id", "bos_id", "eos_id"):
+        i = getattr(tok, name, None)
+        if i is not None:
+            check_token_ids([i], vocab_size, f"tokenizer {tok.name!r} {name}")
+
+
 def make_labels(ids, loss_start: int) -> list[int]:
     """labels[t] = ids[t+1] when t+1 >= loss_start, else -100; the last position is -100."""
     n = len(ids)
@@ -111,12 +129,18 @@ def collate(examples, pad_id: int, pad_to_multiple_of: int = 1) -> dict:
 class SFTDataset:
     """Tokenized examples of one JSONL file plus the run's deterministic global-batch order."""
 
-    def __init__(self, cfg: DataConfig, tok, examples: Optional[list] = None):
+    def __init__(self, cfg: DataConfig, tok, examples: Optional[list] = None, vocab_size: Optional[int] = None):
+        """`vocab_size`: the model's vocabulary; every token id (and the pad id) must be below it."""
         self.cfg, self.tok = cfg, tok
         if examples is None:
             path = resolve_data_path(cfg.path)
             rows = read_jsonl(path)
             examples = [tokenize_example(r, cfg, tok, f"{path}:{i + 1}") for i, r in enumerate(rows)]
+            if vocab_size is not None:
+                for i, e in enumerate(examples):
+                    check_token_ids(e.ids, vocab_size, f"data.path={cfg.path!r} ({path}:{i + 1})")
+        if vocab_size is not None:
+            check_special_ids(tok, vocab_size)
         kept = [e for e in examples if e.n_targets > 0]
         if len(kept) < len(examples):
             warnings.warn(f"{len(examples) - len(kept)} examples have no training target after truncation "

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -10,11 +11,23 @@ PLOT_KEYS = ("loss", "entropy", "max_logit", "min_logit", "grad_norm", "lr", "to
 
 
 def read_metrics(path) -> list[dict]:
+    """The records of a metrics.jsonl. A torn last line (a process killed while writing it) is skipped
+    with a warning; an unreadable line before it is an error naming the file and line."""
     path = Path(path)
     if not path.is_file():
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    records = []
+    for k, (lineno, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if k < len(lines) - 1:
+                raise ValueError(f"{path}:{lineno}: not a JSON record ({e})") from e
+            warnings.warn(f"{path}:{lineno}: skipping a torn last line (a run killed while writing it): "
+                          f"{line[:80]!r}", RuntimeWarning, stacklevel=2)
+    return records
 
 
 class MetricsLog:

@@ -32,8 +32,8 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .checkpoint import clear_run_dir, end_of_step, load_checkpoint, resolve_resume
-from .data import Example, collate
+from .checkpoint import clear_run_dir, end_of_step, load_resumable, resolve_resume
+from .data import Example, check_special_ids, check_token_ids, collate
 from .logging_utils import MetricsLog, ProgressBar, format_record, plot_metrics, read_metrics
 from .rewards import load_reward
 from .rl_losses import batch_advantages, group_advantages, rl_loss
@@ -154,6 +154,8 @@ class RLJob:
         if model_vocab and model_vocab < self.tok.vocab_size:
             raise ValueError(f"engine.model.vocab_size={model_vocab} is smaller than the tokenizer's "
                              f"{self.tok.vocab_size} ids (data.tokenizer={cfg.data.tokenizer!r})")
+        self.vocab_size = model_vocab or self.tok.vocab_size
+        check_special_ids(self.tok, self.vocab_size)
         factory = engine_factory or _default_engine
         self.policy = factory(cfg.engine, model_vocab or self.tok.vocab_size)
         self.reference = factory(cfg.engine, model_vocab or self.tok.vocab_size, trainable=False)
@@ -168,6 +170,7 @@ class RLJob:
         ids = self.tok.encode(text)
         if self.cfg.data.add_bos and self.tok.bos_id is not None:
             ids = [self.tok.bos_id] + ids
+        check_token_ids(ids, self.vocab_size, f"rl.task={self.rl.task!r} prompt {text!r}")
         longest = len(ids) + self.rl.max_new_tokens
         if longest > self.cfg.engine.model.max_seq_len:
             raise ValueError(f"prompt of {len(ids)} tokens + rl.max_new_tokens={self.rl.max_new_tokens} exceeds "
@@ -288,7 +291,8 @@ def _train(cfg, dist_info, engine_factory) -> dict:
     torch.manual_seed(tr.seed)
     start = 0
     if resume_from is not None:
-        start = int(load_checkpoint(job.policy, resume_from)["step"])
+        resume_from, state = load_resumable(job.policy, out, resume_from)  # falls back past a damaged one
+        start = int(state["step"])
     log = MetricsLog(out / "metrics.jsonl", enabled=main, resume_step=start)
     if main:
         route = "fused linear op" if cfg.engine.use_fused_linear_ce else "materialised logits"

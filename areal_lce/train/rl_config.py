@@ -5,6 +5,7 @@ the offending option. The train package's YAML loader nests it into `JobConfig.r
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -95,8 +96,8 @@ class RLConfig:
                 raise ValueError(f"rl.{name}={getattr(self, name)} must be >= 1")
         if not isinstance(self.task_options, dict):
             raise ValueError(f"rl.task_options={self.task_options!r} must be a mapping")
-        if not self.temperature > 0:
-            raise ValueError(f"rl.temperature={self.temperature} must be > 0")
+        if not 0 < self.temperature < math.inf:
+            raise ValueError(f"rl.temperature={self.temperature} must be a finite number > 0")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"rl.top_p={self.top_p} must be in (0, 1]")
         if self.advantage not in ADVANTAGES:

@@ -88,7 +88,7 @@ def _train(cfg: JobConfig, dist_info, engine_factory) -> dict:
     if model_vocab and model_vocab < tok.vocab_size:
         raise ValueError(f"engine.model.vocab_size={model_vocab} is smaller than the tokenizer's "
                          f"{tok.vocab_size} ids (data.tokenizer={cfg.data.tokenizer!r})")
-    dataset = SFTDataset(cfg.data, tok)
+    dataset = SFTDataset(cfg.data, tok, vocab_size=model_vocab or tok.vocab_size)  # ids checked against it
     pad_mult = cfg.data.pad_to_multiple_of
     if cfg.engine.parallel.sequence_parallel:  # the sequence is split over TP ranks
         pad_mult = math.lcm(pad_mult, dist_info.tp_size)
@@ -107,7 +107,7 @@ def _train(cfg: JobConfig, dist_info, engine_factory) -> dict:
     torch.manual_seed(tr.seed)
     start = 0
     if resume_from is not None:
-        state = ckpt.load_checkpoint(engine, resume_from)
+        resume_from, state = ckpt.load_resumable(engine, out, resume_from)  # falls back past a damaged one
         start = int(state["step"])
     metrics = MetricsLog(out / "metrics.jsonl", enabled=is_main, resume_step=start)
     if is_main:

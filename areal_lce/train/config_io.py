@@ -1,0 +1,362 @@
+"""Generic config machinery: a strict YAML loader, dict -> dataclass with type checks, typed dotted
+overrides, and the option listings. `config.py` holds the job's dataclasses and binds these to JobConfig.
+
+YAML rules beyond PyYAML's safe loader: a key given twice in one mapping is an error naming the key and
+both lines (PyYAML would keep the last silently); a syntax error is a ConfigError naming the file, line
+and column. Float options also take the YAML 1.2 spellings that YAML 1.1 reads as strings (`1e-3`,
+`5e4`); integer options take integral ones (`1e6`); every float option must be finite.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the offending option."""
+
+
+class StrictLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key repeated within one mapping (merge keys `<<` may be overridden)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    line = first.get(key)
+                except TypeError:  # unhashable key: the base class reports it
+                    continue
+                if line is not None:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"duplicate key {key!r} (first given on line {line}); a repeated key or section would "
+                        "silently replace the first one", key_node.start_mark)
+                first[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def yaml_load(stream):
+    """Parse YAML (text or an open file, whose name then appears in errors) with StrictLoader; raises
+    yaml.YAMLError on bad syntax or a duplicate key."""
+    return yaml.load(stream, Loader=StrictLoader)
+
+
+# YAML 1.2 core-schema floats (1e-3, 5E4, .5, 2.): YAML 1.1 (PyYAML) reads the exponent forms as strings.
+_FLOAT_RE = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+
+_NONE_WORDS = ("none", "null", "~")
+_TRUE_WORDS = ("true", "1", "yes", "on")
+_FALSE_WORDS = ("false", "0", "no", "off")
+
+
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _is_union(tp) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType)
+
+
+def _type_name(tp) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _finite(x: float, key: str) -> float:
+    if not math.isfinite(x):
+        raise ConfigError(f"option '{key}' must be a finite number, got {x}")
+    return x
+
+
+def _check_value(tp, value, key: str):
+    """Return `value` as type `tp` (YAML values: int widens to float, list to tuple), else raise."""
+    if dataclasses.is_dataclass(tp):
+        raise ConfigError(f"option '{key}' is a section; set its fields ({key}.FIELD)")
+    if tp is Any:
+        return value
+    if _is_union(tp):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check_value(arg, value, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"option '{key}' expects {_type_name(tp)}, got {value!r}")
+    origin = typing.get_origin(tp)
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"option '{key}' expects a mapping ({_type_name(tp)}), got {value!r}")
+        return dict(value)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"option '{key}' expects a list ({_type_name(tp)}), got {value!r}")
+        args = typing.get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise ConfigError(f"option '{key}' expects {len(args)} values, got {len(value)}")
+            return tuple(_check_value(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        elem = args[0] if args else Any
+        items = [_check_value(elem, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()) and float(value).is_integer():
+            return int(float(value))  # `1e6`, read by YAML 1.1 as a string
+    elif tp is float:
+        if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
+            value = float(value)  # `1e-3`, read by YAML 1.1 as a string
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return _finite(float(value), key)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"option '{key}' expects {_type_name(tp)}, got {value!r}")
+
+
+def from_dict(cls, data: Optional[dict], prefix: str = ""):
+    """Build dataclass `cls` from a nested dict; unknown keys and wrong types raise ConfigError."""
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"section '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {data!r}")
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(f"unknown option '{prefix}{key}' (valid in this section: {', '.join(names)})")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = from_dict(tp, value, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _check_value(tp, value, f"{prefix}{key}")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:  # a nested section's own check: say which section
+        where = prefix.rstrip(".") or "<root>"
+        raise ConfigError(f"invalid section '{where}': {e}") from e
+
+
+def to_dict(cfg) -> dict:
+    """Plain nested dict of a config (tuples as lists, so it round-trips through YAML)."""
+    def plain(v):
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+    return plain(dataclasses.asdict(cfg))
+
+
+def dump_yaml(cfg) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def _field_type(cls, dotted: str):
+    """Type of the field at dotted path `dotted` below dataclass `cls`; unknown parts raise."""
+    parts = dotted.split(".")
+    tp = cls
+    for i, part in enumerate(parts):
+        if typing.get_origin(tp) is dict or tp is dict or tp is Any:
+            return Any  # a key inside a mapping option (e.g. rl.task_options.n=3): YAML-typed value
+        if not dataclasses.is_dataclass(tp):
+            raise ConfigError(f"unknown option '{dotted}': '{'.'.join(parts[:i])}' is not a section")
+        names = [f.name for f in dataclasses.fields(tp) if f.init]
+        if part not in names:
+            where = ".".join(parts[:i]) or "<root>"
+            raise ConfigError(f"unknown option '{dotted}' (valid in '{where}': {', '.join(names)})")
+        tp = _hints(tp)[part]
+    return tp
+
+
+def parse_value(tp, text: str, key: str):
+    """Parse the command-line string `text` as a value of type `tp` (the field's annotation)."""
+    s = text.strip()
+    if dataclasses.is_dataclass(tp):
+        raise ConfigError(f"option '{key}' is a section; override its fields ({key}.FIELD=...)")
+    if _is_union(tp):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if type(None) in typing.get_args(tp) and s.lower() in _NONE_WORDS:
+            return None
+        for arg in args:
+            try:
+                return parse_value(arg, s, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"option '{key}' expects {_type_name(tp)}, got {text!r}")
+    origin = typing.get_origin(tp)
+    if origin is dict or tp is dict:
+        try:
+            raw = yaml_load(s) if s else {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"option '{key}': cannot parse mapping {text!r}: {e}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"option '{key}' expects a mapping like {{a: 1}}, got {text!r}")
+        return raw
+    if origin in (list, tuple):
+        if s.startswith("["):
+            try:
+                raw = yaml_load(s)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"option '{key}': cannot parse list {text!r}: {e}") from e
+            if not isinstance(raw, list):
+                raise ConfigError(f"option '{key}' expects a list, got {text!r}")
+            raw = [str(x) for x in raw]
+        else:
+            raw = [p for p in s.split(",") if p.strip()] if s else []
+        args = typing.get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(raw):
+                raise ConfigError(f"option '{key}' expects {len(args)} comma-separated values, got {text!r}")
+            return tuple(parse_value(a, r, key) for a, r in zip(args, raw))
+        elem = args[0] if args else str
+        items = [parse_value(elem, r, key) for r in raw]
+        return tuple(items) if origin is tuple else items
+    if tp is bool:
+        if s.lower() in _TRUE_WORDS:
+            return True
+        if s.lower() in _FALSE_WORDS:
+            return False
+        raise ConfigError(f"option '{key}' expects a bool (true/false), got {text!r}")
+    if tp is int:
+        try:
+            return int(s)
+        except ValueError:
+            try:
+                f = float(s)  # accept 1e6
+            except ValueError:
+                f = None
+            if f is not None and f.is_integer():
+                return int(f)
+            raise ConfigError(f"option '{key}' expects an int, got {text!r}") from None
+    if tp is float:
+        try:
+            return _finite(float(s), key)
+        except ValueError:
+            raise ConfigError(f"option '{key}' expects a float, got {text!r}") from None
+    if tp is str:
+        return text
+    if tp is Any:
+        try:
+            return yaml_load(s)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"option '{key}': cannot parse {text!r}: {e}") from e
+    raise ConfigError(f"option '{key}' has unsupported type {_type_name(tp)} for command-line overrides")
+
+
+def apply_overrides(data: dict, overrides: Sequence[str], cls) -> dict:
+    """Set dotted `key=value` overrides into the nested dict `data` (typed by `cls`'s fields)."""
+    data = {} if data is None else data
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. trainer.steps=10)")
+        key, text = item.split("=", 1)
+        key = key.strip().lstrip("-")
+        if not key:
+            raise ConfigError(f"override {item!r} has an empty key")
+        value = parse_value(_field_type(cls, key), text, key)
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            elif not isinstance(nxt, dict):
+                raise ConfigError(f"section '{part}' in the YAML is not a mapping (override {key})")
+            node = nxt
+        node[parts[-1]] = value
+    return data
+
+
+def load_yaml(path: Union[str, Path]) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml_load(f)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({e})") from e
+    except yaml.YAMLError as e:  # syntax error or duplicate key; the message carries line and column
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+    return data
+
+
+def load_config(path: Union[str, Path, None], overrides: Sequence[str], cls):
+    """YAML file (optional) + dotted overrides -> validated dataclass `cls`."""
+    data = load_yaml(path) if path is not None else {}
+    data = apply_overrides(data, overrides, cls)
+    return from_dict(cls, data)
+
+
+def iter_fields(cls, prefix: str = ""):
+    """Yield (dotted name, type, default, help) for every leaf option below dataclass `cls`."""
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp = hints[f.name]
+        name = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            yield from iter_fields(tp, name + ".")
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING
+        yield name, tp, default, f.metadata.get("help", "")
+
+
+def format_help(cls) -> str:
+    """Text listing of every option: dotted name, type, default and help string."""
+    lines = []
+    for name, tp, default, text in iter_fields(cls):
+        shown = "<required>" if default is dataclasses.MISSING else repr(default)
+        lines.append(f"  {name}  ({_type_name(tp)}, default {shown})")
+        if text:
+            lines.append(f"      {text}")
+    return "\n".join(lines)
+
+
+def format_markdown(cls) -> str:
+    """Markdown tables of every option (one per top-level section), from the help strings."""
+    out, section = [], None
+    for name, tp, default, text in iter_fields(cls):
+        top = name.split(".")[0] if "." in name else ""
+        if top != section:
+            section = top
+            out += ["", f"### `{top}`" if top else "### top level", "",
+                    "| option | type | default | meaning |", "|---|---|---|---|"]
+        shown = "required" if default is dataclasses.MISSING else repr(default)
+        cell = text.replace("|", "\\|")
+        out.append(f"| `{name}` | {_type_name(tp)} | `{shown}` | {cell} |")
+    return "\n".join(out).strip() + "\n"
