@@ -55,7 +55,9 @@ def main():
         return -(st.logprobs * mask).sum() / n, {}
 
     times, losses, oom = [], [], False
-    torch.cuda.reset_peak_memory_stats()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     try:
         for _ in range(args.steps):
             _sync()
@@ -63,10 +65,10 @@ def main():
             losses.append(eng.train_step([{"input_ids": ids, "labels": labels}], loss_fn)["loss"])
             _sync()
             times.append(time.perf_counter() - t0)
-    except torch.cuda.OutOfMemoryError as e:
+    except torch.OutOfMemoryError as e:
         oom = True
         print(f"[rank {eng.dist.rank}] out of memory: {str(e).splitlines()[0]}", flush=True)
-    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=eng.device)
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")], device=eng.device)
     if oom:  # the other rank may be stuck in a collective: report this rank alone and stop
         peaks = [float(peak)]
     else:
@@ -80,7 +82,7 @@ def main():
         med = statistics.median(times[1:] if len(times) > 1 else times)
         res.update(step_s=med, step_s_all=times, tokens_per_s=args.seq / med, loss=losses)
     if eng.dist.rank == 0 or oom:
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "git": _git_sha(),
+        meta = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "git": _git_sha(),
                 "args": vars(args)}
         try:
             import triton

@@ -35,6 +35,8 @@ def _sync():
 
 
 def _git_sha() -> str:
+    if os.environ.get("GIT_SHA"):  # set by the caller where the checkout's .git is absent or stale
+        return os.environ["GIT_SHA"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                        stderr=subprocess.DEVNULL).strip()

@@ -28,7 +28,7 @@ for job in "$@"; do
     bench_lce) run bench_lce 420 python3 -m benchmark.bench_lce --shapes small,qwen7b,llama8b,wide_n --out "$W" ;;
     cp_*) set -- ${job//_/ }; seq=$3; route=$2
           run "cp_${route}_${seq}" 200 torchrun --nproc_per_node=2 -m benchmark.bench_cp --seq "$seq" --route "$route" \
-              ${RECOMPUTE:+--recompute} --out "$W" ;;
+              ${RECOMPUTE:+--recompute} ${STEPS:+--steps $STEPS} --out "$W" ;;
     *) echo "unknown job $job" ;;
   esac
 done
