@@ -11,7 +11,7 @@ python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/*.whl &
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$W/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$W/device.txt"
-git rev-parse HEAD >> "$W/device.txt" 2>/dev/null || true
+echo "commit ${GIT_SHA:-unknown}" >> "$W/device.txt"
 run() {  # name timeout_s command...
   local name=$1 t=$2; shift 2
   echo "=== $name"
