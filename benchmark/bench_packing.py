@@ -11,7 +11,9 @@ Two jobs per layout x route, each on a fresh engine from the same seed and the s
   sft   one SFT step (token-mean NLL over response tokens)
   grpo  the GRPO step minus the rollout: behaviour logprobs (policy, no grad), reference logprobs
         (a frozen engine), and the PPO update with group advantages
-Reported: median step time over the steps after the first, real (unpadded) tokens per second, peak
+`--micro-batch-padded` gives the padded layout its own micro-batch size (e.g. the largest that fits in
+memory, packed rows being about half as long). Reported: median step time over the steps after the
+first, real (unpadded) tokens per second, peak
 GPU memory, the first step's loss (must agree across the four configurations). Floor/targets: packed
 tokens/s >= 1.3x padded at these lengths; fused peak below materialised by at least the fp32 logits of a
 micro-batch (4 * tokens * V / tp bytes).
@@ -29,21 +31,22 @@ import torch
 from benchmark.bench_train import _git_sha, _sync
 
 
-def make_steps(args, vocab: int):
-    """Per step: right-padded micro-batches {'input_ids', 'labels'} with response-only labels."""
+def make_steps(args, vocab: int, micro_batch: int):
+    """Per step: the same `args.seqs` sequences (seeded), as right-padded micro-batches of `micro_batch`
+    sequences {'input_ids', 'labels'} with response-only labels."""
     g = torch.Generator().manual_seed(42)
     steps = []
     for _ in range(args.steps):
+        lens = torch.randint(args.min_response, args.max_response + 1, (args.seqs,), generator=g)
+        seqs = [torch.randint(0, vocab, (args.prompt_len + int(n),), generator=g) for n in lens]
         mbs = []
-        for _ in range(0, args.seqs, args.micro_batch):
-            lens = torch.randint(args.min_response, args.max_response + 1, (args.micro_batch,), generator=g)
-            s = args.prompt_len + int(lens.max())
-            ids = torch.randint(0, vocab, (args.micro_batch, s), generator=g)
+        for k in range(0, args.seqs, micro_batch):
+            chunk = seqs[k:k + micro_batch]
+            ids = torch.zeros(len(chunk), max(len(x) for x in chunk), dtype=torch.long)
             labels = torch.full_like(ids, -100)
-            for r, n in enumerate(lens.tolist()):
-                end = args.prompt_len + n
-                labels[r, args.prompt_len - 1: end - 1] = ids[r, args.prompt_len: end]
-                ids[r, end:] = 0
+            for r, x in enumerate(chunk):
+                ids[r, : len(x)] = x
+                labels[r, args.prompt_len - 1: len(x) - 1] = x[args.prompt_len:]
             mbs.append({"input_ids": ids, "labels": labels})
         steps.append(mbs)
     return steps
@@ -86,9 +89,11 @@ def grpo_step(eng, mbs, ref, rl_cfg):
     return eng.train_step(batch, lambda st, mb: rl_loss(st, mb, rl_cfg))["loss"]
 
 
-def run(args, job: str, fused: bool, pack: bool, steps) -> dict:
+def run(args, job: str, fused: bool, pack: bool) -> dict:
     from areal_lce.train.rl_config import RLConfig
 
+    mb_size = args.micro_batch if pack else (args.micro_batch_padded or args.micro_batch)
+    steps = make_steps(args, vocab_of(args), mb_size)
     eng = build(args, fused, pack)
     ref = build(args, fused, pack, trainable=False) if job == "grpo" else None
     fn = sft_step if job == "sft" else grpo_step
@@ -109,8 +114,16 @@ def run(args, job: str, fused: bool, pack: bool, steps) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {"job": job, "route": "fused" if fused else "materialised", "layout": "packed" if pack else "padded",
+            "micro_batch": mb_size,
             "step_s": med, "step_s_all": times, "real_tokens_per_s": real / med, "peak_mem_gib": peak,
             "loss": losses}
+
+
+def vocab_of(args) -> int:
+    from areal_lce.megatron.config import ModelConfig
+    from areal_lce.megatron.model import resolve_arch
+
+    return resolve_arch(ModelConfig(preset=args.preset)).vocab_size
 
 
 def main():
@@ -119,35 +132,36 @@ def main():
     ap.add_argument("--jobs", default="sft,grpo")
     ap.add_argument("--seqs", type=int, default=32)
     ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--micro-batch-padded", type=int, default=0,
+                    help="sequences per padded micro-batch (0: --micro-batch); e.g. the largest that fits memory")
+    ap.add_argument("--routes", default="fused,materialised")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--min-response", type=int, default=64)
     ap.add_argument("--max-response", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
-    from areal_lce.megatron.model import resolve_arch
-    from areal_lce.megatron.config import ModelConfig
-
-    vocab = resolve_arch(ModelConfig(preset=args.preset)).vocab_size
-    steps = make_steps(args, vocab)
+    vocab = vocab_of(args)
+    routes = [r == "fused" for r in args.routes.split(",")]
     results = []
     for job in args.jobs.split(","):
-        for fused in (True, False):
+        for fused in routes:
             for pack in (True, False):
-                r = run(args, job, fused, pack, steps)
+                r = run(args, job, fused, pack)
                 results.append(r)
-                print(f"{job:>4} {r['route']:>12} {r['layout']:>6}: step {r['step_s'] * 1e3:8.1f} ms  "
+                print(f"{job:>4} {r['route']:>12} {r['layout']:>6} x{r['micro_batch']:<3}: step {r['step_s'] * 1e3:8.1f} ms  "
                       f"{r['real_tokens_per_s']:9.0f} tok/s  peak {r['peak_mem_gib']:6.2f} GiB  loss[0] {r['loss'][0]:.6f}",
                       flush=True)
     summary = {}
     for job in args.jobs.split(","):
         by = {(r["route"], r["layout"]): r for r in results if r["job"] == job}
-        for route in ("fused", "materialised"):
+        for route in sorted({r for r, _ in by}):
             summary[f"{job}_{route}_packed_over_padded_tokens_per_s"] = (
                 by[(route, "packed")]["real_tokens_per_s"] / by[(route, "padded")]["real_tokens_per_s"])
         for layout in ("packed", "padded"):
-            summary[f"{job}_{layout}_memory_saved_gib"] = (by[("materialised", layout)]["peak_mem_gib"]
-                                                           - by[("fused", layout)]["peak_mem_gib"])
+            if ("materialised", layout) in by and ("fused", layout) in by:
+                summary[f"{job}_{layout}_memory_saved_gib"] = (by[("materialised", layout)]["peak_mem_gib"]
+                                                               - by[("fused", layout)]["peak_mem_gib"])
         l0 = [r["loss"][0] for r in by.values()]
         summary[f"{job}_first_loss_rel_spread"] = (max(l0) - min(l0)) / max(abs(min(l0)), 1e-12)
     logits_gib = 4 * args.micro_batch * (args.prompt_len + args.max_response) * vocab / 2**30
@@ -162,7 +176,8 @@ def main():
     except ImportError:
         pass
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"packing_{args.preset}.json"), "w") as fh:
+    tag = f"mb{args.micro_batch}" + (f"_padded{args.micro_batch_padded}" if args.micro_batch_padded else "")
+    with open(os.path.join(args.out, f"packing_{args.preset}_{tag}.json"), "w") as fh:
         json.dump({"meta": meta, "summary": summary, "results": results}, fh, indent=1)
 
 

@@ -141,9 +141,14 @@ def token_stats(model, input_ids: torch.Tensor, labels: torch.Tensor, *, vocab_s
     Returns TokenStats of fp32 tensors shaped like labels on the pipeline stage that holds the LM head;
     on other stages the model's output (hidden states for the next stage), unchanged. Gradients flow
     into every parameter (the LM-head weight's into its .grad / Megatron's main_grad) when the caller
-    backpropagates through logprobs / entropy. Refused with the option named: context_parallel_size > 1,
-    defer_embedding_wgrad_compute (fused), MTP on the output_layer seam (fused), packing other than THD,
-    labels not laid out like input_ids.
+    backpropagates through logprobs / entropy. Refused with the option named: defer_embedding_wgrad_compute
+    (fused), MTP on the output_layer seam (fused), packing other than THD, labels not laid out like input_ids.
+
+    Context parallelism: pass this CP rank's tokens (`split_for_context_parallel` of ids, labels, per-token
+    temperature; THD: the PackedSeqParams of the CP-padded sequences); the stats are CP-local, d_hidden
+    stays local and the LM-head weight gradient is this rank's partial sum, which megatron's DDP reduces
+    over data x context parallel ranks with every other parameter's. `gather_from_context_parallel`
+    gives every CP rank the full per-token stats (its backward returns each rank its own slice).
     """
     out = model_output(model, input_ids, labels, vocab_size=vocab_size, position_ids=position_ids,
                        attention_mask=attention_mask, packed_seq_params=packed_seq_params, temperature=temperature,
