@@ -26,7 +26,6 @@ other stages by a sum over the pipeline group).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import resource
 from typing import Callable, Dict, List, Optional
@@ -40,6 +39,7 @@ from .batch import prepare as prepare_batch
 from . import generate as generation
 from .config import EngineConfig
 from .model import build_gpt_model, load_hf_checkpoint, resolve_arch
+from .optim import build_optimizer, grad_norm_and_clip, lr_at
 from .parallel import init_distributed, object_from_last_stage
 from .stats import TokenStats, model_output
 
@@ -48,17 +48,6 @@ def _resolve_dtype(name: str) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
-
-
-def lr_at(step: int, optim) -> float:
-    """Learning rate of optimizer step `step` (0-based): linear warm-up, then constant or cosine."""
-    if optim.warmup_steps and step < optim.warmup_steps:
-        return optim.lr * (step + 1) / optim.warmup_steps
-    if optim.lr_schedule == "constant":
-        return optim.lr
-    span = max(1, optim.total_steps - optim.warmup_steps)
-    frac = min(1.0, (step - optim.warmup_steps) / span)
-    return optim.min_lr + 0.5 * (optim.lr - optim.min_lr) * (1.0 + math.cos(math.pi * frac))
 
 
 class MegatronEngine:
@@ -115,44 +104,10 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------------------ optimizer
     def _build_optimizer(self) -> None:
-        o = self.cfg.optim
-        self.megatron_optimizer = torch.cuda.is_available()
-        if self.megatron_optimizer:
-            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-            ocfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-                                   adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps,
-                                   clip_grad=o.clip_grad, bf16=self.dtype == torch.bfloat16,
-                                   params_dtype=self.dtype, use_distributed_optimizer=False)
-            # Non-distributed optimizer: no Gloo groups needed (init_distributed creates none on GPU).
-            self.optimizer = get_megatron_optimizer(ocfg, [self.model], use_gloo_process_groups=False)
-        else:
-            decay, no_decay = [], []
-            for p in self.model.parameters():
-                if p.requires_grad:
-                    (no_decay if p.dim() == 1 else decay).append(p)  # no decay on norms and biases
-            self.optimizer = torch.optim.AdamW(
-                [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+        self.optimizer, self.megatron_optimizer = build_optimizer(self.model, self.cfg.optim, self.dtype)
 
     def _grad_norm_and_clip(self) -> float:
-        """Global L2 norm of main_grad (TP duplicates and the last stage's copy of tied embeddings
-        counted once, summed over model-parallel ranks); clip."""
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-        from megatron.core.transformer.module import param_is_not_shared
-
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for p in params:
-            if param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p):
-                sq += p.main_grad.float().pow(2).sum()
-        comms.all_reduce_sum_(sq, self.mp_group)  # SUM of squared norms over TP x PP shards
-        norm = float(sq.sqrt())
-        clip = self.cfg.optim.clip_grad
-        if clip > 0 and norm > clip:
-            for p in params:
-                p.main_grad.mul_(clip / (norm + 1e-6))
-        return norm
+        return grad_norm_and_clip(self.model, self.mp_group, self.device, self.cfg.optim.clip_grad)
 
     def _set_lr(self, lr: float) -> None:
         for g in self.optimizer.param_groups:
@@ -217,41 +172,30 @@ class MegatronEngine:
         lab[: labels.shape[0], : labels.shape[1]] = labels
         return ids, lab
 
-    def _run_schedule(self, batches, on_stats, forward_only: bool, last_token=None) -> None:
+    def _run_schedule(self, batches, on_stats, forward_only: bool) -> None:
         """Megatron's pipeline schedule over `batches` = [(input_ids, labels, temperature)];
-        `on_stats(i, TokenStats)` runs on the last stage and returns microbatch i's loss tensor
-        (with `last_token`, a LastTokenContext, on_stats gets [b, V_pad] next-token logits instead)."""
+        `on_stats(i, TokenStats)` runs on the last stage and returns microbatch i's loss tensor."""
         from functools import partial
 
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        pack = self.cfg.pack_sequences and last_token is None
+        pack = self.cfg.pack_sequences
         b, s = self._pipeline_shapes(batches, pack)
         n = len(batches)
 
         def loss_func(i, mb, out):
-            if last_token is not None:
-                return on_stats(i, out), {}
             # The schedule divides each microbatch's loss by the microbatch count; the caller has
             # already normalised it (the engine sums), so undo that division.
             return on_stats(i, mb.stats(out)) * n, {}
 
         def forward_step(data_iterator, model):
             i, (input_ids, labels, temperature) = next(data_iterator)
-            if last_token is not None:
-                ids, lab = self._pad_to(input_ids, labels, b, s)
-                mb = prepare_batch(ids, lab, device=self.device, max_seq_len=self.cfg.model.max_seq_len,
-                                   pack=False, seq_multiple=self._seq_multiple())
-                out = capture.run_last_token(self.model, self.gpt, self.seam, last_token, mb.input_ids,
-                                             mb.position_ids, mb.attention_mask)
-            elif pack:
+            if pack:  # one packed row per micro-batch, all of the pipeline's fixed length s
                 mb = self._prepare(input_ids, labels, min_packed_length=s)
-                out = self._call_model(mb, temperature)
             else:
                 mb = self._prepare(*self._pad_to(input_ids, labels, b, s))
                 mb.shape = tuple(input_ids.shape)
-                out = self._call_model(mb, temperature)
-            return out, partial(loss_func, i, mb)
+            return self._call_model(mb, temperature), partial(loss_func, i, mb)
 
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(list(enumerate(batches))), model=[self.model],
