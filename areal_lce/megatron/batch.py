@@ -69,11 +69,10 @@ def prepare(input_ids: torch.Tensor, labels: torch.Tensor, *, device, max_seq_le
     b, s = input_ids.shape
     if s > max_seq_len:
         raise ValueError(f"sequence length {s} exceeds model.max_seq_len={max_seq_len}")
-    ids, lab = input_ids.to(device, torch.long), labels.to(device, torch.long)
     group = cp_group if cp_size > 1 else None
-    if pack:
-        rows = pack_rows(ids, lab, pad_to_multiple=1 if group else seq_multiple, min_length=min_packed_length,
-                         ignore_index=ignore_index)
+    if pack:  # packed on the host (the jobs' batches live there), then moved: no device syncs
+        rows = pack_rows(input_ids.cpu().long(), labels.cpu().long(), pad_to_multiple=1 if group else seq_multiple,
+                         min_length=min_packed_length, ignore_index=ignore_index).to(device)
         if group is None:
             return ModelBatch(rows.input_ids, rows.labels, rows.position_ids, None, rows, (b, s))
         # every packed sequence padded to a multiple of 2*cp (x tp under SP: each CP share is then split
@@ -83,6 +82,7 @@ def prepare(input_ids: torch.Tensor, labels: torch.Tensor, *, device, max_seq_le
         local = [split_for_context_parallel(pad_packed(x, padding, fill), group, cu)
                  for x, fill in ((rows.input_ids, 0), (rows.labels, ignore_index), (rows.position_ids, 0))]
         return ModelBatch(*local, None, rows, (b, s), group, padding)
+    ids, lab = input_ids.to(device, torch.long), labels.to(device, torch.long)
     pad = (-s) % (seq_multiple * (2 * cp_size if group else 1))
     if pad:  # sequence / context parallelism split the sequence: right-pad, labels ignored
         ids = torch.nn.functional.pad(ids, (0, pad), value=0)

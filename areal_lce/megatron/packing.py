@@ -76,6 +76,12 @@ class PackedRows:
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
                                max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
 
+    def to(self, device) -> "PackedRows":
+        """The same rows on `device` (`index` stays on the host: it only addresses the padded layout)."""
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return PackedRows(move(self.input_ids), move(self.labels), move(self.position_ids), move(self.cu_seqlens),
+                          self.max_seqlen, self.index, self.padded_shape)
+
     def unpack(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """[1, T, ...] per-token values -> the padded [b, s, ...] layout (fill elsewhere); differentiable."""
         b, s = self.padded_shape
