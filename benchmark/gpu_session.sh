@@ -23,9 +23,10 @@ for job in "$@"; do
   case $job in
     gpu_check) run gpu_check 240 python3 -m benchmark.gpu_check --out "$W" ;;
     gpu_attention_check) run gpu_attention_check 150 python3 -m benchmark.gpu_attention_check --out "$W" ;;
-    bench_packing) run bench_packing 300 python3 -m benchmark.bench_packing --preset qwen2.5-0.5b --seqs 32 --micro-batch 4 --out "$W" ;;
+    bench_packing) run bench_packing 300 python3 -m benchmark.bench_packing --preset qwen2.5-0.5b --seqs 32 --micro-batch 4 \
+          ${STEPS:+--steps $STEPS} --out "$W" ;;
     bench_packing_mem) run bench_packing_mem 420 python3 -m benchmark.bench_packing --preset qwen2.5-0.5b --seqs 32 \
-          --micro-batch 16 --micro-batch-padded 8 --routes fused --out "$W" ;;
+          --micro-batch 16 --micro-batch-padded 8 --routes fused ${STEPS:+--steps $STEPS} --out "$W" ;;
     bench_rollout) run bench_rollout 300 torchrun --nproc_per_node=1 -m benchmark.bench_rollout --preset qwen2.5-0.5b --out "$W" ;;
     bench_lce) run bench_lce 480 python3 -m benchmark.bench_lce --shapes small,qwen7b,llama8b,wide_n --out "$W" ;;
     cp_*) set -- ${job//_/ }; seq=$3; route=$2
