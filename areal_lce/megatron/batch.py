@@ -60,7 +60,7 @@ class ModelBatch:
 
 def prepare(input_ids: torch.Tensor, labels: torch.Tensor, *, device, max_seq_len: int, pack: bool,
             seq_multiple: int = 1, min_packed_length: int = 0, cp_group=None, cp_size: int = 1,
-            ignore_index: int = -100) -> ModelBatch:
+            cu_seqlens_on_host: bool = False, ignore_index: int = -100) -> ModelBatch:
     """Model inputs of one right-padded micro-batch. `seq_multiple`: the sequence (BSHD) or packed row
     (THD) length must be a multiple of it (tensor-parallel size under sequence parallelism)."""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
@@ -72,7 +72,7 @@ def prepare(input_ids: torch.Tensor, labels: torch.Tensor, *, device, max_seq_le
     group = cp_group if cp_size > 1 else None
     if pack:  # packed on the host (the jobs' batches live there), then moved: no device syncs
         rows = pack_rows(input_ids.cpu().long(), labels.cpu().long(), pad_to_multiple=1 if group else seq_multiple,
-                         min_length=min_packed_length, ignore_index=ignore_index).to(device)
+                         min_length=min_packed_length, ignore_index=ignore_index).to(device, cu_seqlens_on_host)
         if group is None:
             return ModelBatch(rows.input_ids, rows.labels, rows.position_ids, None, rows, (b, s))
         # every packed sequence padded to a multiple of 2*cp (x tp under SP: each CP share is then split

@@ -38,7 +38,7 @@ from .batch import ModelBatch, packed_length
 from .batch import prepare as prepare_batch
 from . import generate as generation
 from .config import EngineConfig
-from .model import build_gpt_model, load_hf_checkpoint, resolve_arch
+from .model import build_gpt_model, load_hf_checkpoint, resolve_arch, use_te_spec
 from .optim import build_optimizer, grad_norm_and_clip, lr_at
 from .parallel import init_distributed, object_from_last_stage
 from .stats import TokenStats, model_output
@@ -120,7 +120,8 @@ class MegatronEngine:
     def _prepare(self, input_ids: torch.Tensor, labels: torch.Tensor, min_packed_length: int = 0) -> ModelBatch:
         return prepare_batch(input_ids, labels, device=self.device, max_seq_len=self.cfg.model.max_seq_len,
                              pack=self.cfg.pack_sequences, seq_multiple=self._seq_multiple(),
-                             min_packed_length=min_packed_length, cp_group=self.cp_group, cp_size=self.dist.cp_size)
+                             min_packed_length=min_packed_length, cp_group=self.cp_group, cp_size=self.dist.cp_size,
+                             cu_seqlens_on_host=not use_te_spec())
 
     def _call_model(self, mb: ModelBatch, temperature: float) -> torch.Tensor:
         """One model call through `token_stats`' route: packed stats [b, s, 4] / [1, T, 4] on the last

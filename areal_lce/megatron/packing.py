@@ -65,7 +65,7 @@ class PackedRows:
     input_ids: torch.Tensor  # [1, T]
     labels: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T], restarting at 0 in every sequence
-    cu_seqlens: torch.Tensor  # [n + 1] int32, on the device of input_ids
+    cu_seqlens: torch.Tensor  # [n + 1] int32 (see `to` for where it lives)
     max_seqlen: int
     index: torch.Tensor  # [T_real] flat positions (row * s + col) in the padded [b, s] layout
     padded_shape: tuple  # (b, s) of the padded batch
@@ -76,10 +76,15 @@ class PackedRows:
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
                                max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
 
-    def to(self, device) -> "PackedRows":
-        """The same rows on `device` (`index` stays on the host: it only addresses the padded layout)."""
+    def to(self, device, cu_seqlens_on_host: bool = False) -> "PackedRows":
+        """The same rows on `device` (`index` stays on the host: it only addresses the padded layout).
+        `cu_seqlens_on_host`: leave cu_seqlens on the host, where megatron's THD RoPE reads it with
+        `.tolist()` / `.item()` at every layer (a device tensor would cost two device syncs per call);
+        SDPAttention builds its device-side segments from it once per forward. Transformer Engine's
+        attention needs it on the device."""
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        return PackedRows(move(self.input_ids), move(self.labels), move(self.position_ids), move(self.cu_seqlens),
+        cu = self.cu_seqlens if cu_seqlens_on_host else move(self.cu_seqlens)
+        return PackedRows(move(self.input_ids), move(self.labels), move(self.position_ids), cu,
                           self.max_seqlen, self.index, self.padded_shape)
 
     def unpack(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
