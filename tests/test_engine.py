@@ -232,3 +232,25 @@ def test_packed_matches_padded(fused):
         assert abs(a - b) <= 1e-5 * abs(b), (lp, lb)
     for name, x, y in zip(sp._fields, sp, sb):
         assert x.shape == y.shape and (x - y).abs().max().item() <= 1e-5, name
+
+
+def test_per_token_rope_matches_megatrons_per_sequence_rope():
+    """The packed-frequencies branch of megatron's THD RoPE (all tokens' own positions at once, what the
+    engine uses) gives the same statistics as its per-sequence branch."""
+    from areal_lce.megatron.batch import per_token_rope
+    from areal_lce.megatron.stats import model_output
+
+    e = _engine(ModelConfig(preset="tiny", max_seq_len=64), vocab=W.VOCAB)
+    ids, labels = W.batch(12, b=3, s=20)
+    mb = e._prepare(ids, labels)
+    assert mb.packed is not None and mb.packed.cu_seqlens.numel() >= 4  # several packed sequences
+    kw = dict(vocab_size=W.VOCAB, position_ids=mb.position_ids, packed_seq_params=mb.packed_seq_params,
+              backend="torch")
+    with torch.no_grad():
+        plain = model_output(e.model, mb.input_ids, mb.labels, **kw)
+        with per_token_rope(e.gpt, mb):
+            freqs = e.gpt.rotary_pos_emb(7, packed_seq=True)
+            fast = model_output(e.model, mb.input_ids, mb.labels, **kw)
+    assert freqs.shape[0] == mb.input_ids.shape[1]  # one row per packed token: the packed branch
+    assert "forward" not in vars(e.gpt.rotary_pos_emb)  # restored
+    assert (fast - plain).abs().max().item() <= 1e-5

@@ -12,6 +12,7 @@ see which layout ran.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -33,6 +34,13 @@ class ModelBatch:
     shape: tuple  # (b, s) of the caller's padded batch
     cp_group: Any = None  # context-parallel group when cp > 1
     cp_padding: Any = None  # THD under CP: ContextParallelPadding of the packed sequences
+
+    def rope_positions(self) -> Optional[torch.Tensor]:
+        """Position of every token of the whole packed row (before any CP split) within its sequence."""
+        if self.packed is None:
+            return None
+        pos = self.packed.position_ids
+        return (pos if self.cp_padding is None else pad_packed(pos, self.cp_padding, 0)).reshape(-1)
 
     @property
     def packed_seq_params(self):
@@ -103,3 +111,28 @@ def packed_length(input_ids: torch.Tensor, labels: torch.Tensor, seq_multiple: i
     """Length of the packed row `prepare(pack=True)` builds for this micro-batch (host-side)."""
     return int(pack_rows(input_ids.cpu(), labels.cpu(), pad_to_multiple=seq_multiple,
                          ignore_index=ignore_index).input_ids.shape[1])
+
+
+@contextlib.contextmanager
+def per_token_rope(gpt_model, mb: ModelBatch):
+    """For one call on a packed batch: GPTModel's rotary embedding hands megatron's THD RoPE the
+    frequencies of every packed token's own position (restarting per sequence). Megatron's
+    `_apply_rotary_pos_emb_thd` then takes its packed-frequencies branch (frequencies for all
+    cu_seqlens[-1] tokens, CP chunks picked per sequence) and rotates the whole row in one op, instead of
+    one sequence at a time (~6 kernels per sequence, per layer, for q and for k, plus two host reads).
+    Same rotation either way: frequencies of position p are the table's row p."""
+    rope = getattr(gpt_model, "rotary_pos_emb", None)
+    positions = mb.rope_positions()
+    if rope is None or positions is None or "forward" in vars(rope):
+        yield
+        return
+    table_rows = mb.packed.max_seqlen
+
+    def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
+        return rope.get_emb(table_rows, offset)[positions.to(rope.inv_freq.device)]
+
+    rope.forward = forward
+    try:
+        yield
+    finally:
+        del rope.forward  # back to RotaryEmbedding.forward

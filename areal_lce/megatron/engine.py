@@ -34,7 +34,7 @@ import torch
 
 from .. import comms, durable
 from . import capture
-from .batch import ModelBatch, packed_length
+from .batch import ModelBatch, packed_length, per_token_rope
 from .batch import prepare as prepare_batch
 from . import generate as generation
 from .config import EngineConfig
@@ -126,11 +126,12 @@ class MegatronEngine:
     def _call_model(self, mb: ModelBatch, temperature: float) -> torch.Tensor:
         """One model call through `token_stats`' route: packed stats [b, s, 4] / [1, T, 4] on the last
         pipeline stage, hidden states on the others."""
-        return model_output(self.model, mb.input_ids, mb.labels, vocab_size=self.vocab_size,
-                            position_ids=mb.position_ids, attention_mask=mb.attention_mask,
-                            packed_seq_params=mb.packed_seq_params, temperature=float(temperature),
-                            fused=self.cfg.use_fused_linear_ce, backend=self.cfg.lce_backend,
-                            cache_bytes=self.cfg.lce_cache_bytes, seam=self.seam)
+        with per_token_rope(self.gpt, mb):
+            return model_output(self.model, mb.input_ids, mb.labels, vocab_size=self.vocab_size,
+                                position_ids=mb.position_ids, attention_mask=mb.attention_mask,
+                                packed_seq_params=mb.packed_seq_params, temperature=float(temperature),
+                                fused=self.cfg.use_fused_linear_ce, backend=self.cfg.lce_backend,
+                                cache_bytes=self.cfg.lce_cache_bytes, seam=self.seam)
 
     def _forward_stats(self, input_ids, labels, temperature: float) -> TokenStats:
         mb = self._prepare(input_ids, labels)
