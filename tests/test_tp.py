@@ -103,7 +103,8 @@ def _split(calls, kind, op=None):
 def _assert_forward(calls, n_valid: int) -> int:
     """Exactly one fp32 MAX of [max, -min] (2·n) then one fp32 SUM of packed [s, a, z_label] (3·n), plus
     at most one int64 MAX of 2 integers (the API's shard-size agreement check): nothing that grows with
-    V or H. Returns the number of all-reduces."""
+    V or H. n is every row, ignored ones included: they are partitioned on the device, not counted on the
+    host, so the sizes are the same on every step. Returns the number of all-reduces."""
     reduces = _split(calls, "all_reduce")
     ints = [c for c in reduces if c["dtype"] == torch.int64]
     floats = [c for c in reduces if c["dtype"] != torch.int64]
@@ -119,7 +120,7 @@ def test_fake_group_collectives_non_sp(fake_group, reduce_d_hidden):
     out = linear_logprobs_entropy(hidden, weight, labels, backend="torch", tp_group=fake_group,
                                   reduce_d_hidden=reduce_d_hidden)
     fwd = list(fake_group.calls)
-    n_reduces = _assert_forward(fwd, n_valid=N - 2)
+    n_reduces = _assert_forward(fwd, n_valid=N)
     assert len(fwd) == n_reduces, fwd  # no all-gather, no reduce-scatter without SP
     fake_group.calls.clear()
     (out.logprobs.sum() + out.entropy.sum()).backward()
@@ -140,7 +141,7 @@ def test_fake_group_collectives_sequence_parallel(fake_group):
     fwd = list(fake_group.calls)
     gathers = _split(fwd, "all_gather")
     assert [(c["shape"], c["out_shape"]) for c in gathers] == [((N // 2, H), (N, H))], fwd
-    n_reduces = _assert_forward(fwd, n_valid=N - 2)
+    n_reduces = _assert_forward(fwd, n_valid=N)
     assert len(fwd) == n_reduces + 1, fwd  # + the all-gather; no reduce-scatter in forward
     fake_group.calls.clear()
     (out.logprobs.sum() - 0.5 * out.entropy.sum()).backward()
