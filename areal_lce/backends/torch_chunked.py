@@ -118,8 +118,11 @@ class TorchChunkedBackend:
                 dz = -(g_lp[t0:t1, None].to(acc) + g_ent[t0:t1, None].to(acc) * (logp + ent_t)) * p
                 col = local[t0:t1] - v0
                 own = (col >= 0) & (col < v1 - v0)
-                rows = own.nonzero().squeeze(1)
-                dz[rows, col[rows]] += g_lp[t0:t1][rows].to(acc)
+                # one-hot term at each row's label column: one element per row, so a gather + scatter
+                # (no nonzero(): its data-dependent size is a host sync on accelerators)
+                at = col.clamp(0, v1 - v0 - 1)[:, None]
+                hot = torch.where(own, g_lp[t0:t1].to(acc), 0.0)[:, None]
+                dz.scatter_(1, at, dz.gather(1, at) + hot)
                 dl = dz.mul_(_inv_t(inv_t, params, t0, t1, acc))
                 if half:
                     dl = dl.to(hidden.dtype)

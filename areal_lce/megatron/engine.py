@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
-from .. import comms
+from .. import checks, comms
 from ..materialised import logprobs_entropy_from_logits
 from . import capture
 from .config import EngineConfig
@@ -328,6 +328,7 @@ class MegatronEngine:
                 stats = self.token_stats(mb["input_ids"], mb["labels"],
                                          temperature=float(mb.get("temperature", 1.0)), grad=True)
                 account(mb, stats).backward()
+        checks.check_deferred()  # the op's deferred label checks, read where the loss floats already synced
         # DP all-reduce of the grad buffers, SP norm grads over TP, tied embeddings across stages.
         finalize_model_grads([self.model])
         lr = lr_at(self.step_count, self.cfg.optim)
