@@ -31,7 +31,7 @@ try:
 except ImportError:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from areal_lce import linear_logprobs_entropy, logprobs_entropy_from_logits  # noqa: E402
+from areal_lce import check_deferred, linear_logprobs_entropy, logprobs_entropy_from_logits  # noqa: E402
 from areal_lce.backends import get_backend, interpreter_on  # noqa: E402
 from areal_lce.backends.reference import reference_logprobs_entropy  # noqa: E402
 
@@ -275,15 +275,16 @@ def run_bad_input(group, device, backend: str) -> bool:
     shard = full_w[rank * v_shard:(rank + 1) * v_shard]
     call = (lambda **kw: linear_logprobs_entropy(**{**dict(hidden=hidden, weight=shard, labels=labels,
                                                             backend=backend, tp_group=group), **kw}))
+    checked = lambda **kw: (call(**kw), check_deferred())  # noqa: E731  (label values: deferred on GPUs)
     ok = [
         # rank r holds v_shard + r rows: the shard-size agreement check must fire on every rank
         expect_error("uneven_vocab_shards", lambda: call(weight=full_w[: v_shard + rank]),
                      "differs across the tensor-parallel group", rank),
-        expect_error("label_out_of_range", lambda: call(labels=torch.full_like(labels, v_shard * tp)),
+        expect_error("label_out_of_range", lambda: checked(labels=torch.full_like(labels, v_shard * tp)),
                      "labels", rank),
-        expect_error("negative_label", lambda: call(labels=torch.full_like(labels, -1)), "labels", rank),
-        expect_error("label_in_padding", lambda: call(vocab_size=v_shard * tp - 3,
-                                                      labels=torch.full_like(labels, v_shard * tp - 2)),
+        expect_error("negative_label", lambda: checked(labels=torch.full_like(labels, -1)), "labels", rank),
+        expect_error("label_in_padding", lambda: checked(vocab_size=v_shard * tp - 3,
+                                                         labels=torch.full_like(labels, v_shard * tp - 2)),
                      "labels", rank),
         # the unsharded weight handed in with tp_group: caught through the true vocabulary size
         expect_error("full_weight_with_tp_group", lambda: call(weight=full_w, vocab_size=v_shard * tp),
