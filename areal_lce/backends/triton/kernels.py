@@ -148,7 +148,7 @@ def lce_fwd_kernel(
     docstring) or unused. V here is the number of valid columns; y holds local label columns (int32,
     -1 = not owned).
     d_h / d_w: TMA descriptors of hidden [N, H] and weight [V, H] when USE_TMA, else unused.
-    n_valid: [1] int64 row count when HAS_N_VALID: a token block starting at or past it folds no tile
+    n_valid: [1] int32 row count when HAS_N_VALID: a token block starting at or past it folds no tile
     (its partials keep their initial values; the caller ignores those rows)."""
     i_pid = tl.program_id(0)
     n_blocks_n = tl.cdiv(N, BLOCK_N)
@@ -173,7 +173,7 @@ def lce_fwd_kernel(
     v_begin = i_s * SPLIT_V
     v_end = tl.minimum(v_begin + SPLIT_V, V)
     if HAS_N_VALID:
-        v_end = tl.where(row0 < tl.load(n_valid).to(tl.int32), v_end, v_begin)  # ignored block: no tiles
+        v_end = tl.where(row0 < tl.load(n_valid), v_end, v_begin)  # ignored block: no tiles
     n_full = (v_end - v_begin) // BLOCK_V
     for i_t in range(0, n_full):
         b_m, b_s, b_a, b_zy, b_mn = _fwd_tile(
@@ -271,7 +271,7 @@ def lce_bwd_kernel(
     b_B = b_gent * b_it * LN2
     b_live = True
     if HAS_N_VALID:
-        b_live = row0 < tl.load(n_valid).to(tl.int32)
+        b_live = row0 < tl.load(n_valid)
 
     # consecutive vocab tiles of one token block: the next tile's loads start while this one's
     # d_logits stores drain

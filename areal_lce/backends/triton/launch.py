@@ -105,6 +105,13 @@ def _local_labels(labels: torch.Tensor, params: LCEParams) -> torch.Tensor:
     return torch.where(owned, local, torch.full_like(local, -1)).to(torch.int32).contiguous()
 
 
+def _row_count(n_valid, dummy: torch.Tensor) -> torch.Tensor:
+    """n_valid as a fresh int32 [1] tensor (the Function's is a view at an 8-byte offset into a cumsum:
+    int64 loads from addresses that are not 16-byte aligned miscompile, field-notes section 5), or a
+    dummy pointer when there is none (HAS_N_VALID=False: never read)."""
+    return dummy if n_valid is None else n_valid.to(torch.int32)
+
+
 def _check(hidden, weight, labels, inv_t, params: LCEParams, n_valid=None) -> None:
     if hidden.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"triton backend: hidden and weight must be 2-D, got {tuple(hidden.shape)} and "
@@ -210,7 +217,7 @@ class TritonBackend:
         with _device_ctx(dev):
             lce_fwd_kernel[grid](
                 hidden, weight, d_h, d_w, y, it if it is not None else part, part, cache if use_cache else part,
-                n_valid if n_valid is not None else y,
+                _row_count(n_valid, y),
                 N, H, valid, split_v, n_splits, n_splits * N, scale,
                 HAS_INV_T=it is not None, HAS_CACHE=use_cache, HAS_N_VALID=n_valid is not None,
                 EVEN_K=H % cfg.block_k == 0,
@@ -271,7 +278,7 @@ class TritonBackend:
                 grid = (triton.cdiv(N, cfg.block_n) * triton.cdiv(triton.cdiv(width, cfg.block_v), tpp),)
                 lce_bwd_kernel[grid](
                     hidden, weight, d_h, d_w, it if it is not None else vecs[0], *vecs,
-                    cache if cache is not None else vecs[0], dl, n_valid if n_valid is not None else y,
+                    cache if cache is not None else vecs[0], dl, _row_count(n_valid, y),
                     N, H, valid, c0, width, width, tpp, scale,
                     HAS_INV_T=it is not None, USE_CACHE=cache is not None, HAS_N_VALID=n_valid is not None,
                     EVEN_K=H % cfg.block_k == 0,
