@@ -10,7 +10,10 @@ Also checked: the raw-logit row sums (params.logit_sums: Σr, Σr² from the for
 the oracle, with every other statistic bitwise unchanged by them; two runs bitwise equal, a NaN hidden
 row poisons only its own stats, and the public
 `areal_lce.linear_logprobs_entropy(..., backend="triton")` against `reference_logprobs_entropy`
-(fp64 autograd). Prints one line per case and writes gpu_check.json; exit status 1 on any failure.
+(fp64 autograd), and (gpu_check_capture.py) the default options without a host sync under
+torch.cuda.set_sync_debug_mode("error"), CUDA-graph capture + replay, torch.compile(fullgraph=True)
+with and without CUDA graphs. Prints one line per case and writes gpu_check.json; exit status 1 on any
+failure.
 """
 from __future__ import annotations
 
@@ -246,6 +249,19 @@ def main():
     results.append(r)
     bad += not r["ok"]
     print(("PASS " if r["ok"] else "FAIL ") + "api " + json.dumps({k: v for k, v in r.items() if k != "case"}), flush=True)
+    from benchmark.gpu_check_capture import CHECKS
+
+    for check in CHECKS:
+        t0 = time.time()
+        try:
+            r = check(dev)
+        except Exception as e:  # noqa: BLE001 - a graph break, a capture error: report, go on
+            r = {"case": check.__name__.replace("_check", ""), "ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
+        r["seconds"] = round(time.time() - t0, 2)
+        results.append(r)
+        bad += not r["ok"]
+        print(("PASS " if r["ok"] else "FAIL ") + r["case"] + " " +
+              json.dumps({k: v for k, v in r.items() if k != "case"}, default=str), flush=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     try:
         import triton
