@@ -136,7 +136,7 @@ def test_torchrun_tp2_route_parity_and_job(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "RL_WORKER_OK" in proc.stdout
     assert proc.stdout.count("route parity tp=2") == 2  # both ranks checked their shards
-    assert "TP 2 x PP 1 x DP 1" in proc.stdout and "fused linear op" in proc.stdout
+    assert "TP 2 x PP 1 x CP 1 x DP 1" in proc.stdout and "fused linear op" in proc.stdout  # the banner names CP
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(math.isfinite(r["reward"]) and math.isfinite(r["kl"]) for r in rows)
