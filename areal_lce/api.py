@@ -1,4 +1,10 @@
-"""Functional API: validate once, resolve the backend once, call the autograd Function."""
+"""Functional API: validate once, resolve the backend once, call the op.
+
+Without tensor parallelism the call goes through the torch.library ops of library.py (compiles with
+torch.compile(fullgraph=True)); with a tp_group of more than one rank it goes through the
+autograd.Function of function.py (a process group is not an operator argument), which torch.compile
+runs as a graph break. Both run the same forward and backward code.
+"""
 from __future__ import annotations
 
 import numbers
@@ -6,8 +12,9 @@ from typing import Optional, Union
 
 import torch
 
-from . import comms
+from . import checks, comms, library
 from .backends import resolve_backend
+from .device import auto_cache_bytes
 from .function import LinearLogprobsEntropy
 from .types import LCEOutput, LCEParams
 
@@ -77,13 +84,20 @@ def _check_options(ignore_index, vocab_size) -> None:
         raise TypeError(f"vocab_size must be an int or None, got {vocab_size!r}")
 
 
-def _tp_key(y: torch.Tensor, ignore_index: int, v_shard: int) -> torch.Tensor:
-    """int64 fingerprint of (labels, their ignore pattern, the shard size): equal on the TP ranks when they
-    agree. Σ (y'+2)·(i mod 1021 + 1) with y' = labels clamped to [-1, 2^24] (-1 at ignore_index): < 2^62
-    below 2^28 labels, so no overflow."""
-    i = torch.arange(y.numel(), device=y.device)
-    yy = torch.where(y == ignore_index, -1, y.clamp(-1, 1 << 24)) + 2
-    return (yy * (i % 1021 + 1)).sum() + (v_shard * 1_000_003 + y.numel() * 999_983)
+@torch.compiler.assume_constant_result
+def _resolve(backend: str, device: torch.device, dtype: torch.dtype, cache_bytes, check_labels):
+    """(backend name, cache budget in bytes, check mode): host-side choices that depend on the device only
+    (torch.compile evaluates this once while tracing and keeps the result as a constant)."""
+    if cache_bytes == "auto":
+        cache_bytes = auto_cache_bytes(device)
+    elif isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
+        raise ValueError(f"cache_bytes must be an int >= 0 or 'auto', got {cache_bytes!r}")
+    return resolve_backend(backend, device, dtype), cache_bytes, checks.resolve_mode(check_labels, device)
+
+
+@torch.compiler.disable
+def _tensor_parallel(hidden, weight, labels, inv_t, params: LCEParams):
+    return LinearLogprobsEntropy.apply(hidden, weight, labels, inv_t, params)
 
 
 def linear_logprobs_entropy(
@@ -97,11 +111,11 @@ def linear_logprobs_entropy(
     return_stats: bool = False,
     return_logit_sums: bool = False,
     backend: str = "auto",
-    cache_bytes: int = 0,
+    cache_bytes: Union[int, str] = 0,
     tp_group=None,
     sequence_parallel: bool = False,
     reduce_d_hidden: bool = True,
-    check_labels: bool = True,
+    check_labels: Union[bool, str] = True,
     compact_ignored: bool = True,
 ) -> LCEOutput:
     """Per-token logprobs and entropy of softmax(hidden · weightᵀ / temperature), never materialising logits.
@@ -111,8 +125,8 @@ def linear_logprobs_entropy(
 
     temperature: float > 0, or a tensor broadcastable to labels (per token / per sample); not differentiated.
     ignore_index: rows with this label get logprob = entropy = stats = 0 and exactly zero gradient; with
-        compact_ignored (default) they are dropped before the backend runs, so padding costs ~nothing
-        (one host sync per call to count them).
+        compact_ignored (default) they are partitioned to the end of the rows on the device (no host
+        count), where the triton backend skips their forward and recompute GEMMs.
     vocab_size: the true (global) vocabulary; weight rows at global ids >= vocab_size are padding and are
         excluded from the softmax (as if their logits were -inf). Default: all rows are real.
     return_logit_sums: also return `sum_logit` = Σ_j r_j and `sumsq_logit` = Σ_j r_j² of the raw logits
@@ -120,8 +134,9 @@ def linear_logprobs_entropy(
         and the row L2 norm sqrt(sumsq_logit). Accumulated in the forward's own pass over the vocabulary
         and merged over tp_group in its existing SUM (two more rows, no extra collective). Opt-in: it
         costs two reductions per logit in the forward epilogue.
-    cache_bytes: logits-cache budget. When this rank's fp32 logits (4·N·V_shard bytes) fit it, the forward
-        keeps them and the backward skips the recompute GEMM. Default 0: always recompute.
+    cache_bytes: logits-cache budget in bytes. When this rank's fp32 logits (4·N·V_shard bytes) fit it, the
+        forward keeps them and the backward skips the recompute GEMM. Default 0: always recompute.
+        "auto": min(4 GiB, device memory / 8), at least 1 GiB (1 GiB on CPU).
     backend: "auto" | "triton" | "triton_ascend" | "torch" | "reference" (see docs/backends.md);
         "auto" consults the AREAL_LCE_BACKEND environment variable, then the device.
     tp_group: the tensor-parallel group when `weight` is this rank's vocab shard [V/tp, H] (rank r owns
@@ -133,11 +148,17 @@ def linear_logprobs_entropy(
     reduce_d_hidden: without sequence parallel, all-reduce d_hidden over tp_group inside the op (default).
         Turn off when the caller's own mapping already reduces it (Megatron's
         copy_to_tensor_model_parallel_region), so it is reduced exactly once.
-    check_labels: raise on labels outside [0, vocab_size) that are not ignore_index, and on
-        non-positive temperatures in a tensor; costs one small reduction and a host sync. Under tp_group
-        it also checks that every rank passes the same labels (ignore pattern included) and shard size,
-        with one all-reduce of 2 int64 per call (off: the shard size is checked once per group only).
+    check_labels: validate label values (outside [0, vocab_size) and not ignore_index) and temperature
+        values (not finite and > 0). True (default): "sync" on CPU tensors, "deferred" on accelerators.
+        "sync": raise here (one reduction and a host sync). "deferred": no host sync; bad rows get
+        logprob NaN and `areal_lce.check_deferred()` raises naming the values (checks.py). False: off.
+        Under tp_group it also checks that every rank passes the same labels (ignore pattern included)
+        and shard size, with one all-reduce of 2 int64 per call and no further host sync: "sync" raises
+        on every rank at the call; "deferred" makes every logprob of the call NaN and check_deferred()
+        names the disagreement. Off: the shard size is checked once per group only.
     Determinism: bitwise-identical outputs and gradients run to run for the same inputs and backend.
+    Host syncs: none with the defaults on accelerators (CUDA-graph capturable), apart from one-time checks
+    per tp_group (the shard size agrees; with vocab_size <= V_shard, weight is not the full weight).
     """
     _check_options(ignore_index, vocab_size)
     tp = comms.checked_group_size(tp_group, "tp_group")
@@ -145,8 +166,7 @@ def linear_logprobs_entropy(
     if sequence_parallel and tp > 1 and not reduce_d_hidden:
         raise ValueError("sequence_parallel=True reduce-scatters d_hidden inside the op; reduce_d_hidden=False "
                          "is only for callers that gather hidden themselves (pass sequence_parallel=False)")
-    if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
-        raise ValueError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+    name, cache_bytes, check = _resolve(backend, hidden.device, hidden.dtype, cache_bytes, check_labels)
     v_shard = weight.shape[0]
     v_total = v_shard * tp
     if vocab_size is None:
@@ -155,7 +175,7 @@ def linear_logprobs_entropy(
         raise ValueError(f"vocab_size={vocab_size!r} must be an int in [1, {v_total}] "
                          f"(weight rows {v_shard} × tp {tp})")
     if tp > 1:
-        if not check_labels:  # else checked per call together with the labels, below
+        if check != "sync":  # "sync": checked per call with the labels (function.py); else once per group
             comms.check_same_across_group(v_shard, tp_group, "weight's vocab shard size (weight.shape[0])")
         if vocab_size <= v_shard:  # ranks > 0 hold only padding (legal), unless this is the full weight
             comms.check_not_replicated(weight[:vocab_size], tp_group, "weight (rows below vocab_size)",
@@ -166,39 +186,27 @@ def linear_logprobs_entropy(
     scalar_t, inv_t = _inv_temperature(temperature, labels)
     if sequence_parallel and inv_t is not None and inv_t.numel() != labels.numel():
         raise ValueError("temperature must broadcast to the full-sequence labels under sequence_parallel")
-    y = labels.reshape(-1).to(torch.int64)
-    if check_labels:
-        bad = ((y < 0) | (y >= vocab_size)) & (y != ignore_index)
-        checks = [bad.sum()]
-        if inv_t is not None:
-            checks.append((~(inv_t > 0) | torch.isinf(inv_t)).sum())
-        if tp > 1:  # labels (ignore pattern included) and shard size must agree over TP: one 2-int MAX
-            checks += comms.agreement_votes(_tp_key(y, ignore_index, v_shard), tp_group).unbind()
-        counts = torch.stack(checks).tolist()  # the one host sync of the checks
-        if tp > 1 and counts[-2] != -counts[-1]:
-            comms.raise_disagreement(
-                {"weight's vocab shard size (weight.shape[0])": v_shard, "labels.numel()": y.numel(),
-                 "the number of ignore_index labels": int((y == ignore_index).sum())}, tp_group,
-                "labels differ across the tensor-parallel group (same count and ignore_index rows, other ids)",
-                "every rank must pass an equal-sized vocab shard and the same global labels")
-        if counts[0]:
-            first = int(y[bad][0])
-            raise ValueError(f"labels: {counts[0]} value(s) outside [0, vocab_size={vocab_size}) and not "
-                             f"ignore_index={ignore_index} (first: {first})")
-        if inv_t is not None and counts[1]:
-            raise ValueError("temperature tensor has values that are not finite and > 0 (or so small that "
-                             "1/temperature overflows fp32)")
-    name = resolve_backend(backend, hidden.device, hidden.dtype)
-    params = LCEParams(
-        temperature=scalar_t, ignore_index=ignore_index, vocab_size=vocab_size, vocab_start=vocab_start,
-        shard_valid=max(0, min(v_shard, vocab_size - vocab_start)), cache_bytes=cache_bytes, backend=name,
-        tp_group=tp_group, tp_size=tp, sequence_parallel=sequence_parallel and tp > 1,
-        reduce_d_hidden=reduce_d_hidden, compact_ignored=compact_ignored, logit_sums=bool(return_logit_sums))
+    y = labels.reshape(-1).to(torch.int64)  # label values are checked inside the op (checks.py)
+    shard_valid = max(0, min(v_shard, vocab_size - vocab_start))
+    sums = bool(return_logit_sums)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     h2 = h2 if h2.is_contiguous() else h2.contiguous()
     w = weight if weight.is_contiguous() else weight.contiguous()
-    lp, ent, mx, mn, lse, lsum, lsq = LinearLogprobsEntropy.apply(h2, w, y, inv_t, params)
+    if tp == 1:
+        diff, stats = library.lce(h2, w, y, inv_t, temperature=scalar_t, ignore_index=ignore_index,
+                                  vocab_size=vocab_size, shard_valid=shard_valid, cache_bytes=cache_bytes,
+                                  backend=name, compact_ignored=compact_ignored, check_labels=check,
+                                  logit_sums=sums)
+    else:
+        params = LCEParams(
+            temperature=scalar_t, ignore_index=ignore_index, vocab_size=vocab_size, vocab_start=vocab_start,
+            shard_valid=shard_valid, cache_bytes=cache_bytes, backend=name,
+            tp_group=tp_group, tp_size=tp, sequence_parallel=sequence_parallel,
+            reduce_d_hidden=reduce_d_hidden, compact_ignored=compact_ignored, check_labels=check,
+            logit_sums=sums)
+        diff, stats = _tensor_parallel(h2, w, y, inv_t, params)
     shape = labels.shape
-    stats = (mx.view(shape), mn.view(shape), lse.view(shape)) if return_stats else (None, None, None)
-    sums = (lsum.view(shape), lsq.view(shape)) if return_logit_sums else (None, None)
-    return LCEOutput(lp.view(shape), ent.view(shape), *stats, *sums)
+    rows = [r.view(shape) for r in stats.unbind(0)]  # max_logit, min_logit, lse[, sum_logit, sumsq_logit]
+    return LCEOutput(diff[0].view(shape), diff[1].view(shape),
+                     *(rows[:3] if return_stats else (None, None, None)),
+                     *(rows[3:] if sums else (None, None)))

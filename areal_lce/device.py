@@ -23,3 +23,24 @@ def npu_available() -> bool:
 def device_kind(device: torch.device) -> str:
     """'cuda', 'npu' or 'cpu' (any other device type is returned as is)."""
     return device.type
+
+
+AUTO_CACHE_MIN_BYTES = 1 << 30  # cache_bytes="auto": at least 1 GiB (the fixed budget on CPU) ...
+AUTO_CACHE_MAX_BYTES = 4 << 30  # ... at most 4 GiB, and otherwise an eighth of the device's memory
+
+
+@functools.lru_cache(maxsize=None)
+def _total_memory(device_type: str, index: int) -> int:
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(index).total_memory
+    return torch.npu.get_device_properties(index).total_memory  # torch_npu's mirror of the CUDA API
+
+
+def auto_cache_bytes(device: torch.device) -> int:
+    """Logits-cache budget of cache_bytes="auto": min(4 GiB, device memory / 8), at least 1 GiB; 1 GiB on
+    CPU (host memory is shared with everything else, so no fraction of it is taken)."""
+    if device.type not in ("cuda", "npu"):
+        return AUTO_CACHE_MIN_BYTES
+    module = torch.cuda if device.type == "cuda" else torch.npu
+    index = device.index if device.index is not None else module.current_device()
+    return max(AUTO_CACHE_MIN_BYTES, min(AUTO_CACHE_MAX_BYTES, _total_memory(device.type, index) // 8))

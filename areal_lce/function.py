@@ -1,12 +1,26 @@
-"""The autograd Function of the fused op: one backend call per pass plus the TP communication."""
+"""The fused op's forward and backward: row partition, one backend call per pass, TP communication.
+
+`lce_forward` / `lce_backward` are shared by two front ends: `LinearLogprobsEntropy` below (an
+autograd.Function: the tensor-parallel path, whose process group cannot be an operator argument) and
+the `areal_lce::lce_forward` / `lce_backward` torch.library ops of library.py (every call without TP,
+eager or under torch.compile). Neither reads a device value on the host unless params.check_labels
+is "sync".
+
+Ignored rows (label == ignore_index), with params.compact_ignored: the rows are partitioned on the
+device, valid rows first in their original order, into a buffer of the full size N, with the number of
+valid rows n_valid kept as a device tensor. The ignored tail is zero-filled (hidden 0, 1/T = 1,
+upstream gradient 0), so any backend computes exactly zero gradient for it, and backends that take
+`n_valid` (triton) skip its GEMM work. Every shape, and so every collective, is the same on every rank
+and every step: nothing is counted on the host.
+"""
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-from . import comms
+from . import checks, comms
 from .backends import get_backend
 from .backends.base import ShardStats
 from .types import LCEParams
@@ -41,13 +55,6 @@ def finish_stats(st: ShardStats):
     lse = st.m + log_s
     ent = log_s - st.a / st.s
     return st.zy - lse, ent, lse
-
-
-def _empty_stats(n: int, device, sums: bool) -> ShardStats:
-    inf = torch.full((n,), float("inf"), device=device)
-    zero = torch.zeros(n, device=device)
-    return ShardStats(m=-inf, s=zero, a=zero.clone(), zy=zero.clone(), mn=inf,
-                      lsum=zero.clone() if sums else None, lsq=zero.clone() if sums else None)
 
 
 class _SecondOrderRefused(torch.autograd.Function):
@@ -90,17 +97,149 @@ def once_differentiable(backward):
     return wrapper
 
 
+class RowPartition(NamedTuple):
+    """Valid rows first, on the device. Position j of the partitioned buffer holds original row order[j];
+    original row i sits at position dest[i]; positions >= n_valid ([1] int64) hold the ignored rows."""
+
+    order: torch.Tensor
+    dest: torch.Tensor
+    n_valid: torch.Tensor
+    live: torch.Tensor  # [N] bool: position j < n_valid
+
+
+def partition_rows(labels: torch.Tensor, ignore_index: int) -> RowPartition:
+    """Stable partition of the rows by label != ignore_index: a cumulative count, no sort, no sync."""
+    n = labels.shape[0]
+    valid = labels != ignore_index
+    count = torch.cumsum(valid, 0)  # int64: valid rows up to and including row i
+    n_valid = count[-1:] if n else count.new_zeros(1)
+    pos = torch.arange(n, device=labels.device)
+    dest = torch.where(valid, count - 1, n_valid + pos - count)  # ignored row i: after the valid ones
+    order = torch.empty_like(dest).scatter_(0, dest, pos)
+    return RowPartition(order, dest, n_valid, pos < n_valid)
+
+
+def _partitioned(part: RowPartition, labels, inv_t, hidden=None):
+    """(hidden, labels, 1/T) in partition order, the ignored tail zero-filled (hidden 0, 1/T 1)."""
+    h_c = None
+    if hidden is not None:
+        h_c = hidden.index_select(0, part.order).masked_fill_(~part.live[:, None], 0)
+    y_c = labels.index_select(0, part.order)
+    t_c = None if inv_t is None else inv_t.index_select(0, part.order).masked_fill_(~part.live, 1.0)
+    return h_c, y_c, t_c
+
+
+class Forward(NamedTuple):
+    diff: torch.Tensor  # [2, N]: logprobs, entropy (differentiable), 0 at ignored rows
+    stats: torch.Tensor  # [3, N]: max_logit, min_logit, lse (not differentiable), 0 at ignored rows;
+    #                      [5, N] with params.logit_sums: + Σ r, Σ r² of the raw logits
+    h_c: torch.Tensor  # hidden as the backend saw it (full sequence under SP; partitioned)
+    lse_ent: torch.Tensor  # [2, N] (lse, entropy) in the backend's row order, for the backward
+    cache: object  # the backend's logits cache, or None
+
+
+def _check_values(labels, inv_t, v_shard: int, params: LCEParams) -> Optional[torch.Tensor]:
+    """params.check_labels on this call's labels and 1/T (checks.py); under TP also the agreement of
+    the ranks' labels and shard sizes: one all-reduce of 2 int64 on the device, read in the one host
+    sync of "sync" mode, folded into the device-side record in "deferred" mode. Returns the [N] mask
+    of rows whose logprob is set to NaN ("deferred"), or None."""
+    if params.check_labels == "off":
+        return None
+    votes = None
+    if params.tp_size > 1:
+        votes = comms.agreement_votes(checks.tp_key(labels, params.ignore_index, v_shard), params.tp_group)
+    if params.check_labels == "deferred":
+        return checks.record(labels, inv_t, params.vocab_size, params.ignore_index, votes=votes)
+
+    def disagreement():  # collective, entered by every rank together (they all read the same votes)
+        comms.raise_disagreement(
+            {"weight's vocab shard size (weight.shape[0])": v_shard, "labels.numel()": labels.numel(),
+             "the number of ignore_index labels": int((labels == params.ignore_index).sum())}, params.tp_group,
+            "labels differ across the tensor-parallel group (same count and ignore_index rows, other ids)",
+            "every rank must pass an equal-sized vocab shard and the same global labels")
+
+    checks.check_now(labels, inv_t, params.vocab_size, params.ignore_index, votes=votes,
+                     on_disagreement=disagreement)
+    return None
+
+
+def lce_forward(hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool) -> Forward:
+    """hidden [N, H] (this rank's [N/tp, H] shard under SP), weight [V_shard, H], labels [N] int64,
+    inv_t [N] fp32 or None. Collectives: the label agreement votes under TP with checks on, an
+    all-gather of hidden under SP, then merge_shard_stats."""
+    bad = _check_values(labels, inv_t, weight.shape[0], params)
+    if params.sequence_parallel:
+        hidden = comms.all_gather_rows(hidden, params.tp_group)  # sequence shards -> full sequence
+    part = partition_rows(labels, params.ignore_index) if params.compact_ignored else None
+    if part is None:
+        h_c, y_c, t_c = hidden, labels, inv_t
+    else:
+        h_c, y_c, t_c = _partitioned(part, labels, inv_t, hidden)
+    st = get_backend(params.backend).forward(h_c, weight, y_c, t_c, params, keep_cache=keep_cache,
+                                             n_valid=None if part is None else part.n_valid)
+    merged = merge_shard_stats(st, params.tp_group)
+    lp, ent, lse = finish_stats(merged)
+    t_raw = (1.0 / t_c) if t_c is not None else float(params.temperature)
+    valid = labels != params.ignore_index
+    outs = []
+    sums = (merged.lsum, merged.lsq) if params.logit_sums else ()
+    for group in ((lp, ent), (merged.m * t_raw, merged.mn * t_raw, lse) + sums):
+        o = torch.stack(group)
+        if part is not None:
+            o = o.index_select(1, part.dest)  # back to the caller's row order
+        outs.append(torch.where(valid, o, 0.0))
+    diff, stats = outs
+    if bad is not None:
+        # deferred check: rows with a bad label (all rows when the TP ranks disagree) show at once
+        diff[0].masked_fill_(bad, float("nan"))
+    lse_ent = torch.stack([lse, ent])
+    if part is not None:
+        lse_ent = torch.where(part.live, lse_ent, 0.0)  # the tail's stats are unspecified (skipped rows)
+    return Forward(diff, stats, h_c, lse_ent, st.cache)
+
+
+def lce_backward(h_c, weight, labels, inv_t, lse_ent, cache, g_diff: torch.Tensor, params: LCEParams,
+                 need_dh: bool, need_dw: bool, hidden_dtype: torch.dtype):
+    """(d_hidden in hidden_dtype or None, d_weight or None) for upstream g_diff [2, N] of (logprobs,
+    entropy). h_c, lse_ent and cache as lce_forward returned them. Collectives: under SP a
+    reduce-scatter of d_hidden, else (reduce_d_hidden) an all-reduce SUM of it."""
+    acc = torch.float64 if h_c.dtype == torch.float64 else torch.float32
+    g = g_diff.to(acc)
+    part = partition_rows(labels, params.ignore_index) if params.compact_ignored else None
+    if part is None:
+        y_c, t_c = labels, inv_t
+        g = torch.where(labels != params.ignore_index, g, 0.0)  # ignored rows get exactly zero gradient
+    else:
+        _, y_c, t_c = _partitioned(part, labels, inv_t)
+        g = torch.where(part.live, g.index_select(1, part.order), 0.0)
+    dh, dw = get_backend(params.backend).backward(
+        h_c, weight, y_c, t_c, params, cache, lse_ent[0], lse_ent[1], g[0].contiguous(), g[1].contiguous(),
+        need_dh, need_dw, n_valid=None if part is None else part.n_valid)
+    if need_dh:
+        if part is not None:
+            dh = dh.index_select(0, part.dest)
+        if params.sequence_parallel:
+            # reduce-scatter: vocab-partial full-sequence grads -> this rank's shard of the total
+            dh = comms.reduce_scatter_rows(dh, params.tp_group)
+        elif params.reduce_d_hidden:
+            # all-reduce: vocab-partial grads of the replicated hidden -> the total on every rank
+            dh = comms.all_reduce_sum_(dh, params.tp_group)
+        dh = dh.to(hidden_dtype)
+    return dh, dw
+
+
 class LinearLogprobsEntropy(torch.autograd.Function):
-    """Per-token logprobs and entropy of softmax(h·Wᵀ/T) without materialising logits.
+    """Per-token logprobs and entropy of softmax(h·Wᵀ/T) without materialising logits (TP path).
 
     Inputs: hidden [N, H] (or this rank's [N/tp, H] sequence shard under sequence parallel), weight
-    [V_shard, H] (this rank's vocab shard), labels [N] global ids with ignore_index rows, inv_t [N] fp32
-    or None, params (LCEParams). Outputs [N] fp32: logprobs, entropy (differentiable), max_logit,
-    min_logit (raw logits, before temperature), lse (tempered), and with params.logit_sums the raw
-    logits' Σ r and Σ r² (else None) — all but the first two not differentiable.
+    [V_shard, H] (this rank's vocab shard), labels [N] int64 global ids with ignore_index rows, inv_t
+    [N] fp32 or None, params (LCEParams). Outputs: [2, N] logprobs and entropy (differentiable), and the
+    not differentiable [3, N] max_logit, min_logit (raw logits, before temperature) and lse (tempered),
+    [5, N] with params.logit_sums (+ the raw logits' Σ r and Σ r²).
 
-    Collectives (group = params.tp_group; none when tp_size == 1):
-      forward : sequence_parallel -> all-gather of hidden rows (sequence shards -> full sequence);
+    Collectives (group = params.tp_group; none when tp_size == 1), each of the same size on every rank:
+      forward : check_labels "sync" / "deferred" -> MAX of 2 int64 (the ranks' label fingerprints);
+                sequence_parallel -> all-gather of hidden rows (sequence shards -> full sequence);
                 MAX of [max, -min] per token; SUM of packed [s, a, z_label(, Σr, Σr²)] per token.
                 Nothing N×V or V×H.
       backward: sequence_parallel -> reduce-scatter of d_hidden (vocab-partial full-sequence grads ->
@@ -121,81 +260,22 @@ class LinearLogprobsEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, inv_t, params: LCEParams):
-        backend = get_backend(params.backend)
-        group = params.tp_group
-        n_local = hidden.shape[0]
-        if params.sequence_parallel:
-            hidden = comms.all_gather_rows(hidden, group)
-        n = hidden.shape[0]
-        valid = labels != params.ignore_index
-        idx: Optional[torch.Tensor] = None
-        if params.compact_ignored:
-            n_valid = int(valid.sum())  # host sync: ignored rows then cost nothing downstream
-            if n_valid < n:
-                idx = valid.nonzero().squeeze(1)
-        h_c = hidden if idx is None else hidden.index_select(0, idx)
-        y_c = labels if idx is None else labels.index_select(0, idx)
-        t_c = inv_t if (idx is None or inv_t is None) else inv_t.index_select(0, idx)
-        if h_c.shape[0] == 0:  # every row ignored (same on all ranks: labels are replicated)
-            st = _empty_stats(0, hidden.device, params.logit_sums)
-        else:
-            keep = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-            st = backend.forward(h_c, weight, y_c, t_c, params, keep_cache=keep)
-        cache = st.cache
-        merged = merge_shard_stats(st, group)
-        lp, ent, lse = finish_stats(merged)
-        t_raw = (1.0 / t_c) if t_c is not None else float(params.temperature)
-        mx, mn = merged.m * t_raw, merged.mn * t_raw
-        outs = []
-        for v in (lp, ent, mx, mn, lse, merged.lsum, merged.lsq):
-            if v is None:  # logit sums not asked for
-                outs.append(None)
-                continue
-            full = v.new_zeros(n) if idx is not None else v
-            if idx is not None:
-                full.index_copy_(0, idx, v)
-            if not params.compact_ignored:
-                full = torch.where(valid, full, torch.zeros_like(full))
-            outs.append(full)
-        ctx.save_for_backward(h_c, weight, y_c, t_c, lse, ent, idx, valid, outs[0])  # outs[0]: see once_differentiable
-        ctx.params, ctx.cache, ctx.n, ctx.n_local, ctx.hidden_dtype = params, cache, n, n_local, hidden.dtype
-        ctx.mark_non_differentiable(*(o for o in outs[2:] if o is not None))
-        return tuple(outs)
+        keep = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        f = lce_forward(hidden, weight, labels, inv_t, params, keep_cache=keep)
+        # f.diff is saved for once_differentiable: it ties a create_graph=True gradient to the graph
+        ctx.save_for_backward(f.h_c, weight, labels, inv_t, f.lse_ent, f.diff)
+        ctx.params, ctx.cache, ctx.hidden_dtype = params, f.cache, hidden.dtype
+        ctx.mark_non_differentiable(f.stats)
+        return f.diff, f.stats
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g_lp, g_ent, *_g_stats):
-        h_c, weight, y_c, t_c, lse, ent, idx, valid, _ = ctx.saved_tensors
-        params: LCEParams = ctx.params
+    def backward(ctx, g_diff, _g_stats):
+        h_c, weight, labels, inv_t, lse_ent, _ = ctx.saved_tensors
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_dh or need_dw):
             return None, None, None, None, None
-        n_c = h_c.shape[0]
-        acc = torch.float64 if h_c.dtype == torch.float64 else torch.float32
-
-        def upstream(g):
-            if g is None:
-                return torch.zeros(n_c, dtype=acc, device=h_c.device)
-            g = g.to(acc)
-            g = torch.where(valid, g, torch.zeros_like(g))  # ignored rows get exactly zero gradient
-            return (g if idx is None else g.index_select(0, idx)).contiguous()
-
-        if n_c == 0:
-            dh_c = torch.zeros_like(h_c, dtype=torch.float32) if need_dh else None
-            dw = torch.zeros_like(weight) if need_dw else None
-        else:
-            dh_c, dw = get_backend(params.backend).backward(
-                h_c, weight, y_c, t_c, params, ctx.cache, lse, ent, upstream(g_lp), upstream(g_ent),
-                need_dh, need_dw)
+        dh, dw = lce_backward(h_c, weight, labels, inv_t, lse_ent, ctx.cache, g_diff, ctx.params,
+                              need_dh, need_dw, ctx.hidden_dtype)
         ctx.cache = None
-        dh = None
-        if need_dh:
-            dh = dh_c if idx is None else dh_c.new_zeros(ctx.n, dh_c.shape[1]).index_copy_(0, idx, dh_c)
-            if params.sequence_parallel:
-                # reduce-scatter: vocab-partial full-sequence grads -> this rank's shard of the total
-                dh = comms.reduce_scatter_rows(dh, params.tp_group)
-            elif params.reduce_d_hidden:
-                # all-reduce: vocab-partial grads of the replicated hidden -> the total on every rank
-                dh = comms.all_reduce_sum_(dh, params.tp_group)
-            dh = dh.to(ctx.hidden_dtype)
         return dh, dw, None, None, None

@@ -25,13 +25,14 @@ class LCEParams:
     vocab_size: int = 0  # true global vocabulary (<= V_shard * tp)
     vocab_start: int = 0  # global id of this shard's row 0
     shard_valid: int = 0  # real (unpadded) rows in this shard, 0 <= shard_valid <= V_shard
-    cache_bytes: int = 0  # logits-cache budget: forward keeps fp32 logits for backward when they fit
+    cache_bytes: int = 0  # logits-cache budget in bytes ("auto" resolved): forward keeps fp32 logits when they fit
     backend: str = "torch"  # resolved backend name
     tp_group: Any = None  # torch.distributed ProcessGroup of the vocab shards, None = unsharded
     tp_size: int = 1
     sequence_parallel: bool = False  # hidden is this rank's [N/tp, H] sequence shard
     reduce_d_hidden: bool = True  # the Function reduces d_hidden over tp_group (off: caller's mappings do)
-    compact_ignored: bool = True  # drop ignore_index rows before the backend runs (one host sync)
+    compact_ignored: bool = True  # partition ignore_index rows to the tail on the device (function.py)
+    check_labels: str = "off"  # label/temperature value checks: "sync" | "deferred" | "off" (checks.py)
     logit_sums: bool = False  # backends also accumulate Σ_j r_j and Σ_j r_j² of the raw logits
 
 

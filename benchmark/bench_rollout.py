@@ -69,6 +69,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--recompute-tokens", type=int, default=32)
     ap.add_argument("--micro-batch", type=int, default=8, help="sequences per logprob / update microbatch")
+    ap.add_argument("--lce-cache-bytes", default="0", help="engine.lce_cache_bytes: bytes or auto")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
     args.seq = args.prompt_len + args.new_tokens  # engine max_seq_len (bench_train._engine reads args.seq)

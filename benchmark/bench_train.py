@@ -52,7 +52,8 @@ def _engine(args, fused: bool, trainable: bool = True):
         model=ModelConfig(preset=args.preset, dtype="auto", max_seq_len=max(args.seq, 64),
                           vocab_size=args.vocab, num_layers=args.layers),
         parallel=ParallelConfig(tensor_parallel=args.tp, sequence_parallel=args.sp),
-        optim=OptimConfig(lr=1e-5, clip_grad=1.0), use_fused_linear_ce=fused, seed=1234)
+        optim=OptimConfig(lr=1e-5, clip_grad=1.0), use_fused_linear_ce=fused, seed=1234,
+        lce_cache_bytes=args.lce_cache_bytes if args.lce_cache_bytes == "auto" else int(args.lce_cache_bytes))
     return MegatronEngine(cfg, trainable=trainable)
 
 
@@ -176,6 +177,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--routes", default="fused,materialised")
+    ap.add_argument("--lce-cache-bytes", default="0", help="engine.lce_cache_bytes of the fused route: bytes or auto")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
     runner = run_sft if args.job == "sft" else run_grpo

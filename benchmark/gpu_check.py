@@ -10,7 +10,10 @@ Also checked: the raw-logit row sums (params.logit_sums: Σr, Σr² from the for
 the oracle, with every other statistic bitwise unchanged by them; two runs bitwise equal, a NaN hidden
 row poisons only its own stats, and the public
 `areal_lce.linear_logprobs_entropy(..., backend="triton")` against `reference_logprobs_entropy`
-(fp64 autograd). Prints one line per case and writes gpu_check.json; exit status 1 on any failure.
+(fp64 autograd), and (gpu_check_capture.py) the default options without a host sync under
+torch.cuda.set_sync_debug_mode("error"), CUDA-graph capture + replay, torch.compile(fullgraph=True)
+with and without CUDA graphs. Prints one line per case and writes gpu_check.json; exit status 1 on any
+failure.
 """
 from __future__ import annotations
 
@@ -169,7 +172,10 @@ def _check_sums(res, be, ref, h, w, y, inv_t, params, st) -> bool:
         e_k = ((getattr(ss, k).double() - getattr(r64, k)).abs() / scale[k].clamp_min(1.0)).max().item()
         e_t = ((getattr(r32, k).double() - getattr(r64, k)).abs() / scale[k].clamp_min(1.0)).max().item()
         res[f"{k}_err"], res[f"{k}_torch"] = e_k, e_t
-        ok &= e_k <= 4 * e_t + 1e-6
+        # 1e-5 floor: the kernel adds its per-tile partial sums one vocab tile after another (~600 tiles at
+        # V=151936), an fp32 running sum whose relative error reaches ~2e-6, while torch's fp32 reference
+        # sums pairwise (~1e-7), so 4x torch's error alone is too tight for Σr² at the large shapes
+        ok &= e_k <= 4 * e_t + 1e-5
     res["sums_leave_stats"] = all(torch.equal(getattr(ss, k), getattr(st, k)) for k in ("m", "s", "a", "zy", "mn"))
     return ok and res["sums_leave_stats"]
 
@@ -246,6 +252,19 @@ def main():
     results.append(r)
     bad += not r["ok"]
     print(("PASS " if r["ok"] else "FAIL ") + "api " + json.dumps({k: v for k, v in r.items() if k != "case"}), flush=True)
+    from benchmark.gpu_check_capture import CHECKS
+
+    for check in CHECKS:
+        t0 = time.time()
+        try:
+            r = check(dev)
+        except Exception as e:  # noqa: BLE001 - a graph break, a capture error: report, go on
+            r = {"case": check.__name__.replace("_check", ""), "ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
+        r["seconds"] = round(time.time() - t0, 2)
+        results.append(r)
+        bad += not r["ok"]
+        print(("PASS " if r["ok"] else "FAIL ") + r["case"] + " " +
+              json.dumps({k: v for k, v in r.items() if k != "case"}, default=str), flush=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     try:
         import triton

@@ -31,6 +31,8 @@ from areal_lce.train.config import ConfigError, load_config
 from areal_lce.train.logging_utils import MetricsLog, read_metrics
 from areal_lce.train.tokenizer import ByteTokenizer
 
+from test_tp import fake_group  # noqa: F401  (fixture: a recording 2-rank TP group)
+
 REPO = Path(__file__).resolve().parents[1]
 SFT_TINY = REPO / "configs" / "sft_tiny.yaml"
 GRPO_TINY = REPO / "configs" / "grpo_tiny.yaml"
@@ -59,6 +61,19 @@ def test_second_order_gradient_is_refused(n_ignored, weight_grad):
     assert torch.equal(g, first)  # first order is unchanged by create_graph=True
     with pytest.raises(RuntimeError, match="second-order gradients"):
         torch.autograd.grad((g ** 2).sum() + (h ** 2).sum(), h)
+
+
+def test_second_order_gradient_is_refused_on_the_tensor_parallel_path(fake_group):  # noqa: F811
+    """With a tp_group the op runs the autograd.Function (function.py), not the torch.library ops: the
+    same refusal there, dense and with ignored rows."""
+    for n_ignored in (0, 2):
+        h, w, y = _op_inputs(n_ignored, True)
+        out = linear_logprobs_entropy(h, w, y, tp_group=fake_group, backend="torch")
+        first, = torch.autograd.grad(out.logprobs.sum(), h, retain_graph=True)
+        g, = torch.autograd.grad(out.logprobs.sum(), h, create_graph=True)
+        assert torch.equal(g, first)
+        with pytest.raises(RuntimeError, match="second-order gradients"):
+            torch.autograd.grad((g ** 2).sum() + (h ** 2).sum(), h)
 
 
 def test_gradgradcheck_raises_instead_of_failing_silently():

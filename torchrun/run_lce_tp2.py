@@ -31,7 +31,7 @@ try:
 except ImportError:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from areal_lce import linear_logprobs_entropy, logprobs_entropy_from_logits  # noqa: E402
+from areal_lce import check_deferred, linear_logprobs_entropy, logprobs_entropy_from_logits  # noqa: E402
 from areal_lce.backends import get_backend, interpreter_on  # noqa: E402
 from areal_lce.backends.reference import reference_logprobs_entropy  # noqa: E402
 
@@ -275,16 +275,19 @@ def run_bad_input(group, device, backend: str) -> bool:
     shard = full_w[rank * v_shard:(rank + 1) * v_shard]
     call = (lambda **kw: linear_logprobs_entropy(**{**dict(hidden=hidden, weight=shard, labels=labels,
                                                             backend=backend, tp_group=group), **kw}))
+    checked = lambda **kw: (call(**kw), check_deferred())  # noqa: E731  (label values: deferred on GPUs)
     ok = [
         # rank r holds v_shard + r rows: the shard-size agreement check must fire on every rank
         expect_error("uneven_vocab_shards", lambda: call(weight=full_w[: v_shard + rank]),
                      "differs across the tensor-parallel group", rank),
-        expect_error("label_out_of_range", lambda: call(labels=torch.full_like(labels, v_shard * tp)),
+        expect_error("label_out_of_range", lambda: checked(labels=torch.full_like(labels, v_shard * tp)),
                      "labels", rank),
-        expect_error("negative_label", lambda: call(labels=torch.full_like(labels, -1)), "labels", rank),
-        expect_error("label_in_padding", lambda: call(vocab_size=v_shard * tp - 3,
-                                                      labels=torch.full_like(labels, v_shard * tp - 2)),
-                     "labels", rank),
+        expect_error("negative_label", lambda: checked(labels=torch.full_like(labels, -1)), "labels", rank),
+        expect_error("label_in_padding", lambda: checked(vocab_size=v_shard * tp - 3, labels=torch.full_like(
+            labels, v_shard * tp - 2)), "labels", rank),
+        # ranks passing different labels: every rank raises (deferred on GPUs: every logprob NaN until then)
+        expect_error("labels_differ_across_ranks", lambda: checked(labels=(labels + rank) % (v_shard * tp)),
+                     "labels differ across the tensor-parallel group", rank),
         # the unsharded weight handed in with tp_group: caught through the true vocabulary size
         expect_error("full_weight_with_tp_group", lambda: call(weight=full_w, vocab_size=v_shard * tp),
                      "vocab shard", rank),
@@ -300,17 +303,16 @@ def run_bad_input(group, device, backend: str) -> bool:
 
 # ------------------------------------------------------------------------------------------------ main
 
-def _loads(name: str) -> bool:
-    try:
-        return get_backend(name) is not None
-    except RuntimeError:
-        return False
-
-
 def available_backends(device: torch.device) -> list[str]:
     names = ["triton", "torch", "reference"] if device.type == "cuda" else \
         ["reference", "torch"] + (["triton", "triton_ascend"] if interpreter_on() else [])
-    return [name for name in names if _loads(name)]
+    loads = []
+    for name in names:
+        try:
+            loads += [name] if get_backend(name) is not None else []
+        except RuntimeError:
+            pass
+    return loads
 
 
 def main() -> int:
@@ -321,9 +323,8 @@ def main() -> int:
                          "CPU: reference,torch, plus triton/triton_ascend under TRITON_INTERPRET=1)")
     ap.add_argument("--dtypes", default="fp32,bf16", help=f"comma list of {sorted(DTYPES)}")
     ap.add_argument("--cases", default="", help="comma list of case ids to run (default: all; 'none': no case)")
-    ap.add_argument("--bad-input", action="store_true",
-                    help="also check that bad input (uneven vocab shards, labels out of range, a full-vocab "
-                         "weight with tp_group, ...) raises a clear error on every rank")
+    ap.add_argument("--bad-input", action="store_true", help="also check that bad input (uneven vocab shards, bad "
+                    "labels, labels differing across ranks, a full weight with tp_group, ...) errors on every rank")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                     help="auto: one GPU per rank over NCCL when CUDA is available, else CPU over gloo")
     ap.add_argument("--shape", help="N,H,V_SHARD overriding the default shapes (N is rounded up to a multiple of tp)")
@@ -351,9 +352,8 @@ def main() -> int:
     for b in backends:
         get_backend(b)  # an explicitly named backend that cannot load is an error
     dtypes = args.dtypes.split(",")
-    for d in dtypes:
-        if d not in DTYPES:
-            raise SystemExit(f"--dtypes: {d!r} is not one of {sorted(DTYPES)}")
+    if set(dtypes) - set(DTYPES):
+        raise SystemExit(f"--dtypes: {sorted(set(dtypes) - set(DTYPES))} not in {sorted(DTYPES)}")
     say(f"areal_lce TP check: tp={tp} dist={dist.get_backend(group)} device={device.type} "
         f"backends={','.join(backends)} dtypes={','.join(dtypes)} shapes(N,H,V/tp)={shapes(base, tp)}")
 

@@ -25,6 +25,16 @@ backward(lse, ent, g_lp, g_ent) -> (d_hidden fp32 [N, H] or None, d_weight [V_sh
   d_logits_j = dz_j · inv_t ;  d_hidden = d_logits · W (fp32, unreduced over shards);
   d_weight = d_logitsᵀ · h (accumulated in fp32 over all tokens, cast once); padding rows get 0.
   Rows with g_lp = g_ent = 0 contribute nothing. Accumulation order is fixed: bitwise deterministic.
+
+n_valid (both passes, optional): a [1] int64 device tensor. The Function has partitioned the rows so
+  that rows >= n_valid are ignored rows with hidden = 0, inv_t = 1, lse = ent = 0 and zero upstream
+  gradient. A backend may skip them (their forward stats are then unspecified; their d_hidden rows
+  must still be 0) or compute them like the others (they then contribute exactly 0). The count stays
+  on the device: reading it on the host would be a sync.
+
+cache_spec(n, h, v_shard, dtype, params, keep_cache) -> (shape, dtype) of the cache forward() keeps for
+  these sizes, or None: forward decides with it, and the op's fake (meta) implementation allocates with
+  it, so the two agree.
 """
 from __future__ import annotations
 
@@ -59,6 +69,7 @@ class Backend(Protocol):
         inv_t: Optional[torch.Tensor],  # [N] fp32, or None -> scalar 1 / params.temperature
         params: LCEParams,
         keep_cache: bool,  # True when the caller will run backward and may keep logits
+        n_valid: Optional[torch.Tensor] = None,  # [1] int64 device tensor: rows >= n_valid may be skipped
     ) -> ShardStats: ...
 
     def backward(
@@ -75,7 +86,11 @@ class Backend(Protocol):
         g_ent: torch.Tensor,  # [N] fp32, contiguous
         need_d_hidden: bool,
         need_d_weight: bool,
+        n_valid: Optional[torch.Tensor] = None,
     ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]: ...
+
+    def cache_spec(self, n: int, h: int, v_shard: int, dtype: torch.dtype, params: LCEParams,
+                   keep_cache: bool) -> Optional[Tuple[Tuple[int, ...], torch.dtype]]: ...
 
 
 def scalar_inv_t(params: LCEParams) -> float:

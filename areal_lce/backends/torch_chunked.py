@@ -73,7 +73,15 @@ class TorchChunkedBackend:
         z = _mm_f32(hidden[t0:t1], weight[v0:v1].t())
         return z.mul_(_inv_t(inv_t, params, t0, t1, z.dtype))
 
-    def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool) -> ShardStats:
+    def cache_spec(self, n, h, v_shard, dtype, params: LCEParams, keep_cache):
+        vv = params.shard_valid
+        if keep_cache and vv > 0 and n * vv * 4 <= params.cache_bytes:
+            return (n, vv), (torch.float64 if dtype == torch.float64 else torch.float32)
+        return None
+
+    def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool,
+                n_valid=None) -> ShardStats:
+        # n_valid is not used: every row is computed (the zero-filled ignored tail costs its GEMM share)
         n, dev = hidden.shape[0], hidden.device
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         vv = params.shard_valid
@@ -82,9 +90,8 @@ class TorchChunkedBackend:
         s, a, zy = (torch.zeros(n, dtype=acc, device=dev) for _ in range(3))
         lsum = torch.zeros(n, dtype=acc, device=dev) if params.logit_sums else None
         lsq = torch.zeros(n, dtype=acc, device=dev) if params.logit_sums else None
-        cache = None
-        if keep_cache and vv > 0 and n * vv * 4 <= params.cache_bytes:
-            cache = torch.empty(n, vv, dtype=acc, device=dev)
+        spec = self.cache_spec(n, hidden.shape[1], weight.shape[0], hidden.dtype, params, keep_cache)
+        cache = None if spec is None else torch.empty(spec[0], dtype=spec[1], device=dev)
         local = labels - params.vocab_start
         n_chunk, v_chunk = chunk_shape(n, vv, dev)
         for t0, t1 in _chunks(n, n_chunk):
@@ -114,7 +121,7 @@ class TorchChunkedBackend:
         return ShardStats(m=m, s=s, a=a, zy=zy, mn=mn, cache=cache, lsum=lsum, lsq=lsq)
 
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache, lse, ent, g_lp, g_ent,
-                 need_d_hidden, need_d_weight):
+                 need_d_hidden, need_d_weight, n_valid=None):
         n, h = hidden.shape
         dev = hidden.device
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -134,8 +141,11 @@ class TorchChunkedBackend:
                 dz = -(g_lp[t0:t1, None].to(acc) + g_ent[t0:t1, None].to(acc) * (logp + ent_t)) * p
                 col = local[t0:t1] - v0
                 own = (col >= 0) & (col < v1 - v0)
-                rows = own.nonzero().squeeze(1)
-                dz[rows, col[rows]] += g_lp[t0:t1][rows].to(acc)
+                # one-hot term at each row's label column: one element per row, so a gather + scatter
+                # (no nonzero(): its data-dependent size is a host sync on accelerators)
+                at = col.clamp(0, v1 - v0 - 1)[:, None]
+                hot = torch.where(own, g_lp[t0:t1].to(acc), 0.0)[:, None]
+                dz.scatter_(1, at, dz.gather(1, at) + hot)
                 dl = dz.mul_(_inv_t(inv_t, params, t0, t1, acc))
                 if half:
                     dl = dl.to(hidden.dtype)

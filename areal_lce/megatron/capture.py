@@ -51,7 +51,7 @@ class CaptureContext:
     temperature: Union[float, torch.Tensor]
     vocab_size: int
     backend: str = "auto"
-    cache_bytes: int = 0
+    cache_bytes: Union[int, str] = 0  # bytes, or "auto" (linear_logprobs_entropy's cache_bytes)
     ignore_index: int = -100
     fused: bool = True
 

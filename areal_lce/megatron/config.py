@@ -7,7 +7,7 @@ stay plain (no custom constructors, only defaults).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 from ..backends import BACKENDS
 
@@ -179,8 +179,10 @@ class EngineConfig:
     lce_backend: str = field(
         default="auto", metadata={"help": "fused-op backend: auto | torch | triton | triton_ascend | reference"}
     )
-    lce_cache_bytes: int = field(
-        default=0, metadata={"help": "fused op may keep fp32 logits for backward up to this many bytes"}
+    lce_cache_bytes: Union[int, str] = field(
+        default=0,
+        metadata={"help": "fused op may keep fp32 logits for backward up to this many bytes; 'auto': "
+                  "min(4 GiB, device memory / 8), at least 1 GiB (1 GiB on CPU); 0: always recompute"},
     )
     capture_seam: str = field(
         default="auto",
@@ -213,5 +215,7 @@ class EngineConfig:
         if self.pack_sequences and self.model.attention != "sdpa":
             raise ValueError(f"pack_sequences=true needs model.attention='sdpa' (megatron's local "
                              f"DotProductAttention refuses packed sequences), got {self.model.attention!r}")
-        if self.lce_cache_bytes < 0:
-            raise ValueError("lce_cache_bytes must be >= 0")
+        if isinstance(self.lce_cache_bytes, str) and self.lce_cache_bytes != "auto":
+            raise ValueError(f"engine.lce_cache_bytes={self.lce_cache_bytes!r}: expected an int >= 0 or 'auto'")
+        if isinstance(self.lce_cache_bytes, int) and self.lce_cache_bytes < 0:
+            raise ValueError(f"engine.lce_cache_bytes={self.lce_cache_bytes} must be >= 0 (or 'auto')")

@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .. import comms, durable
+from .. import checks, comms, durable
 from . import capture
 from .batch import ModelBatch, packed_length, per_token_rope
 from .batch import prepare as prepare_batch
@@ -261,6 +261,7 @@ class MegatronEngine:
                 # only its own tokens; megatron's DDP averages over data x context parallel ranks, so the
                 # loss is scaled by cp for that average to be the sum of the CP shares (as Megatron-LM does).
                 (account(mb, stats) * self.dist.cp_size).backward()
+        checks.check_deferred()  # the op's deferred label checks, read where the loss floats already synced
         # DP all-reduce of the grad buffers, SP norm grads over TP, tied embeddings across stages.
         finalize_model_grads([self.model])
         lr = lr_at(self.step_count, self.cfg.optim)

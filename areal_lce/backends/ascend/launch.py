@@ -115,7 +115,12 @@ class AscendBackend:
         return max(1, n)
 
     # ---- contract ------------------------------------------------------------------------------
-    def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool) -> ShardStats:
+    def cache_spec(self, n, h, v_shard, dtype, params: LCEParams, keep_cache: bool):
+        return None  # always recomputes
+
+    def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool,
+                n_valid=None) -> ShardStats:
+        # n_valid is not used: every row is computed (the Function zero-fills the ignored tail)
         hidden, weight, labels, inv_t, scalar = self._prep(hidden, weight, labels, inv_t, params)
         n, h = hidden.shape
         dev = hidden.device
@@ -137,7 +142,8 @@ class AscendBackend:
                           lsum=outs[5] if sums else None, lsq=outs[6] if sums else None)
 
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,
-                 need_d_hidden: bool, need_d_weight: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+                 need_d_hidden: bool, need_d_weight: bool,
+                 n_valid=None) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         hidden, weight, labels, inv_t, scalar = self._prep(hidden, weight, labels, inv_t, params)
         n, h = hidden.shape
         v_shard, valid = weight.shape[0], params.shard_valid

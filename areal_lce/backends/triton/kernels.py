@@ -146,17 +146,19 @@ def _cache_tile(z_cache, o_n, col0, N, BLOCK_V: tl.constexpr, CACHE_COLS: tl.con
 
 @triton.jit
 def lce_fwd_kernel(
-    h, w, d_h, d_w, y, inv_t, part, z_cache,
+    h, w, d_h, d_w, y, inv_t, part, z_cache, n_valid,
     N, H, V, SPLIT_V, n_splits, stride_part, scale,
-    HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, HAS_N_VALID: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     CACHE_COLS: tl.constexpr,
 ):
     """part: fp32 [5, n_splits, N] = (m, s, a, zy, mn) of each split, [7, n_splits, N] with HAS_SUMS
     (+ Σ r, Σ r² of the raw logits r); z_cache: fp32 cache (module docstring) or unused. V here is the
     number of valid columns; y holds local label columns (int32, -1 = not owned).
-    d_h / d_w: TMA descriptors of hidden [N, H] and weight [V, H] when USE_TMA, else unused."""
+    d_h / d_w: TMA descriptors of hidden [N, H] and weight [V, H] when USE_TMA, else unused.
+    n_valid: [1] int32 row count when HAS_N_VALID: a token block starting at or past it folds no tile
+    (its partials keep their initial values; the caller ignores those rows)."""
     i_pid = tl.program_id(0)
     n_blocks_n = tl.cdiv(N, BLOCK_N)
     i_n, i_s = _tile_coords(i_pid, n_blocks_n, n_splits, GROUP_N)
@@ -181,6 +183,8 @@ def lce_fwd_kernel(
 
     v_begin = i_s * SPLIT_V
     v_end = tl.minimum(v_begin + SPLIT_V, V)
+    if HAS_N_VALID:
+        v_end = tl.where(row0 < tl.load(n_valid), v_end, v_begin)  # ignored block: no tiles
     n_full = (v_end - v_begin) // BLOCK_V
     for i_t in range(0, n_full):
         b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq = _fwd_tile(
@@ -254,9 +258,10 @@ def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, HAS_SUMS: tl.const
 
 @triton.jit
 def lce_bwd_kernel(
-    h, w, d_h, d_w, inv_t, lse, ent, g_lp, g_ent, z_cache, dl,
+    h, w, d_h, d_w, inv_t, lse, ent, g_lp, g_ent, z_cache, dl, n_valid,
     N, H, V, v_begin, width, stride_dl, tiles_per_program, scale,
-    HAS_INV_T: tl.constexpr, USE_CACHE: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_INV_T: tl.constexpr, USE_CACHE: tl.constexpr, HAS_N_VALID: tl.constexpr, EVEN_K: tl.constexpr,
+    UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     CACHE_COLS: tl.constexpr,
@@ -266,7 +271,8 @@ def lce_bwd_kernel(
     dz_j = g_lp (1[j = y] - p_j) - g_ent p_j (log p_j + ent), p_j = exp(z_j - lse). In base 2 with
     x = log2(e) (z_j - lse): d_logits = -p (A + B x) + C 1[j = y], A = (g_lp + g_ent ent) / T,
     B = ln2 g_ent / T, C = g_lp / T. This kernel writes -p (A + B x); lce_bwd_label_kernel adds C.
-    V is the number of valid columns of the shard."""
+    V is the number of valid columns of the shard. With HAS_N_VALID, a token block starting at or past
+    n_valid stores zeros without loading or multiplying anything (cuBLAS reads every row of dl)."""
     i_pid = tl.program_id(0)
     n_blocks_n = tl.cdiv(N, BLOCK_N)
     n_blocks_v = tl.cdiv(width, BLOCK_V)
@@ -286,6 +292,9 @@ def lce_bwd_kernel(
     b_gent = tl.load(g_ent + o_nc)
     b_A = (b_glp + b_gent * b_ent) * b_it
     b_B = b_gent * b_it * LN2
+    b_live = True
+    if HAS_N_VALID:
+        b_live = row0 < tl.load(n_valid)
 
     # consecutive vocab tiles of one token block: the next tile's loads start while this one's
     # d_logits stores drain
@@ -293,18 +302,21 @@ def lce_bwd_kernel(
         o_j = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # int32: column inside the chunk
         m_j = o_j < width
         o_v = v_begin + o_j  # int32: column inside the shard
-        if USE_CACHE:
-            # unmasked: clamped rows, and a slab is allocated CACHE_COLS wide, so the columns past the
-            # shard's end are readable (their values are never stored); no mask keeps the loads vectorised
-            b_z = tl.load(_cache_tile(z_cache, o_nc, v_begin + i_v * BLOCK_V, N, BLOCK_V, CACHE_COLS))
-            b_x = (b_z - b_lse[:, None]) * LOG2E
+        if b_live:
+            if USE_CACHE:
+                # unmasked: clamped rows, and a slab is allocated CACHE_COLS wide, so the columns past the
+                # shard's end are readable (their values are never stored); no mask keeps the loads vectorised
+                b_z = tl.load(_cache_tile(z_cache, o_nc, v_begin + i_v * BLOCK_V, N, BLOCK_V, CACHE_COLS))
+                b_x = (b_z - b_lse[:, None]) * LOG2E
+            else:
+                o_vc = tl.minimum(o_v, V - 1).to(tl.int64)
+                b_r = _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, v_begin + i_v * BLOCK_V, H, BLOCK_N,
+                                   BLOCK_V, BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA)
+                b_x = b_r * (b_it * LOG2E)[:, None] - (b_lse * LOG2E)[:, None]
+            b_p = tl.exp2(b_x)
+            b_dl = -b_p * (b_A[:, None] + b_B[:, None] * b_x)
         else:
-            o_vc = tl.minimum(o_v, V - 1).to(tl.int64)
-            b_r = _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, v_begin + i_v * BLOCK_V, H, BLOCK_N, BLOCK_V,
-                               BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA)
-            b_x = b_r * (b_it * LOG2E)[:, None] - (b_lse * LOG2E)[:, None]
-        b_p = tl.exp2(b_x)
-        b_dl = -b_p * (b_A[:, None] + b_B[:, None] * b_x)
+            b_dl = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
         p_dl = dl + o_n[:, None] * stride_dl + o_j[None, :]
         tl.store(p_dl, b_dl.to(dl.dtype.element_ty), mask=m_n[:, None] & m_j[None, :])
 

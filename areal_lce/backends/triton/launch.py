@@ -1,5 +1,9 @@
 """Launchers of the Triton backend: checks, allocation, grids, block choice, cuBLAS GEMMs.
 
+Ignored rows: with a device-side row count n_valid ([1] int64, base.py), the row blocks at or past it
+(the Function's zero-filled ignored tail) run no GEMM: the forward programs fold no vocab tile, the
+backward programs store zero d_logits. The cuBLAS d_hidden / d_weight GEMMs still span all N rows.
+
 Forward (one fused pass, no [N, V] tensor unless the logits cache is on):
     lce_fwd_kernel      grid = ceil(N / BLOCK_N) x n_splits programs, each a token block x a vocab
                         split, tensor-core GEMM tiles with the online-softmax epilogue
@@ -102,7 +106,14 @@ def _local_labels(labels: torch.Tensor, params: LCEParams) -> torch.Tensor:
     return torch.where(owned, local, torch.full_like(local, -1)).to(torch.int32).contiguous()
 
 
-def _check(hidden, weight, labels, inv_t, params: LCEParams) -> None:
+def _row_count(n_valid, dummy: torch.Tensor) -> torch.Tensor:
+    """n_valid as a fresh int32 [1] tensor (the Function's is a view at an 8-byte offset into a cumsum:
+    int64 loads from addresses that are not 16-byte aligned miscompile, field-notes section 5), or a
+    dummy pointer when there is none (HAS_N_VALID=False: never read)."""
+    return dummy if n_valid is None else n_valid.to(torch.int32)
+
+
+def _check(hidden, weight, labels, inv_t, params: LCEParams, n_valid=None) -> None:
     if hidden.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"triton backend: hidden and weight must be 2-D, got {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -119,6 +130,9 @@ def _check(hidden, weight, labels, inv_t, params: LCEParams) -> None:
     if not 0 <= params.shard_valid <= weight.shape[0]:
         raise ValueError(f"triton backend: params.shard_valid={params.shard_valid} outside [0, {weight.shape[0]}]")
     dev = hidden.device
+    if n_valid is not None and (n_valid.shape != (1,) or n_valid.dtype != torch.int64 or n_valid.device != dev):
+        raise ValueError(f"triton backend: n_valid must be a [1] int64 tensor on {dev}, got "
+                         f"{tuple(n_valid.shape)} {n_valid.dtype} on {n_valid.device}")
     if weight.device != dev or labels.device != dev or (inv_t is not None and inv_t.device != dev):
         raise ValueError("triton backend: hidden, weight, labels and inv_t must be on one device")
     if dev.type != "cuda" and not INTERPRET:
@@ -169,9 +183,19 @@ class TritonBackend:
 
     name = "triton"
 
+    def cache_spec(self, n, h, v_shard, dtype, params: LCEParams, keep_cache: bool):
+        """fp32 column slabs (_cache_shape) when this shard's fp32 logits 4·N·V_shard fit cache_bytes."""
+        if not (keep_cache and n > 0 and params.shard_valid > 0 and 0 < n * v_shard * 4 <= params.cache_bytes):
+            return None
+        cfg = configs.tile("fwd", fp32=dtype == torch.float32, interpret=INTERPRET, H=h)
+        if configs.CACHE_COLS % cfg.block_v:
+            return None  # the cache tiles assume BLOCK_V divides CACHE_COLS (kernels.py)
+        return _cache_shape(n, params.shard_valid), torch.float32
+
     # ------------------------------------------------------------------------------------ forward
-    def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool) -> ShardStats:
-        _check(hidden, weight, labels, inv_t, params)
+    def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool,
+                n_valid=None) -> ShardStats:
+        _check(hidden, weight, labels, inv_t, params, n_valid)
         N, H = hidden.shape
         valid = params.shard_valid
         dev = hidden.device
@@ -182,23 +206,24 @@ class TritonBackend:
         y = _local_labels(labels, params)
         it = inv_t.to(torch.float32).contiguous() if inv_t is not None else None
         scale = scalar_inv_t(params) if inv_t is None else 1.0
-        use_cache = bool(keep_cache and params.cache_bytes > 0 and N * weight.shape[0] * 4 <= params.cache_bytes)
+        spec = self.cache_spec(N, H, weight.shape[0], hidden.dtype, params, keep_cache)
+        use_cache = spec is not None
 
         cfg = configs.tile("fwd", fp32=hidden.dtype == torch.float32, interpret=INTERPRET, H=H)
-        if configs.CACHE_COLS % cfg.block_v:
-            use_cache = False  # the cache tiles assume BLOCK_V divides CACHE_COLS (kernels.py)
         split_v, n_splits = _split_plan(N, valid, cfg.block_n, _slots(dev), INTERPRET)
         rows = 7 if sums else 5  # (m, s, a, zy, mn[, Σr, Σr²])
         part = _alloc((rows, n_splits, N), torch.float32, dev)
-        cache = _alloc(_cache_shape(N, valid), torch.float32, dev) if use_cache else None
+        cache = _alloc(spec[0], torch.float32, dev) if use_cache else None
         out = _alloc((rows, N), torch.float32, dev)
         grid = (triton.cdiv(N, cfg.block_n) * n_splits,)
         d_h, d_w = _descriptors(hidden, weight[:valid], cfg)
         with _device_ctx(dev):
             lce_fwd_kernel[grid](
                 hidden, weight, d_h, d_w, y, it if it is not None else part, part, cache if use_cache else part,
+                _row_count(n_valid, y),
                 N, H, valid, split_v, n_splits, n_splits * N, scale,
-                HAS_INV_T=it is not None, HAS_CACHE=use_cache, HAS_SUMS=sums, EVEN_K=H % cfg.block_k == 0,
+                HAS_INV_T=it is not None, HAS_CACHE=use_cache, HAS_SUMS=sums, HAS_N_VALID=n_valid is not None,
+                EVEN_K=H % cfg.block_k == 0,
                 UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
                 BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
                 CACHE_COLS=configs.CACHE_COLS, **_launch_opts(cfg),
@@ -211,8 +236,8 @@ class TritonBackend:
 
     # ----------------------------------------------------------------------------------- backward
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,
-                 need_d_hidden: bool, need_d_weight: bool):
-        _check(hidden, weight, labels, inv_t, params)
+                 need_d_hidden: bool, need_d_weight: bool, n_valid=None):
+        _check(hidden, weight, labels, inv_t, params, n_valid)
         if not (need_d_hidden or need_d_weight):
             return None, None
         N, H = hidden.shape
@@ -257,9 +282,10 @@ class TritonBackend:
                 grid = (triton.cdiv(N, cfg.block_n) * triton.cdiv(triton.cdiv(width, cfg.block_v), tpp),)
                 lce_bwd_kernel[grid](
                     hidden, weight, d_h, d_w, it if it is not None else vecs[0], *vecs,
-                    cache if cache is not None else vecs[0], dl,
+                    cache if cache is not None else vecs[0], dl, _row_count(n_valid, y),
                     N, H, valid, c0, width, width, tpp, scale,
-                    HAS_INV_T=it is not None, USE_CACHE=cache is not None, EVEN_K=H % cfg.block_k == 0,
+                    HAS_INV_T=it is not None, USE_CACHE=cache is not None, HAS_N_VALID=n_valid is not None,
+                    EVEN_K=H % cfg.block_k == 0,
                     UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
                     BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
                     CACHE_COLS=configs.CACHE_COLS, **_launch_opts(cfg),

@@ -1,0 +1,150 @@
+"""Validation of label and temperature *values*: now (one host sync) or deferred (no sync).
+
+Shapes, dtypes and options are checked in api.py from metadata alone. Values live on the device, and
+reading one on the host stalls the stream and breaks CUDA-graph capture, so the op offers three modes
+(`check_labels=` of `linear_logprobs_entropy`, resolved by `resolve_mode`):
+
+  "sync"      `check_now`: one reduction, one host sync, a ValueError at the call naming the first
+              bad label. The default for CPU tensors (the host is the device: no stream to stall).
+  "deferred"  `record`: a few [N] kernels fold the bad labels of the call into a per-device record
+              (count, smallest and largest bad value, count of bad temperatures); no host sync, so the
+              call can be captured in a CUDA graph or compiled. The rows with a bad label get
+              logprob = NaN, so a loss over them shows it at once. `check_deferred()` reads every
+              record (one sync per device), resets it and raises the ValueError naming the values.
+              The default on accelerators; the Megatron engine calls `check_deferred()` once per
+              training step, where it already syncs to read the loss.
+  "off"       no check: a label outside the vocabulary is owned by no shard, so logprob = -lse.
+
+Under tensor parallelism both checking modes also compare the ranks' labels (their values, their
+ignore_index pattern) and vocab shard sizes through a fingerprint (`tp_key`) whose [max, -min] over the
+group the caller all-reduces on the device (function.py, comms.agreement_votes): "sync" reads the votes
+in its one host sync and raises on every rank; "deferred" counts the disagreeing call in the record and
+makes every logprob of the call NaN.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+MODES = ("sync", "deferred", "off")
+_BIG = torch.iinfo(torch.int64).max
+# device -> int64 [5]: (bad labels, -(smallest bad label), largest bad label, bad temperatures,
+# tensor-parallel calls whose ranks disagreed)
+_RECORDS: Dict[torch.device, torch.Tensor] = {}
+_CONTEXT: Dict[torch.device, Tuple[int, int]] = {}  # device -> (vocab_size, ignore_index) of the last record
+
+
+def resolve_mode(check_labels, device: torch.device) -> str:
+    """check_labels argument -> one of MODES. True: "sync" on CPU tensors, "deferred" elsewhere."""
+    if check_labels is True:
+        return "sync" if device.type == "cpu" else "deferred"
+    if check_labels is False:
+        return "off"
+    if check_labels in ("sync", "deferred"):
+        return check_labels
+    raise ValueError(f"check_labels={check_labels!r}: expected True (sync on CPU, deferred on accelerators), "
+                     "False, 'sync' or 'deferred'")
+
+
+def bad_labels(y: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+    """[N] bool: labels outside [0, vocab_size) that are not ignore_index."""
+    return (y.clamp(0, vocab_size - 1) != y) & (y != ignore_index)
+
+
+def bad_temperatures(inv_t: torch.Tensor) -> torch.Tensor:
+    """[N] bool: 1/T not in (0, inf), i.e. T not finite and > 0 (NaN included)."""
+    return ~((inv_t > 0) & (inv_t < float("inf")))
+
+
+def tp_key(y: torch.Tensor, ignore_index: int, v_shard: int) -> torch.Tensor:
+    """int64 fingerprint of (labels, their ignore pattern, the shard size): equal on the TP ranks when they
+    agree. Σ (y'+2)·(i mod 1021 + 1) with y' = labels clamped to [-1, 2^24] (-1 at ignore_index): < 2^62
+    below 2^28 labels, so no overflow."""
+    i = torch.arange(y.numel(), device=y.device)
+    yy = torch.where(y == ignore_index, -1, y.clamp(-1, 1 << 24)) + 2
+    return (yy * (i % 1021 + 1)).sum() + (v_shard * 1_000_003 + y.numel() * 999_983)
+
+
+def _disagree(votes: torch.Tensor) -> torch.Tensor:
+    """0-d bool: the ranks' fingerprints differ (votes = [max, -min] of tp_key over the group)."""
+    return votes[0] != -votes[1]
+
+
+def check_now(y: torch.Tensor, inv_t: Optional[torch.Tensor], vocab_size: int, ignore_index: int,
+              votes: Optional[torch.Tensor] = None, on_disagreement: Optional[Callable[[], None]] = None) -> None:
+    """Raise ValueError on a bad label or temperature value (one reduction and one host sync). Under TP,
+    `votes` (the all-reduced tp_key) are read in the same sync; when the ranks disagree, `on_disagreement`
+    runs first (every rank sees the same votes, so every rank takes that branch together) and must raise."""
+    bad = bad_labels(y, vocab_size, ignore_index)
+    checks = [bad.sum(), bad_temperatures(inv_t).sum() if inv_t is not None else bad.new_zeros((), dtype=torch.int64)]
+    if votes is not None:
+        checks.append(_disagree(votes).to(torch.int64))
+    counts = torch.stack(checks).tolist()  # the one host sync of the checks
+    if votes is not None and counts[2]:
+        on_disagreement()
+    if counts[0]:
+        first = int(y[bad][0])
+        raise ValueError(f"labels: {counts[0]} value(s) outside [0, vocab_size={vocab_size}) and not "
+                         f"ignore_index={ignore_index} (first: {first})")
+    if counts[1]:
+        raise ValueError("temperature tensor has values that are not finite and > 0 (or so small that "
+                         "1/temperature overflows fp32)")
+
+
+def _record_of(device: torch.device) -> torch.Tensor:
+    rec = _RECORDS.get(device)
+    if rec is None:  # first deferred call on this device; device kernels only (capturable), no host copy
+        rec = torch.zeros(5, dtype=torch.int64, device=device)
+        _reset(rec)
+        _RECORDS[device] = rec
+    return rec
+
+
+def _reset(rec: torch.Tensor) -> None:
+    rec.zero_()
+    rec[1:3].fill_(-_BIG)
+
+
+def record(y: torch.Tensor, inv_t: Optional[torch.Tensor], vocab_size: int, ignore_index: int,
+           votes: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Fold this call's bad labels and temperatures (and, under TP, whether the ranks' `votes` disagree)
+    into the device's record, without a host sync. Returns the [N] mask of rows whose logprob the caller
+    sets to NaN: the bad labels, or every row when the ranks disagree."""
+    bad = bad_labels(y, vocab_size, ignore_index)
+    rec = _record_of(y.device)
+    if y.numel():
+        n_bad_t = bad_temperatures(inv_t).sum() if inv_t is not None else bad.new_zeros((), dtype=torch.int64)
+        rec[0::3].add_(torch.stack([bad.sum(), n_bad_t]))  # counts (slots 0 and 3)
+        extremes = torch.stack([-torch.where(bad, y, _BIG).amin(), torch.where(bad, y, -_BIG).amax()])
+        rec[1:3].copy_(torch.maximum(rec[1:3], extremes))  # -(smallest), largest
+        _CONTEXT[y.device] = (vocab_size, ignore_index)
+    if votes is not None:
+        disagree = _disagree(votes)
+        rec[4:].add_(disagree.to(torch.int64))
+        bad = bad | disagree
+    return bad
+
+
+def check_deferred() -> None:
+    """Raise ValueError if a call with deferred checks saw a bad label or temperature, or (under tensor
+    parallelism) ranks passing different labels, since the last check. Reads each device's record (one
+    host sync per device that has one) and resets it."""
+    for device, rec in list(_RECORDS.items()):
+        n_bad, neg_lo, hi, n_bad_t, n_disagree = rec.tolist()  # the deferred sync
+        if not (n_bad or n_bad_t or n_disagree):
+            continue
+        _reset(rec)
+        vocab_size, ignore_index = _CONTEXT.get(device, ("?", "?"))
+        if n_disagree:
+            raise ValueError(f"labels differ across the tensor-parallel group: {n_disagree} call(s) of "
+                             f"linear_logprobs_entropy on {device} since the last check got different labels, "
+                             "ignore_index rows or weight shard sizes on different ranks (their logprobs are "
+                             "NaN): every rank must pass an equal-sized vocab shard and the same global labels")
+        if n_bad:
+            raise ValueError(f"labels: {n_bad} value(s) outside [0, vocab_size) and not ignore_index were "
+                             f"passed to linear_logprobs_entropy on {device} since the last check (smallest: "
+                             f"{-neg_lo}, largest: {hi}; last call: vocab_size={vocab_size}, "
+                             f"ignore_index={ignore_index}); their logprobs are NaN")
+        raise ValueError(f"temperature tensor: {n_bad_t} value(s) that are not finite and > 0 were passed to "
+                         f"linear_logprobs_entropy on {device} since the last check")

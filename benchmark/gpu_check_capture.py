@@ -1,0 +1,170 @@
+"""GPU cases of `benchmark.gpu_check` for the op's default options on CUDA (triton backend, bf16):
+
+  sync_debug        a default forward+backward (ignored rows, padded vocab, per-token temperature;
+                    also cache_bytes="auto", compact_ignored=False, return_logit_sums=True and a no-grad
+                    forward) runs under torch.cuda.set_sync_debug_mode("error") after one warm-up
+                    call, with results bitwise equal to the warm-up's; a bad label passes silently there, gets a NaN
+                    logprob, and `areal_lce.check_deferred()` afterwards raises naming it.
+  cuda_graph        forward+backward captured once with torch.cuda.graph and replayed on new hidden,
+                    weight, labels (a different ignore pattern) and temperatures: equal to eager.
+  compile           torch.compile(fullgraph=True) (Inductor) of a loss over the op: no graph break;
+                    the op's outputs bitwise equal to eager, the loss and gradients within 1e-5.
+  compile_cudagraphs the same with mode="reduce-overhead" (CUDA graphs through Inductor).
+
+Each returns a result dict with "ok"; gpu_check prints and stores it.
+"""
+from __future__ import annotations
+
+import torch
+
+N, H, V, VOCAB = 1000, 512, 32000, 31900  # N not a multiple of the 128-row blocks; padded vocab
+
+
+def _inputs(device, seed: int):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    h = torch.randn(N, H, generator=g).to(torch.bfloat16)
+    w = (torch.randn(V, H, generator=g) * (4.0 / H ** 0.5)).to(torch.bfloat16)
+    y = torch.randint(0, VOCAB, (N,), generator=g)
+    y[700 + 50 * seed:] = -100  # right padding, a different length per seed
+    y[torch.randint(0, 700, (40,), generator=g)] = -100  # and scattered ignored rows
+    temp = 0.5 + torch.rand(N, generator=g)
+    g_out = torch.randn(2, N, generator=g)
+    return [t.to(device) for t in (h, w, y, temp, g_out)]
+
+
+def _step(h, w, y, temp, g_out, **kw):
+    """Default public op call + backward of sum(g_lp·logp + g_ent·entropy): (outputs..., dh, dw)."""
+    from areal_lce import linear_logprobs_entropy
+
+    hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
+    o = linear_logprobs_entropy(hh, ww, y, temperature=temp, vocab_size=VOCAB, return_stats=True, **kw)
+    loss = (o.logprobs * g_out[0]).sum() + (o.entropy * g_out[1]).sum()
+    dh, dw = torch.autograd.grad(loss, (hh, ww))
+    sums = [t for t in (o.sum_logit, o.sumsq_logit) if t is not None]  # with return_logit_sums=True
+    return [o.logprobs, o.entropy, o.max_logit, o.min_logit, o.lse, *sums, dh, dw]
+
+
+def _same(a_list, b_list):
+    return all(torch.equal(a, b) for a, b in zip(a_list, b_list))
+
+
+def sync_debug_check(device) -> dict:
+    import areal_lce
+
+    h, w, y, temp, g_out = _inputs(device, 0)
+    variants = {"defaults": {}, "cache_auto": {"cache_bytes": "auto"}, "no_compact": {"compact_ignored": False},
+                "logit_sums": {"return_logit_sums": True}}
+    warm = {k: _step(h, w, y, temp, g_out, **kw) for k, kw in variants.items()}
+    with torch.no_grad():
+        warm_nograd = areal_lce.linear_logprobs_entropy(h, w, y, temperature=temp, vocab_size=VOCAB).logprobs
+    bad_y = y.clone()
+    bad_y[3] = VOCAB + 5
+    _step(h, w, bad_y, temp, g_out)  # warm the bad-label path too
+    try:
+        areal_lce.check_deferred()  # drain the warm-up's record
+    except ValueError:
+        pass
+    torch.cuda.synchronize()
+    res = {"case": "sync_debug"}
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = {k: _step(h, w, y, temp, g_out, **kw) for k, kw in variants.items()}
+        with torch.no_grad():
+            nograd = areal_lce.linear_logprobs_entropy(h, w, y, temperature=temp, vocab_size=VOCAB).logprobs
+        bad = _step(h, w, bad_y, temp, g_out)
+        res["no_sync"] = True
+    except RuntimeError as e:  # what sync-debug mode raises on a synchronizing call
+        res.update(no_sync=False, error=f"{type(e).__name__}: {e}")
+        return {**res, "ok": False}
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    res["equal_to_warmup"] = {k: _same(warm[k], again[k]) for k in variants}
+    res["equal_to_warmup"]["no_grad"] = torch.equal(warm_nograd, nograd)
+    res["bad_label_nan"] = bool(torch.isnan(bad[0][3])) and bool(torch.isfinite(bad[0][4:700]).all())
+    try:
+        areal_lce.check_deferred()
+        res["deferred_error"] = None
+    except ValueError as e:
+        res["deferred_error"] = str(e)
+    res["ok"] = bool(res["no_sync"] and all(res["equal_to_warmup"].values()) and res["bad_label_nan"]
+                     and res["deferred_error"] and f"largest: {VOCAB + 5}" in res["deferred_error"])
+    return res
+
+
+def cuda_graph_check(device) -> dict:
+    statics = _inputs(device, 0)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            _step(*statics)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _step(*statics)
+    res = {"case": "cuda_graph", "replays": []}
+    ok = True
+    for seed in (1, 2, 0):
+        for dst, src in zip(statics, _inputs(device, seed)):
+            dst.copy_(src)
+        graph.replay()
+        eager = _step(*statics)
+        torch.cuda.synchronize()
+        diff = max(((a.float() - b.float()).abs().max().item() if a.numel() else 0.0) for a, b in zip(captured, eager))
+        bitwise = _same(captured, eager)
+        n_valid = int((statics[2] != -100).sum())
+        res["replays"].append({"seed": seed, "n_valid": n_valid, "bitwise": bitwise, "max_abs_diff": diff})
+        ok &= bitwise or diff <= 1e-5
+    res["ok"] = bool(ok)
+    return res
+
+
+def _loss_model(h, w, y, temp):
+    from areal_lce import linear_logprobs_entropy
+
+    o = linear_logprobs_entropy(h, w, y, temperature=temp, vocab_size=VOCAB, return_stats=True)
+    mask = (y != -100).float()
+    loss = -(o.logprobs * mask).sum() / mask.sum() - 0.01 * (o.entropy * mask).sum()
+    return loss, o.logprobs, o.entropy, o.lse
+
+
+def _compiled_vs_eager(device, mode, name) -> dict:
+    h, w, y, temp, _ = _inputs(device, 0)
+    torch._dynamo.reset()
+    compiled = torch.compile(_loss_model, fullgraph=True, mode=mode)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    res = {"case": name}
+
+    def run(fn):
+        hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
+        loss, lp, ent, lse = fn(hh, ww, y, temp)
+        loss.backward()
+        return [t.detach().clone() for t in (loss, lp, ent, lse, hh.grad, ww.grad)]
+
+    got = None
+    for _ in range(3):  # compile, then (reduce-overhead) record and replay
+        got = run(compiled)
+    eager = run(_loss_model)
+    res["op_outputs_bitwise"] = _same(got[1:4], eager[1:4])
+    res["loss_rel"] = ((got[0] - eager[0]).abs() / eager[0].abs()).item()
+    res["dh_rel"] = ((got[4].float() - eager[4].float()).norm() / eager[4].float().norm()).item()
+    res["dw_rel"] = ((got[5].float() - eager[5].float()).norm() / eager[5].float().norm()).item()
+    res["graph_breaks"] = sum(counters["graph_break"].values())
+    res["cudagraph_skips"] = int(counters["inductor"].get("cudagraph_skips", 0))
+    ok = res["op_outputs_bitwise"] and max(res["loss_rel"], res["dh_rel"], res["dw_rel"]) <= 1e-5
+    ok &= res["graph_breaks"] == 0 and (mode is None or res["cudagraph_skips"] == 0)
+    res["ok"] = bool(ok)
+    return res
+
+
+def compile_check(device) -> dict:
+    return _compiled_vs_eager(device, None, "compile")
+
+
+def compile_cudagraphs_check(device) -> dict:
+    return _compiled_vs_eager(device, "reduce-overhead", "compile_cudagraphs")
+
+
+CHECKS = (sync_debug_check, cuda_graph_check, compile_check, compile_cudagraphs_check)

@@ -1,0 +1,278 @@
+"""No host sync with default options: the forward and backward read no device value on the host.
+
+On CPU a "sync" costs nothing, so the test is structural: every Tensor -> Python conversion (.item(),
+.tolist(), int(t), bool(t), ...) and every op with a data-dependent output size (nonzero, masked_select,
+unique) is made to raise while a call with the accelerator defaults runs forward and backward. The
+accelerator default differs from the CPU default in one place only, the label check ("deferred" instead
+of "sync"), which these tests pass explicitly; `test_default_check_mode_per_device` pins that choice.
+On a GPU, `python -m benchmark.gpu_check` runs the same calls under torch.cuda.set_sync_debug_mode("error").
+
+Also here: the device-side row partition, the deferred label check and its error, the zero-filled
+ignored tail (a NaN hidden row that is ignored changes nothing), and the Triton launcher's early exit
+past n_valid (host code checked with stub kernels, kernels through the interpreter).
+"""
+import contextlib
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import areal_lce
+from areal_lce import checks
+from areal_lce.function import partition_rows
+
+from _cases import available_backends
+from test_tp import fake_group  # noqa: F401  (fixture: a recording 2-rank TP group)
+
+IGNORE = -100
+_CONVERSIONS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
+                "masked_select", "unique")
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Every Tensor -> host conversion and data-dependent-size op raises inside the block."""
+    saved = {name: getattr(torch.Tensor, name) for name in _CONVERSIONS}
+    saved_fns = {name: getattr(torch, name) for name in ("nonzero", "masked_select", "unique", "argwhere")}
+
+    def forbid(name):
+        def raiser(*a, **k):
+            raise AssertionError(f"host read on the hot path: Tensor.{name}")
+        return raiser
+
+    try:
+        for name in _CONVERSIONS:
+            setattr(torch.Tensor, name, forbid(name))
+        for name in saved_fns:
+            setattr(torch, name, forbid(name))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+        for name, fn in saved_fns.items():
+            setattr(torch, name, fn)
+
+
+@pytest.fixture(autouse=True)
+def clean_records():
+    checks._RECORDS.clear()
+    yield
+    checks._RECORDS.clear()
+
+
+def _inputs(n=29, h=16, v=300, ignored=(0, 3, 4, 17), seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).to(dtype)
+    weight = (torch.randn(v, h, generator=g) * 0.4).to(dtype)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[list(ignored)] = IGNORE
+    temp = torch.rand(n, generator=g) + 0.5
+    return hidden, weight, labels, temp
+
+
+def _run(hidden, weight, labels, **kw):
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    out = areal_lce.linear_logprobs_entropy(h, w, labels, return_stats=True, **kw)
+    loss = (out.logprobs * torch.linspace(-1, 1, labels.numel())).sum() + 0.3 * out.entropy.sum()
+    loss.backward()
+    return [t.detach() for t in out if t is not None] + [h.grad, w.grad]  # fields not asked for are None
+
+
+def test_default_check_mode_per_device():
+    assert checks.resolve_mode(True, torch.device("cpu")) == "sync"
+    for dev in (torch.device("cuda"), torch.device("cuda:1"), torch.device("mps"), SimpleNamespace(type="npu")):
+        assert checks.resolve_mode(True, dev) == "deferred"
+    assert checks.resolve_mode(False, torch.device("cuda")) == "off"
+    assert checks.resolve_mode("sync", torch.device("cuda")) == "sync"
+    with pytest.raises(ValueError, match="check_labels"):
+        checks.resolve_mode("yes", torch.device("cpu"))
+
+
+CASES = {
+    "scalar_t": dict(temperature=0.8),
+    "tensor_t": dict(temperature="tensor"),
+    "cache_auto": dict(temperature=1.3, cache_bytes="auto"),
+    "no_compact": dict(temperature=0.8, compact_ignored=False),
+    "logit_sums": dict(temperature="tensor", return_logit_sums=True),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_accelerator_defaults_read_nothing_on_the_host(backend, case):
+    hidden, weight, labels, temp = _inputs()
+    kw = dict(CASES[case], backend=backend)
+    if kw["temperature"] == "tensor":
+        kw["temperature"] = temp
+    with no_host_reads():
+        got = _run(hidden, weight, labels, check_labels="deferred", **kw)
+    eager = _run(hidden, weight, labels, check_labels="sync", **kw)  # the CPU default: checks at the call
+    for a, b in zip(got, eager):
+        assert torch.equal(a, b)
+    checks.check_deferred()  # good labels: nothing recorded
+
+
+def test_tensor_parallel_path_reads_nothing_on_the_host(fake_group):  # noqa: F811
+    hidden, weight, labels, _ = _inputs(n=12, v=10, ignored=(1, 7))
+    labels = labels % 20  # global ids over 2 shards of 10
+    labels[[1, 7]] = IGNORE
+    kw = dict(backend="torch", tp_group=fake_group, check_labels="deferred", temperature=0.9)
+    first = _run(hidden, weight, labels, **kw)  # the shard-size agreement check syncs once per group
+    with no_host_reads():
+        again = _run(hidden, weight, labels, **kw)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+def test_tensor_parallel_label_disagreement_deferred_and_sync(fake_group, monkeypatch):  # noqa: F811
+    """Ranks passing different labels (here: the other rank's label fingerprint is larger, so the int64
+    MAX of [key, -key] that the agreement check all-reduces comes back with key + 1): "deferred" reads
+    nothing on the host, makes every logprob of the call NaN and check_deferred() names the
+    disagreement; "sync" (the CPU default) raises at the call."""
+    import torch.distributed as dist
+
+    hidden, weight, labels, _ = _inputs(n=12, v=10, ignored=(1, 7))
+    labels = labels % 20
+    labels[[1, 7]] = IGNORE
+    kw = dict(backend="torch", tp_group=fake_group, temperature=0.9)
+    areal_lce.linear_logprobs_entropy(hidden, weight, labels, check_labels=False, **kw)  # one-time shard check
+    record = dist.all_reduce
+
+    def all_reduce(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        record(t, op=op, group=group, async_op=async_op)
+        if t.dtype == torch.int64 and t.numel() == 2 and op == dist.ReduceOp.MAX:
+            t[0] += 1
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    with no_host_reads():
+        out = areal_lce.linear_logprobs_entropy(hidden, weight, labels, check_labels="deferred", **kw)
+    assert torch.isnan(out.logprobs).all()
+    with pytest.raises(ValueError, match=r"labels differ across the tensor-parallel group: 1 call\(s\)"):
+        areal_lce.check_deferred()
+    areal_lce.check_deferred()  # read and reset
+    with pytest.raises(ValueError, match="labels differ across the tensor-parallel group"):
+        areal_lce.linear_logprobs_entropy(hidden, weight, labels, **kw)
+
+
+class _StubKernel:
+    """Stands for a @triton.jit kernel: launching it does nothing (the host code is what is checked)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def test_triton_launcher_reads_nothing_on_the_host(monkeypatch):
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("the triton backend runs on CPU tensors only under TRITON_INTERPRET=1")
+    from areal_lce.backends.triton import launch
+
+    for name in ("lce_fwd_kernel", "lce_fwd_merge_kernel", "lce_bwd_kernel", "lce_bwd_label_kernel"):
+        monkeypatch.setattr(launch, name, _StubKernel())
+    hidden, weight, labels, temp = _inputs()
+    for kw in (dict(temperature=temp), dict(temperature=0.7, cache_bytes="auto")):
+        with no_host_reads():
+            _run(hidden, weight, labels, backend="triton", check_labels="deferred", **kw)
+
+
+# ---- the pieces ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ignored", [[], [0], [1, 2, 5], list(range(7)), [6]], ids=str)
+def test_partition_rows(ignored):
+    labels = torch.arange(7) + 10
+    labels[ignored] = IGNORE
+    part = partition_rows(labels, IGNORE)
+    valid = [i for i in range(7) if i not in ignored]
+    assert part.order.tolist() == valid + sorted(ignored)  # stable: valid rows first, then ignored
+    assert torch.equal(part.order[part.dest], torch.arange(7)) and torch.equal(part.dest[part.order], torch.arange(7))
+    assert part.n_valid.shape == (1,) and part.n_valid.item() == len(valid)
+    assert part.live.tolist() == [j < len(valid) for j in range(7)]
+    empty = partition_rows(torch.zeros(0, dtype=torch.int64), IGNORE)
+    assert empty.order.numel() == 0 and empty.n_valid.tolist() == [0]
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_nan_in_an_ignored_row_changes_nothing(backend):
+    """The ignored tail is zero-filled before the backend: a NaN (or Inf) hidden row that is ignored
+    cannot reach d_weight through a 0 x NaN product, nor any other row's output."""
+    hidden, weight, labels, _ = _inputs()
+    clean = _run(hidden, weight, labels, backend=backend, temperature=0.9)
+    poisoned = hidden.clone()
+    poisoned[3, 1], poisoned[17, 0] = float("nan"), float("inf")  # rows 3 and 17 are ignored
+    got = _run(poisoned, weight, labels, backend=backend, temperature=0.9)
+    for a, b in zip(got, clean):
+        assert torch.equal(a, b)
+
+
+def test_deferred_check_names_the_bad_values():
+    hidden, weight, labels, temp = _inputs(v=300)
+    labels[5], labels[9], labels[11] = -5, 300, 1234
+    out = areal_lce.linear_logprobs_entropy(hidden, weight, labels, backend="torch", check_labels="deferred")
+    bad = torch.zeros(labels.shape, dtype=torch.bool)
+    bad[[5, 9, 11]] = True
+    assert torch.isnan(out.logprobs[bad]).all(), "rows with a bad label show NaN at once"
+    off = areal_lce.linear_logprobs_entropy(hidden, weight, labels, backend="torch", check_labels=False)
+    assert torch.equal(out.logprobs[~bad], off.logprobs[~bad]) and torch.equal(out.entropy, off.entropy)
+    with pytest.raises(ValueError, match=r"labels: 3 value\(s\).*smallest: -5, largest: 1234.*vocab_size=300"):
+        areal_lce.check_deferred()
+    areal_lce.check_deferred()  # read and reset: nothing left
+    temp[4] = 0.0
+    good = _inputs(v=300)[2]
+    areal_lce.linear_logprobs_entropy(hidden, weight, good, backend="torch", temperature=temp, check_labels="deferred")
+    with pytest.raises(ValueError, match="temperature tensor: 1 value"):
+        areal_lce.check_deferred()
+    # the opt-in eager check raises at the call, naming the first bad value
+    with pytest.raises(ValueError, match=r"labels: 3 value\(s\) outside \[0, vocab_size=300\).*first: -5"):
+        areal_lce.linear_logprobs_entropy(hidden, weight, labels, backend="torch", check_labels="sync")
+
+
+@pytest.fixture
+def nan_alloc(monkeypatch):
+    from areal_lce.backends.triton import launch
+
+    monkeypatch.setattr(launch, "_alloc", lambda shape, dtype, device: torch.full(shape, math.nan, dtype=dtype,
+                                                                                   device=device))
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["recompute", "cache"])
+def test_triton_skips_rows_past_n_valid(nan_alloc, cache):
+    """Backend level: row blocks at or past n_valid run no GEMM, yet every d_logits row cuBLAS reads is
+    written (NaN-filled buffers would leak into d_weight), and live rows match the full computation."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    from areal_lce.backends.reference import ReferenceBackend
+    from areal_lce.backends.triton.launch import TritonBackend
+    from areal_lce.types import LCEParams
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    n, nv, h, v = 100, 37, 32, 300  # interpreter blocks of 32 rows: one partly live block, two dead ones
+    g = torch.Generator().manual_seed(0)
+    hid = torch.randn(n, h, generator=g)
+    hid[nv:] = 0  # the Function's zero-filled tail
+    w = torch.randn(v, h, generator=g) * 0.4
+    y = torch.randint(0, v, (n,), generator=g)
+    y[nv:] = IGNORE
+    p = LCEParams(temperature=0.8, vocab_size=v, shard_valid=v, backend="triton", cache_bytes=(1 << 30) if cache else 0)
+    hid, w, y = hid.to(dev), w.to(dev), y.to(dev)
+    be = TritonBackend()
+    st = be.forward(hid, w, y, None, p, keep_cache=True, n_valid=torch.tensor([nv], device=dev))
+    assert (st.cache is not None) == cache
+    ref = ReferenceBackend().forward(hid.double(), w.double(), y, None, p, False)
+    for k in ("m", "s", "a", "zy", "mn"):
+        assert torch.allclose(getattr(st, k)[:nv].double(), getattr(ref, k)[:nv], rtol=1e-5, atol=1e-5), k
+    lse = (ref.m + ref.s.log()).float()
+    ent = (ref.s.log() - ref.a / ref.s).float()
+    lse[nv:], ent[nv:] = 0, 0  # the Function's sanitised tail
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    g_lp[nv:], g_ent[nv:] = 0, 0
+    g_lp, g_ent, lse, ent = g_lp.to(dev), g_ent.to(dev), lse.to(dev), ent.to(dev)
+    dh, dw = be.backward(hid, w, y, None, p, st.cache, lse, ent, g_lp, g_ent, True, True,
+                         n_valid=torch.tensor([nv], device=dev))
+    rh, rw = ReferenceBackend().backward(hid.double(), w.double(), y, None, p, None, lse.double(), ent.double(),
+                                         g_lp.double(), g_ent.double(), True, True)
+    assert torch.isfinite(dw).all() and torch.equal(dh[nv:], torch.zeros_like(dh[nv:]))
+    assert torch.allclose(dh.double(), rh, rtol=1e-4, atol=1e-5) and torch.allclose(dw.double(), rw, rtol=1e-4,
+                                                                                     atol=1e-5)
