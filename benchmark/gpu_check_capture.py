@@ -148,12 +148,16 @@ def _compiled_vs_eager(device, mode, name) -> dict:
         got = run(compiled)
     eager = run(_loss_model)
     res["op_outputs_bitwise"] = _same(got[1:4], eager[1:4])
+    res["op_outputs_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(got[1:4], eager[1:4]))
     res["loss_rel"] = ((got[0] - eager[0]).abs() / eager[0].abs()).item()
     res["dh_rel"] = ((got[4].float() - eager[4].float()).norm() / eager[4].float().norm()).item()
     res["dw_rel"] = ((got[5].float() - eager[5].float()).norm() / eager[5].float().norm()).item()
     res["graph_breaks"] = sum(counters["graph_break"].values())
     res["cudagraph_skips"] = int(counters["inductor"].get("cudagraph_skips", 0))
-    ok = res["op_outputs_bitwise"] and max(res["loss_rel"], res["dh_rel"], res["dw_rel"]) <= 1e-5
+    # Inductor fuses and reorders the fp32 arithmetic around the opaque custom op (temperature, the stats'
+    # finishing math, the loss), so compiled and eager agree to fp32 rounding, not bit for bit; the bf16
+    # gradients then to bf16 rounding of those inputs (their floor against fp64 is ~2e-3, gpu_check).
+    ok = res["op_outputs_max_abs_diff"] <= 1e-4 and res["loss_rel"] <= 1e-5 and max(res["dh_rel"], res["dw_rel"]) <= 1e-3
     ok &= res["graph_breaks"] == 0 and (mode is None or res["cudagraph_skips"] == 0)
     res["ok"] = bool(ok)
     return res
