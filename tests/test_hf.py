@@ -541,6 +541,7 @@ def _dist_worker():
             assert match in str(e), str(e)
         else:
             raise AssertionError(f"no error for placement {placement}")
+    dist.barrier()  # both ranks done before either tears gloo down (a peer closing first can abort the other)
     dist.destroy_process_group()
 
 
