@@ -128,3 +128,24 @@ def max_rel(a: dict, b: dict) -> float:
         scale = b[n].abs().max().clamp(min=1e-12)
         worst = max(worst, float((a[n] - b[n]).abs().max() / scale))
     return worst
+
+
+def compare_routes(model, ids, labels, temperature, **kw):
+    """token_stats (fused and fused=False) against `oracle`: ({metric: error}, {fused: TokenStats}) with
+    max |Δ| of the four stats (`fused_d_lp`, ..., `mat_d_min`) and the max relative parameter-gradient
+    error (`fused_grad_rel`, `mat_grad_rel`) on this rank."""
+    from areal_lce.megatron import token_stats
+
+    ref = oracle(model, ids, labels, temperature, position_ids=kw.get("position_ids"),
+                 packed_seq_params=kw.get("packed_seq_params"))
+    ref_grads = grads(model, weighted_loss(ref[0], ref[1], labels))
+    out, stats = {}, {}
+    for fused in (True, False):
+        st = token_stats(model, ids, labels, vocab_size=VOCAB, temperature=temperature, fused=fused,
+                         backend="torch", **kw)
+        tag = "fused" if fused else "mat"
+        for name, got, want in zip(("lp", "ent", "max", "min"), st, ref):
+            out[f"{tag}_d_{name}"] = float((got - want).abs().max())
+        out[f"{tag}_grad_rel"] = max_rel(grads(model, weighted_loss(st.logprobs, st.entropy, labels)), ref_grads)
+        stats[fused] = st
+    return out, stats

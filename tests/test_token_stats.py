@@ -34,21 +34,11 @@ GRAD_RTOL = 2e-5
 
 
 def _check(model, ids, labels, temperature, **kw):
-    ref = G.oracle(model, ids, labels, temperature, position_ids=kw.get("position_ids"),
-                   packed_seq_params=kw.get("packed_seq_params"))
-    ref_grads = G.grads(model, G.weighted_loss(ref[0], ref[1], labels))
-    stats = {}
-    for fused in (True, False):
-        st = token_stats(model, ids, labels, vocab_size=G.VOCAB, temperature=temperature, fused=fused,
-                         backend="torch", **kw)
-        assert st.logprobs.dtype == torch.float32 and st.logprobs.shape == labels.shape
-        for name, got, want in zip(st._fields, st, ref):
-            err = (got - want).abs().max().item()
-            assert err <= ATOL, f"fused={fused} {name}: max |Δ| {err:.2e} vs megatron's oracle"
-        g = G.grads(model, G.weighted_loss(st.logprobs, st.entropy, labels))
-        rel = G.max_rel(g, ref_grads)
-        assert rel <= GRAD_RTOL, f"fused={fused}: parameter gradients rel err {rel:.2e}"
-        stats[fused] = st
+    errors, stats = G.compare_routes(model, ids, labels, temperature, **kw)
+    for name, err in errors.items():
+        limit = GRAD_RTOL if name.endswith("grad_rel") else ATOL
+        assert err <= limit, f"{name}: {err:.2e} against megatron's oracle"
+    assert all(st.logprobs.dtype == torch.float32 and st.logprobs.shape == labels.shape for st in stats.values())
     valid = labels != -100
     assert (stats[True].logprobs[valid] < 0).all() and (stats[True].logprobs[~valid] == 0).all()
     return stats[True]

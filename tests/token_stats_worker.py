@@ -28,18 +28,8 @@ from areal_lce.megatron import token_stats  # noqa: E402
 
 
 def compare(model, ids, labels, temperature, **kw) -> dict:
-    """Max |Δ| of the four stats and max relative parameter-gradient error, both routes vs the oracle."""
-    ref = G.oracle(model, ids, labels, temperature, position_ids=kw.get("position_ids"),
-                   packed_seq_params=kw.get("packed_seq_params"))
-    ref_grads = G.grads(model, G.weighted_loss(ref[0], ref[1], labels))
-    out = {}
-    for fused in (True, False):
-        st = token_stats(model, ids, labels, vocab_size=G.VOCAB, temperature=temperature, fused=fused,
-                         backend="torch", **kw)
-        tag = "fused" if fused else "mat"
-        for name, got, want in zip(("lp", "ent", "max", "min"), st, ref):
-            out[f"{tag}_d_{name}"] = float((got - want).abs().max())
-        out[f"{tag}_grad_rel"] = G.max_rel(G.grads(model, G.weighted_loss(st.logprobs, st.entropy, labels)), ref_grads)
+    """gpt_builder.compare_routes' errors, the worst over the TP ranks."""
+    out, _ = G.compare_routes(model, ids, labels, temperature, **kw)
     worst = torch.tensor([out[k] for k in sorted(out)], dtype=torch.float64)
     comms.all_reduce_max_(worst, None)  # worst error over the TP ranks (metrics only)
     return dict(zip(sorted(out), worst.tolist()))
