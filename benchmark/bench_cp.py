@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from areal_lce.megatron.microbatch import MicroBatch
+
 from benchmark.bench_train import _git_sha, _sync
 
 
@@ -51,7 +53,7 @@ def main():
     n = int((labels != -100).sum())
 
     def loss_fn(st, mb):
-        mask = mb["labels"].to(st.logprobs.device) != -100
+        mask = mb.labels.to(st.logprobs.device) != -100
         return -(st.logprobs * mask).sum() / n, {}
 
     times, losses, oom = [], [], False
@@ -62,7 +64,7 @@ def main():
         for _ in range(args.steps):
             _sync()
             t0 = time.perf_counter()
-            losses.append(eng.train_step([{"input_ids": ids, "labels": labels}], loss_fn)["loss"])
+            losses.append(eng.train_step([MicroBatch(ids, labels)], loss_fn)["loss"])
             _sync()
             times.append(time.perf_counter() - t0)
     except torch.OutOfMemoryError as e:

@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from areal_lce.megatron.microbatch import MicroBatch
+
 from benchmark.bench_train import _git_sha, _sync
 
 
@@ -47,7 +49,7 @@ def make_steps(args, vocab: int, micro_batch: int):
             for r, x in enumerate(chunk):
                 ids[r, : len(x)] = x
                 labels[r, args.prompt_len - 1: len(x) - 1] = x[args.prompt_len:]
-            mbs.append({"input_ids": ids, "labels": labels})
+            mbs.append(MicroBatch(ids, labels))
         steps.append(mbs)
     return steps
 
@@ -63,10 +65,10 @@ def build(args, fused: bool, pack: bool, trainable: bool = True):
 
 
 def sft_step(eng, mbs, _ref, _rl):
-    n = sum(int((mb["labels"] != -100).sum()) for mb in mbs)
+    n = sum(int((mb.labels != -100).sum()) for mb in mbs)
 
     def loss_fn(st, mb):
-        mask = mb["labels"].to(st.logprobs.device) != -100
+        mask = mb.labels.to(st.logprobs.device) != -100
         return -(st.logprobs * mask).sum() / n, {}
 
     return eng.train_step(mbs, loss_fn)["loss"]
@@ -75,14 +77,14 @@ def sft_step(eng, mbs, _ref, _rl):
 def grpo_step(eng, mbs, ref, rl_cfg):
     from areal_lce.train.rl_losses import group_advantages, rl_loss
 
-    n_seq = sum(mb["input_ids"].shape[0] for mb in mbs)
-    n_tok = sum(int((mb["labels"] != -100).sum()) for mb in mbs)
+    n_seq = sum(mb.input_ids.shape[0] for mb in mbs)
+    n_tok = sum(int((mb.labels != -100).sum()) for mb in mbs)
     adv = group_advantages(torch.linspace(0, 1, n_seq), 4)
     batch, k = [], 0
     for mb in mbs:
-        b = mb["input_ids"].shape[0]
-        old = eng.token_stats(mb["input_ids"], mb["labels"]).logprobs
-        refl = ref.token_stats(mb["input_ids"], mb["labels"]).logprobs
+        b = mb.input_ids.shape[0]
+        old = eng.token_stats(mb.input_ids, mb.labels).logprobs
+        refl = ref.token_stats(mb.input_ids, mb.labels).logprobs
         batch.append(dict(mb, advantages=adv[k:k + b].to(old.device), old_logprobs=old, ref_logprobs=refl,
                           num_tokens=n_tok, num_seqs=n_seq))
         k += b
@@ -107,7 +109,7 @@ def run(args, job: str, fused: bool, pack: bool) -> dict:
         _sync()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-    real = statistics.mean(sum(int((mb["labels"] != -100).sum()) + mb["input_ids"].shape[0] for mb in s)
+    real = statistics.mean(sum(int((mb.labels != -100).sum()) + mb.input_ids.shape[0] for mb in s)
                            for s in steps)  # ~ real tokens (targets + one per sequence)
     med = statistics.median(times[1:] if len(times) > 1 else times)
     del eng, ref

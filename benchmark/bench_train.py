@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from areal_lce.megatron.microbatch import MicroBatch
+
 
 def _sync():
     if torch.cuda.is_available():
@@ -64,13 +66,13 @@ def _batches(args, vocab: int, step: int):
         ids = torch.randint(0, vocab, (args.micro_batch, args.seq), generator=g)
         labels = torch.roll(ids, -1, dims=1)
         labels[:, -1] = -100
-        mbs.append({"input_ids": ids, "labels": labels})
+        mbs.append(MicroBatch(ids, labels))
     return mbs
 
 
 def sft_loss(n_micro: int):
     def loss_fn(stats, mb):
-        mask = mb["labels"].to(stats.logprobs.device) != -100
+        mask = mb.labels.to(stats.logprobs.device) != -100
         nll = -(stats.logprobs * mask).sum() / mask.sum().clamp_min(1)
         return nll / n_micro, {"entropy": float((stats.entropy * mask).sum() / mask.sum().clamp_min(1))}
     return loss_fn
@@ -99,7 +101,7 @@ def grpo_passes(args, eng, ref, prompts, resp, g) -> tuple:
     """The phases of one GRPO step after its rollout: behaviour and reference logprob passes and the PPO
     update, in microbatches of args.micro_batch. Returns ({phase: seconds}, train_step's output)."""
     from areal_lce.train.rl_config import RLConfig
-    from areal_lce.train.rl_losses import group_advantages, rl_loss
+    from areal_lce.train.rl_losses import PolicyMicroBatch, group_advantages, rl_loss
 
     _sync(); t1 = time.perf_counter()
     seqs = [p + r for p, r in zip(prompts, resp)]
@@ -121,9 +123,9 @@ def grpo_passes(args, eng, ref, prompts, resp, g) -> tuple:
     mbs = []
     for i in range(0, len(seqs), args.micro_batch):
         sl = slice(i, i + args.micro_batch)
-        mbs.append({"input_ids": ids[sl], "labels": labels[sl], "advantages": adv[sl].to(old.device),
-                    "old_logprobs": old[sl], "ref_logprobs": refl[sl], "num_tokens": n_tok,
-                    "num_seqs": len(seqs)})
+        mbs.append(PolicyMicroBatch(input_ids=ids[sl], labels=labels[sl], advantages=adv[sl].to(old.device),
+                                    old_logprobs=old[sl], ref_logprobs=refl[sl], num_tokens=n_tok,
+                                    num_seqs=len(seqs)))
     rl = RLConfig()
     out = eng.train_step(mbs, lambda st, mb: rl_loss(st, mb, rl))
     _sync(); t4 = time.perf_counter()

@@ -18,6 +18,7 @@ import torch
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from areal_lce.megatron.microbatch import MicroBatch  # noqa: E402
 from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
 
@@ -91,7 +92,7 @@ def launch(out_dir: str, hf_dir: str = "", timeout: int = 400, pythonpath: str =
 
 def pg_loss(stats, mb):
     """A loss that back-propagates through both logprobs and entropy (as RL losses do)."""
-    n = (mb["labels"] != -100).sum().clamp(min=1)
+    n = (mb.labels != -100).sum().clamp(min=1)
     loss = -(stats.logprobs.sum() + 0.1 * stats.entropy.sum()) / n
     return loss, {"entropy": float(stats.entropy.detach().sum() / n)}
 
@@ -114,7 +115,7 @@ def route_case(sp: bool, tied: bool, seam: str, dtype: str = "fp32") -> dict:
     for fused in (True, False):
         e = engine(fused, sp=sp, tied=tied, seam=seam, dtype=dtype)
         st = e.token_stats(ids, labels, temperature=0.7)
-        e.train_step([{"input_ids": ids, "labels": labels, "temperature": 0.7}], pg_loss)
+        e.train_step([MicroBatch(ids, labels, 0.7)], pg_loss)
         res[fused] = (st, e.grads())
     (sa, ga), (sb, gb) = res[True], res[False]
     out = {f"d_{n}": float((x - y).abs().max()) for n, x, y in zip(sa._fields, sa, sb)}
@@ -133,7 +134,7 @@ def train_case(sp: bool) -> dict:
     losses = {}
     for fused in (True, False):
         e = engine(fused, sp=sp, tied=False, lr=3e-3)
-        losses[fused] = [e.train_step([{"input_ids": i, "labels": l} for i, l in (batch(100 + step),
+        losses[fused] = [e.train_step([MicroBatch(i, l) for i, l in (batch(100 + step),
                                                                                   batch(200 + step))],
                                       pg_loss)["loss"] for step in range(10)]
     rel = max(abs(a - b) / abs(b) for a, b in zip(losses[True], losses[False]))
@@ -147,7 +148,7 @@ def pack_case(sp: bool) -> dict:
         losses = {}
         for pack in (True, False):
             e = engine(fused, sp=sp, tied=True, lr=3e-3, pack=pack)
-            losses[pack] = [e.train_step([{"input_ids": i, "labels": l} for i, l in (batch(600 + step),
+            losses[pack] = [e.train_step([MicroBatch(i, l) for i, l in (batch(600 + step),
                                                                                      batch(700 + step, b=3, s=11))],
                                          pg_loss)["loss"] for step in range(3)]
         out[f"max_rel_loss_fused{int(fused)}"] = max(abs(a - b) / abs(b) for a, b in zip(losses[True], losses[False]))
@@ -164,7 +165,7 @@ def cp_case() -> dict:
             runs = {}
             for cp in (2, 1):
                 e = engine(fused, sp=False, tied=True, tp=1, lr=3e-3, pack=pack, cp=cp)
-                losses = [e.train_step([{"input_ids": i, "labels": l} for i, l in (batch(800 + k), batch(900 + k, b=3, s=11))],
+                losses = [e.train_step([MicroBatch(i, l) for i, l in (batch(800 + k), batch(900 + k, b=3, s=11))],
                                        pg_loss)["loss"] for k in range(3)]
                 ids, labels = batch(950, b=3, s=13)
                 st = e.token_stats(ids, labels, temperature=0.8)
@@ -187,7 +188,7 @@ def dp_case() -> dict:
     for fused in (True, False):
         e = engine(fused, sp=False, tied=True, tp=1, lr=1e-3)
         ids, labels = batch(300 + rank)  # different data per DP rank
-        out = e.train_step([{"input_ids": ids, "labels": labels}], pg_loss)
+        out = e.train_step([MicroBatch(ids, labels)], pg_loss)
         g = torch.cat([t.flatten() for t in e.grads().values()])
         p = torch.cat([t.detach().flatten() for t in e.parameters_named().values()])
         both = [torch.zeros_like(g) for _ in range(2)]
@@ -206,7 +207,7 @@ def pp_case(hf_dir: str) -> dict:
     fused vs materialised and vs PP=1 (DP=2 fed the same data on both ranks) on the same weights."""
     ref = torch.load(os.path.join(hf_dir, "reference.pt"))
     mask = ref["labels"] != -100
-    steps = [[{"input_ids": i, "labels": l} for i, l in (batch(400 + k), batch(500 + k, b=3, s=12))]
+    steps = [[MicroBatch(i, l) for i, l in (batch(400 + k), batch(500 + k, b=3, s=12))]
              for k in range(3)]
     out, losses, greedy = {}, {}, {}
     for pp, fused in ((2, True), (2, False), (1, True)):

@@ -39,7 +39,7 @@ def route_parity(tp: int = 1, temperature: float = 0.7) -> dict:
     from areal_lce.megatron.engine import MegatronEngine
     from areal_lce.train.rl import _copy_parameters, minibatch_plan
     from areal_lce.train.rl_config import RLConfig
-    from areal_lce.train.rl_losses import rl_loss
+    from areal_lce.train.rl_losses import PolicyMicroBatch, rl_loss
 
     vocab = 259  # the byte tokenizer's vocabulary; Megatron pads it to 384 (x tp)
     engines = {}
@@ -50,14 +50,15 @@ def route_parity(tp: int = 1, temperature: float = 0.7) -> dict:
         engines[fused] = MegatronEngine(cfg, vocab_size=vocab)
     _copy_parameters(engines[True], engines[False])
     batch, g = fixed_rollout(vocab)
-    mask = batch["labels"] != -100
-    base = engines[True].token_stats(batch["input_ids"], batch["labels"], temperature=temperature).logprobs
+    mask = batch.labels != -100
+    base = engines[True].token_stats(batch.input_ids, batch.labels, temperature=temperature).logprobs
     # behaviour / reference logprobs off the current policy by ~0.3 nats, so ratios land inside and
     # outside the clip range (both clip sides and the dual clip are exercised)
     old = (base + 0.3 * torch.randn(base.shape, generator=g)) * mask
     ref = (base + 0.3 * torch.randn(base.shape, generator=g)) * mask
-    adv = torch.randn(batch["input_ids"].shape[0], generator=g)
-    full = {**batch, "old_logprobs": old, "ref_logprobs": ref, "advantages": adv, "temperature": temperature}
+    adv = torch.randn(batch.input_ids.shape[0], generator=g)
+    full = PolicyMicroBatch(input_ids=batch.input_ids, labels=batch.labels, temperature=temperature,
+                            old_logprobs=old, ref_logprobs=ref, advantages=adv)
     (mbs,) = minibatch_plan(full, torch.arange(adv.numel()), 1, 4)  # one minibatch of two microbatches
     report = {}
     for agg in LOSS_AGGS:

@@ -169,11 +169,11 @@ def test_collate_right_pads_and_ignores_padding():
     a = Example(ids=(1, 2, 3, 4, 5), loss_start=2)
     b = Example(ids=(7, 8, 9), loss_start=1)
     batch = collate([a, b], tok.pad_id, pad_to_multiple_of=4)
-    assert batch["input_ids"].shape == (2, 8)
-    assert batch["input_ids"][1].tolist() == [7, 8, 9] + [tok.pad_id] * 5
-    assert batch["labels"][0].tolist() == [-100, 3, 4, 5, -100, -100, -100, -100]
-    assert batch["labels"][1].tolist() == [8, 9, -100, -100, -100, -100, -100, -100]
-    assert batch["input_ids"].dtype == torch.long and batch["labels"].dtype == torch.long
+    assert batch.input_ids.shape == (2, 8)
+    assert batch.input_ids[1].tolist() == [7, 8, 9] + [tok.pad_id] * 5
+    assert batch.labels[0].tolist() == [-100, 3, 4, 5, -100, -100, -100, -100]
+    assert batch.labels[1].tolist() == [8, 9, -100, -100, -100, -100, -100, -100]
+    assert batch.input_ids.dtype == torch.long and batch.labels.dtype == torch.long
 
 
 def test_truncation_and_examples_without_targets(tmp_path):
@@ -209,7 +209,7 @@ def test_batch_order_is_a_function_of_step_and_dp_slices_partition_it():
     # the DP ranks' micro-batches together hold exactly the global batch
     whole = ds.microbatches(5, 8, 4, dp_rank=0, dp_size=1)
     ranks = [ds.microbatches(5, 8, 2, dp_rank=r, dp_size=2) for r in range(2)]
-    rows = lambda mbs: sorted(tuple(r[r != tok.pad_id].tolist()) for mb in mbs for r in mb["input_ids"])
+    rows = lambda mbs: sorted(tuple(r[r != tok.pad_id].tolist()) for mb in mbs for r in mb.input_ids)
     assert rows(whole) == rows(ranks[0] + ranks[1])
     assert rows(ranks[0]) != rows(ranks[1])
     with pytest.raises(ValueError, match="trainer.global_batch_size"):

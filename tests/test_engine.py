@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import megatron_worker as W  # noqa: E402
 from test_megatron_capture import worker_results  # noqa: E402
 
+from areal_lce.megatron.microbatch import MicroBatch  # noqa: E402
 from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig  # noqa: E402
 from areal_lce.megatron.engine import MegatronEngine, lr_at  # noqa: E402
 from areal_lce.megatron.model import padded_vocab_size, resolve_arch  # noqa: E402
@@ -83,7 +84,7 @@ def test_hf_checkpoint_matches_transformers_tp2():
 
 
 def test_save_load_roundtrip(tmp_path):
-    mbs = [[{"input_ids": i, "labels": l}] for i, l in (W.batch(10 + k) for k in range(4))]
+    mbs = [[MicroBatch(i, l)] for i, l in (W.batch(10 + k) for k in range(4))]
     model = ModelConfig(preset="tiny", max_seq_len=64)
     cfg = EngineConfig(model=model, optim=OptimConfig(lr=1e-2, warmup_steps=2, lr_schedule="cosine",
                                                        total_steps=6, weight_decay=0.1), lce_backend="torch")
@@ -110,11 +111,15 @@ def test_train_step_reports():
     for n, p in ref.parameters_named().items():  # same seed -> same initial parameters
         assert torch.equal(p, e.parameters_named()[n]), n
     ids, labels = W.batch(4)
-    out = e.train_step([{"input_ids": ids, "labels": labels}, {"input_ids": ids, "labels": labels}], W.pg_loss)
+    out = e.train_step([MicroBatch(ids, labels), MicroBatch(ids, labels)], W.pg_loss)
     assert set(out) >= {"loss", "grad_norm", "lr", "peak_mem_gib", "tokens", "entropy"}
     assert out["tokens"] == 2 * int((labels != -100).sum()) and out["grad_norm"] > 0 and out["peak_mem_gib"] > 0
-    with pytest.raises(ValueError, match="packed sequences"):
+    with pytest.raises(TypeError, match="MicroBatch.*pre-packed cu_seqlens are not taken"):
         e.train_step([{"input_ids": ids, "labels": labels, "cu_seqlens": torch.tensor([0, 5])}], W.pg_loss)
+    with pytest.raises(ValueError, match="MicroBatch.labels .* must match input_ids"):
+        MicroBatch(ids, labels[:, :-1])
+    with pytest.raises(ValueError, match="at least one microbatch"):
+        e.train_step([], W.pg_loss)
     with pytest.raises(ValueError, match="max_seq_len"):
         e.token_stats(torch.zeros(1, 65, dtype=torch.long), torch.zeros(1, 65, dtype=torch.long))
 
@@ -129,7 +134,7 @@ def test_frozen_engine_has_no_grad_state_and_matches_the_trainable_one(tmp_path,
     cfg = EngineConfig(model=model, optim=OptimConfig(lr=1e-2), use_fused_linear_ce=fused, lce_backend="torch")
     live = MegatronEngine(cfg, vocab_size=W.VOCAB)
     ids, labels = W.batch(7)
-    live.train_step([{"input_ids": ids, "labels": labels}], W.pg_loss)  # weights away from the shared init
+    live.train_step([MicroBatch(ids, labels)], W.pg_loss)  # weights away from the shared init
     frozen = MegatronEngine(dataclasses.replace(cfg, seed=99), vocab_size=W.VOCAB, trainable=False)
     assert isinstance(live.model, DistributedDataParallel) and live.optimizer is not None
     assert frozen.optimizer is None and not isinstance(frozen.model, DistributedDataParallel)
@@ -146,7 +151,7 @@ def test_frozen_engine_has_no_grad_state_and_matches_the_trainable_one(tmp_path,
     assert (frozen.generate(prompts, 5, generator=torch.Generator().manual_seed(4))
             == live.generate(prompts, 5, generator=torch.Generator().manual_seed(4)))
     with pytest.raises(RuntimeError, match="trainable=False"):
-        frozen.train_step([{"input_ids": ids, "labels": labels}], W.pg_loss)
+        frozen.train_step([MicroBatch(ids, labels)], W.pg_loss)
     with pytest.raises(RuntimeError, match="trainable=False"):
         frozen.token_stats(ids, labels, grad=True)
     # save / load: a frozen engine loads a trainable engine's checkpoint (weights only) and writes its own
@@ -222,7 +227,7 @@ def test_packed_matches_padded(fused):
         for step in range(3):
             ids, labels = W.batch(10 + step, b=3, s=20)
             labels[2] = -100  # a row with nothing to learn: dropped from the packed row
-            mbs = [{"input_ids": ids, "labels": labels}, {"input_ids": ids[:1, :9], "labels": labels[:1, :9]}]
+            mbs = [MicroBatch(ids, labels), MicroBatch(ids[:1, :9], labels[:1, :9])]
             losses.append(e.train_step(mbs, W.pg_loss)["loss"])
         st = e.token_stats(ids, labels, temperature=0.8)
         return losses, st

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import megatron_worker as W  # noqa: E402
 
 from areal_lce.megatron import capture  # noqa: E402
+from areal_lce.megatron.microbatch import MicroBatch  # noqa: E402
 from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
 
@@ -62,7 +63,7 @@ def test_fused_matches_materialised_tp1(tied, seam):
     for fused in (True, False):
         e = tp1_engine(fused, tied=tied, seam=seam)
         st = e.token_stats(ids, labels, temperature=0.7)
-        e.train_step([{"input_ids": ids, "labels": labels, "temperature": 0.7}], W.pg_loss)
+        e.train_step([MicroBatch(ids, labels, 0.7)], W.pg_loss)
         res[fused] = (st, e.grads())
     (sa, ga), (sb, gb) = res[True], res[False]
     for name, x, y in zip(sa._fields, sa, sb):
@@ -101,7 +102,7 @@ def test_training_losses_equal_tp1():
     losses = {}
     for fused in (True, False):
         e = tp1_engine(fused, tied=False, lr=3e-3)
-        losses[fused] = [e.train_step([{"input_ids": i, "labels": l} for i, l in (W.batch(100 + s),)],
+        losses[fused] = [e.train_step([MicroBatch(i, l) for i, l in (W.batch(100 + s),)],
                                       W.pg_loss)["loss"] for s in range(10)]
     for step, (a, b) in enumerate(zip(losses[True], losses[False])):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: fused {a} vs materialised {b}"
@@ -286,7 +287,7 @@ def test_float16module_bf16_routes_agree():
         e = MegatronEngine(cfg, vocab_size=W.VOCAB)
         assert type(e.model.module).__name__ == "Float16Module"
         st = e.token_stats(ids, labels)
-        e.train_step([{"input_ids": ids, "labels": labels}], W.pg_loss)
+        e.train_step([MicroBatch(ids, labels)], W.pg_loss)
         res[fused] = (st, e.grads())
     (sa, ga), (sb, gb) = res[True], res[False]
     assert sa.logprobs.dtype == torch.float32

@@ -11,7 +11,7 @@ import torch
 
 from areal_lce.train.rl_config import RLConfig
 from areal_lce.train.rl_losses import (
-    aggregate, batch_advantages, group_advantages, kl_penalty, ppo_clip_loss, rl_loss,
+    PolicyMicroBatch, aggregate, batch_advantages, group_advantages, kl_penalty, ppo_clip_loss, rl_loss,
 )
 
 Stats = namedtuple("Stats", "logprobs entropy max_logit min_logit")
@@ -116,8 +116,8 @@ def test_kl_estimators_hand_computed():
 
 def _mb(lp, mask, **extra):
     labels = torch.where(mask, torch.ones_like(mask, dtype=torch.long), torch.full_like(mask, -100, dtype=torch.long))
-    return dict(labels=labels, old_logprobs=torch.zeros_like(lp), advantages=torch.tensor(ADV, dtype=lp.dtype),
-                **extra)
+    return PolicyMicroBatch(input_ids=torch.zeros_like(labels), labels=labels, old_logprobs=torch.zeros_like(lp),
+                            advantages=torch.tensor(ADV, dtype=lp.dtype), **extra)
 
 
 def test_rl_loss_combines_terms_and_reports_metrics():
@@ -150,7 +150,7 @@ def test_microbatch_shares_sum_to_minibatch_loss(mode):
     for i in range(2):
         st = Stats(lp32[i:i + 1], torch.zeros(1, 3), None, None)
         mb = _mb(lp32, mask, num_tokens=5, num_seqs=2)
-        mb = {k: (v[i:i + 1] if torch.is_tensor(v) else v) for k, v in mb.items()}
+        mb = mb.select(slice(i, i + 1))
         parts.append(rl_loss(st, mb, cfg)[0].item())
     assert sum(parts) == pytest.approx(AGG[mode], abs=1e-6)
 

@@ -21,6 +21,7 @@ import torch
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from areal_lce.megatron.microbatch import MicroBatch  # noqa: E402
 from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
 
@@ -37,7 +38,7 @@ def batch(seed: int, b: int = 2, s: int = 16):
 
 
 def loss_fn(stats, mb):
-    n = (mb["labels"] != -100).sum().clamp(min=1)
+    n = (mb.labels != -100).sum().clamp(min=1)
     return -(stats.logprobs.sum() + 0.1 * stats.entropy.sum()) / n, {}
 
 
@@ -58,7 +59,7 @@ def main():
                                    optim=OptimConfig(lr=3e-3), use_fused_linear_ce=fused, lce_backend="torch",
                                    pack_sequences=pack)
                 e = MegatronEngine(cfg, vocab_size=VOCAB)
-                losses[cp] = [e.train_step([{"input_ids": i, "labels": l} for i, l in
+                losses[cp] = [e.train_step([MicroBatch(i, l) for i, l in
                                             (batch(10 + k), batch(20 + k, b=3, s=11))], loss_fn)["loss"]
                               for k in range(3)]
             rel = max(abs(a - b) / abs(b) for a, b in zip(losses[2], losses[1]))

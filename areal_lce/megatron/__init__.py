@@ -8,9 +8,10 @@ Importing this package does not import megatron-core; the functions do, when cal
 from .config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
 from .context_parallel import (ContextParallelPadding, gather_from_context_parallel, pad_for_context_parallel,
                                pad_packed, split_for_context_parallel)
+from .microbatch import MicroBatch
 from .packing import PackedRows, pack_rows, packed_next_token_labels
 from .stats import TokenStats, find_gpt_model, token_stats
 
 __all__ = ["token_stats", "TokenStats", "find_gpt_model", "packed_next_token_labels", "pack_rows", "PackedRows",
            "split_for_context_parallel", "gather_from_context_parallel", "pad_for_context_parallel", "pad_packed",
-           "ContextParallelPadding", "EngineConfig", "ModelConfig", "OptimConfig", "ParallelConfig"]
+           "ContextParallelPadding", "MicroBatch", "EngineConfig", "ModelConfig", "OptimConfig", "ParallelConfig"]

@@ -39,6 +39,7 @@ from .batch import prepare as prepare_batch
 from . import generate as generation
 from .config import EngineConfig
 from .model import build_gpt_model, load_hf_checkpoint, resolve_arch, use_te_spec
+from .microbatch import MicroBatch, check_microbatches
 from .optim import build_optimizer, grad_norm_and_clip, lr_at
 from .parallel import init_distributed, object_from_last_stage
 from .stats import TokenStats, model_output
@@ -222,25 +223,18 @@ class MegatronEngine:
 
 
     # ------------------------------------------------------------------------------ training
-    def train_step(self, microbatches: List[dict], loss_fn: Callable) -> Dict[str, float]:
+    def train_step(self, microbatches: List[MicroBatch], loss_fn: Callable) -> Dict[str, float]:
         from megatron.core.distributed import finalize_model_grads
 
         self._require_trainable("train_step")
-        if not microbatches:
-            raise ValueError("train_step needs at least one microbatch")
-        for mb in microbatches:
-            packed = {"cu_seqlens", "packed_seq_params", "cu_seqlens_q", "seq_lens"} & set(mb)
-            if packed:
-                raise ValueError(f"microbatch key(s) {sorted(packed)}: train_step takes no pre-packed sequences; "
-                                 "pass right-padded [batch, seq] input_ids with labels = -100 on padding and "
-                                 "the engine packs them itself (engine.pack_sequences)")
+        check_microbatches(microbatches)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss_sum, sums = 0.0, {}
-        tokens = sum(int((mb["labels"] != -100).sum()) for mb in microbatches)
+        tokens = sum(mb.target_tokens() for mb in microbatches)
 
         def account(mb, stats):
             nonlocal loss_sum
@@ -251,12 +245,11 @@ class MegatronEngine:
             return loss
 
         if self.dist.pp_size > 1:
-            batches = [(mb["input_ids"], mb["labels"], float(mb.get("temperature", 1.0))) for mb in microbatches]
+            batches = [(mb.input_ids, mb.labels, float(mb.temperature)) for mb in microbatches]
             self._run_schedule(batches, lambda i, st: account(microbatches[i], st), forward_only=False)
         else:
             for mb in microbatches:
-                stats = self.token_stats(mb["input_ids"], mb["labels"],
-                                         temperature=float(mb.get("temperature", 1.0)), grad=True)
+                stats = self.token_stats(mb.input_ids, mb.labels, temperature=float(mb.temperature), grad=True)
                 # Under CP every rank holds the full statistics and the same loss, and its backward reaches
                 # only its own tokens; megatron's DDP averages over data x context parallel ranks, so the
                 # loss is scaled by cp for that average to be the sum of the CP shares (as Megatron-LM does).

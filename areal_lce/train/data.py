@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from ..megatron.microbatch import MicroBatch
 from .config import DataConfig
 
 IGNORE_INDEX = -100
@@ -110,8 +111,8 @@ def make_labels(ids, loss_start: int) -> list[int]:
     return [ids[t + 1] if t + 1 >= loss_start else IGNORE_INDEX for t in range(n - 1)] + [IGNORE_INDEX] * min(n, 1)
 
 
-def collate(examples, pad_id: int, pad_to_multiple_of: int = 1) -> dict:
-    """Right-pad a list of Examples to one length -> {'input_ids', 'labels'} LongTensors [B, S]."""
+def collate(examples, pad_id: int, pad_to_multiple_of: int = 1) -> MicroBatch:
+    """Right-pad a list of Examples to one length -> MicroBatch of LongTensors [B, S]."""
     if not examples:
         raise ValueError("collate: empty list of examples")
     longest = max(len(e.ids) for e in examples)
@@ -123,7 +124,7 @@ def collate(examples, pad_id: int, pad_to_multiple_of: int = 1) -> dict:
         n = len(e.ids)
         input_ids[b, :n] = torch.tensor(e.ids, dtype=torch.long)
         labels[b, :n] = torch.tensor(make_labels(e.ids, e.loss_start), dtype=torch.long)
-    return {"input_ids": input_ids, "labels": labels}
+    return MicroBatch(input_ids, labels)
 
 
 class SFTDataset:

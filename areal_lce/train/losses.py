@@ -37,8 +37,8 @@ class SFTLoss:
         self.ignore_index = ignore_index
         self.records: list[dict] = []
 
-    def __call__(self, stats, mb: dict):
-        labels = mb["labels"].to(stats.logprobs.device)  # batches are built on the host
+    def __call__(self, stats, mb):
+        labels = mb.labels.to(stats.logprobs.device)  # batches are built on the host
         mask = labels != self.ignore_index
         nll_sum = -(stats.logprobs * mask).sum()
         loss = nll_sum / self.denom

@@ -24,6 +24,7 @@ on a fresh run and on a resumed one alike, and needs no checkpoint of its own.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -32,11 +33,12 @@ from typing import Callable, List, Optional
 
 import torch
 
+from ..megatron.microbatch import MicroBatch
 from .checkpoint import clear_run_dir, end_of_step, load_resumable, resolve_resume
 from .data import Example, check_special_ids, check_token_ids, collate
 from .logging_utils import MetricsLog, ProgressBar, format_record, plot_metrics, read_metrics
 from .rewards import load_reward
-from .rl_losses import batch_advantages, group_advantages, rl_loss
+from .rl_losses import PolicyMicroBatch, batch_advantages, group_advantages, rl_loss
 from .tasks import build_task
 from .tokenizer import load_tokenizer
 
@@ -54,35 +56,32 @@ def _seed(*parts: int) -> int:
 
 
 def rollout_batch(prompt_ids: List[List[int]], responses: List[List[int]], pad_id: int,
-                  pad_to_multiple_of: int = 1) -> dict:
-    """Right-padded {'input_ids', 'labels'} [B, S]: labels are the next tokens on response positions only."""
+                  pad_to_multiple_of: int = 1) -> MicroBatch:
+    """Right-padded MicroBatch [B, S]: labels are the next tokens on response positions only."""
     examples = [Example(ids=tuple(p) + tuple(r), loss_start=len(p)) for p, r in zip(prompt_ids, responses)]
     return collate(examples, pad_id, pad_to_multiple_of)
 
 
-def _micro(batch: dict, idx: torch.Tensor) -> dict:
-    return {k: (v[idx] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in batch.items()}
-
-
-def batched_token_stats(engine, batch: dict, micro_batch_size: int, temperature: float):
+def batched_token_stats(engine, batch: MicroBatch, micro_batch_size: int, temperature: float):
     """No-grad TokenStats of the whole batch, run in microbatches; returns a dict of [B, S] tensors."""
     out = {}
-    n = batch["input_ids"].shape[0]
+    n = batch.rows
     for start in range(0, n, micro_batch_size):
         idx = torch.arange(start, min(start + micro_batch_size, n))
-        st = engine.token_stats(batch["input_ids"][idx], batch["labels"][idx], temperature=temperature, grad=False)
+        st = engine.token_stats(batch.input_ids[idx], batch.labels[idx], temperature=temperature, grad=False)
         for name in ("logprobs", "entropy", "max_logit", "min_logit"):
             out.setdefault(name, []).append(getattr(st, name).detach().float().cpu())
     return {k: torch.cat(v) for k, v in out.items()}
 
 
-def minibatch_plan(batch: dict, order: torch.Tensor, minibatches: int, micro_batch_size: int) -> List[List[dict]]:
-    """Split the step's batch (in `order`) into minibatches of microbatch dicts carrying minibatch totals."""
+def minibatch_plan(batch: PolicyMicroBatch, order: torch.Tensor, minibatches: int,
+                   micro_batch_size: int) -> List[List[PolicyMicroBatch]]:
+    """Split the step's batch (in `order`) into minibatches of microbatches carrying minibatch totals."""
     plan = []
     for mb_idx in order.chunk(minibatches):
-        mask = batch["labels"][mb_idx] != -100
-        totals = {"num_tokens": int(mask.sum()), "num_seqs": len(mb_idx)}
-        plan.append([{**_micro(batch, mi), **totals} for mi in mb_idx.split(micro_batch_size)])
+        totals = dataclasses.replace(batch, num_tokens=int((batch.labels[mb_idx] != -100).sum()),
+                                     num_seqs=len(mb_idx))
+        plan.append([totals.select(mi) for mi in mb_idx.split(micro_batch_size)])
     return plan
 
 
@@ -206,8 +205,8 @@ class RLJob:
             adv = group_advantages(rewards, rl.group_size, std_norm=rl.adv_std_norm, eps=rl.adv_eps)
         else:
             adv = batch_advantages(rewards, std_norm=rl.adv_std_norm, eps=rl.adv_eps)
-        full = {**batch, "old_logprobs": behav["logprobs"], "ref_logprobs": ref["logprobs"],
-                "advantages": adv, "temperature": rl.temperature}
+        full = PolicyMicroBatch(input_ids=batch.input_ids, labels=batch.labels, temperature=rl.temperature,
+                                old_logprobs=behav["logprobs"], ref_logprobs=ref["logprobs"], advantages=adv)
 
         sums: dict = {}
         count = 0
@@ -222,7 +221,7 @@ class RLJob:
                 count += 1
         upd = {k: v / count for k, v in sums.items()}
 
-        mask = batch["labels"] != -100
+        mask = batch.labels != -100
         n_tok = mask.sum().clamp_min(1)
         local = {
             "reward": float(rewards.mean()),

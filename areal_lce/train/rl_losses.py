@@ -2,7 +2,7 @@
 
 Everything here is plain tensor math on [B, S] tensors with a 0/1 response mask: no model, no
 communication. `rl_loss` is the `loss_fn` handed to `MegatronEngine.train_step`; it reads the
-rollout tensors the RL loop puts in each microbatch dict:
+rollout tensors the RL loop puts in each `PolicyMicroBatch`:
 
   old_logprobs  [B, S] behaviour-policy logprobs (no grad, same temperature)
   ref_logprobs  [B, S] frozen reference-policy logprobs (no grad), needed when kl_coef > 0
@@ -14,13 +14,37 @@ so that the microbatch losses the engine sums add up to the minibatch's aggregat
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
 
 import torch
+
+from ..megatron.microbatch import MicroBatch
 
 # log-ratio clamp of the k3 estimator: exp(20) ~ 5e8 keeps the penalty finite in fp32 when the policy
 # has moved far from the reference on a rare token.
 _K3_LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyMicroBatch(MicroBatch):
+    """A MicroBatch of rollout rows with the policy-gradient loss inputs (module docstring)."""
+
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    ref_logprobs: Optional[torch.Tensor] = None
+    num_tokens: Optional[int] = None
+    num_seqs: Optional[int] = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("old_logprobs", "ref_logprobs"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != tuple(self.labels.shape):
+                raise ValueError(f"PolicyMicroBatch.{name} {tuple(t.shape)} must match labels {tuple(self.labels.shape)}")
+        if self.advantages.shape[0] != self.rows:
+            raise ValueError(f"PolicyMicroBatch.advantages {tuple(self.advantages.shape)}: one value per row "
+                             f"({self.rows}) expected")
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, std_norm: bool = True,
@@ -107,18 +131,18 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, *, num_tokens
     return per_seq.sum() / max(float(denom), 1.0)
 
 
-def rl_loss(stats, mb: dict, cfg) -> Tuple[torch.Tensor, Dict[str, float]]:
+def rl_loss(stats, mb: PolicyMicroBatch, cfg) -> Tuple[torch.Tensor, Dict[str, float]]:
     """The engine's loss_fn: PPO surrogate + kl_coef * KL(ref) - entropy_coef * H, aggregated by cfg.loss_agg.
 
     `stats` has [B, S] `logprobs`, `entropy` (and optionally `max_logit`, `min_logit`) with grad;
-    `mb` is a microbatch dict as described in the module docstring; `cfg` is an `RLConfig`.
+    `mb` is a PolicyMicroBatch (module docstring); `cfg` is an `RLConfig`.
     Metrics are token means over this microbatch's response tokens, as floats.
     """
     lp, ent = stats.logprobs, stats.entropy
     dev = lp.device  # rollout tensors live on the host; the stats on the engine's device
-    mask = mb["labels"].to(dev) != -100
-    old = mb["old_logprobs"].to(dev, lp.dtype)
-    adv = mb["advantages"].to(dev, lp.dtype)
+    mask = mb.labels.to(dev) != -100
+    old = mb.old_logprobs.to(dev, lp.dtype)
+    adv = mb.advantages.to(dev, lp.dtype)
     if adv.dim() == 1:
         adv = adv[:, None]
     pg, info = ppo_clip_loss(lp, old, adv, clip_low=cfg.clip_eps,
@@ -127,13 +151,13 @@ def rl_loss(stats, mb: dict, cfg) -> Tuple[torch.Tensor, Dict[str, float]]:
     if cfg.entropy_coef:
         per_token = per_token - cfg.entropy_coef * ent
     kl = None
-    if "ref_logprobs" in mb:
-        kl = kl_penalty(lp, mb["ref_logprobs"].to(dev, lp.dtype), cfg.kl_estimator)
+    if mb.ref_logprobs is not None:
+        kl = kl_penalty(lp, mb.ref_logprobs.to(dev, lp.dtype), cfg.kl_estimator)
         if cfg.kl_coef:
             per_token = per_token + cfg.kl_coef * kl
     elif cfg.kl_coef:
-        raise ValueError("rl.kl_coef > 0 but the microbatch has no 'ref_logprobs'")
-    agg = dict(mode=cfg.loss_agg, num_tokens=mb.get("num_tokens"), num_seqs=mb.get("num_seqs"))
+        raise ValueError("rl.kl_coef > 0 but the microbatch has no ref_logprobs")
+    agg = dict(mode=cfg.loss_agg, num_tokens=mb.num_tokens, num_seqs=mb.num_seqs)
     loss = aggregate(per_token, mask, **agg)
 
     with torch.no_grad():

@@ -1,0 +1,65 @@
+"""The engine's batch value: right-padded token rows with their next-token labels.
+
+`MicroBatch` is what `MegatronEngine.train_step` takes and what its `loss_fn(stats, mb)` receives
+back; jobs subclass it to carry their loss inputs (the RL job's `PolicyMicroBatch` adds behaviour and
+reference logprobs and advantages). A typed value replaces dict keys: a misspelt field is an error at
+construction, not a silently missing loss term. Packed (THD) layouts are never passed in: the engine
+packs right-padded rows itself (`engine.pack_sequences`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Right-padded rows: `input_ids` [b, s] token ids, `labels` [b, s] next-token targets aligned with
+    input positions (-100 where there is no target: padding, prompts, the last token), and the softmax
+    temperature the token statistics are taken at (a float > 0; validated by the op)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        for name in ("input_ids", "labels"):
+            t = getattr(self, name)
+            if not torch.is_tensor(t) or t.dim() != 2 or t.dtype.is_floating_point or t.dtype == torch.bool:
+                got = f"{tuple(t.shape)} {t.dtype}" if torch.is_tensor(t) else type(t).__name__
+                raise ValueError(f"MicroBatch.{name} must be an integer tensor [batch, seq]; got {got}")
+        if self.input_ids.shape != self.labels.shape:
+            raise ValueError(f"MicroBatch.labels {tuple(self.labels.shape)} must match input_ids "
+                             f"{tuple(self.input_ids.shape)}")
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    def target_tokens(self) -> int:
+        """Positions with a target (labels != -100); one host sync."""
+        return int((self.labels != -100).sum())
+
+    def select(self, rows) -> "MicroBatch":
+        """The same kind of value with only `rows` (an index tensor, list or slice) of every per-row
+        tensor field; other fields are copied as they are."""
+        n = self.rows
+        picked = {f.name: getattr(self, f.name)[rows]
+                  for f in dataclasses.fields(self)
+                  if torch.is_tensor(getattr(self, f.name)) and getattr(self, f.name).dim() > 0
+                  and getattr(self, f.name).shape[0] == n}
+        return dataclasses.replace(self, **picked)
+
+
+def check_microbatches(microbatches) -> None:
+    """train_step's input check: a non-empty sequence of MicroBatch values."""
+    if not microbatches:
+        raise ValueError("train_step needs at least one microbatch")
+    for i, mb in enumerate(microbatches):
+        if not isinstance(mb, MicroBatch):
+            raise TypeError(f"train_step: microbatches[{i}] is a {type(mb).__name__}; pass "
+                            "areal_lce.megatron.MicroBatch(input_ids, labels, temperature) values of "
+                            "right-padded [batch, seq] rows (the engine packs them itself: "
+                            "engine.pack_sequences; pre-packed cu_seqlens are not taken)")
