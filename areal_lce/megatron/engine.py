@@ -53,7 +53,6 @@ def _resolve_dtype(name: str) -> torch.dtype:
 
 class MegatronEngine:
     def __init__(self, cfg: EngineConfig, vocab_size: Optional[int] = None, *, trainable: bool = True):
-        from megatron.core import parallel_state as mpu
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         self.cfg = cfg
@@ -87,11 +86,9 @@ class MegatronEngine:
             self.model = DistributedDataParallel(self.gpt.config, ddp_cfg, module)
         else:  # the DDP wrapper exists for its grad buffers and reduction: a frozen model needs neither
             self.model = module
-        self.tp_group = mpu.get_tensor_model_parallel_group()
-        self.mp_group = mpu.get_model_parallel_group()
-        self.dp_group = mpu.get_data_parallel_group()
-        self.pp_group = mpu.get_pipeline_model_parallel_group()
-        self.cp_group = mpu.get_context_parallel_group()
+        d = self.dist
+        self.tp_group, self.mp_group, self.dp_group, self.pp_group, self.cp_group = (
+            d.tp_group, d.mp_group, d.dp_group, d.pp_group, d.cp_group)
         self.optimizer, self.megatron_optimizer = None, False
         if trainable:
             self._build_optimizer()

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,13 @@ class DistInfo:
     cp_size: int
     device: torch.device
     backend: str
+    # megatron's process groups of this rank (kept here so that callers never reach into parallel_state)
+    tp_group: Any = field(default=None, repr=False)
+    pp_group: Any = field(default=None, repr=False)
+    dp_group: Any = field(default=None, repr=False)  # data parallel, context-parallel ranks excluded
+    dp_cp_group: Any = field(default=None, repr=False)  # data x context parallel: where megatron's DDP reduces
+    cp_group: Any = field(default=None, repr=False)
+    mp_group: Any = field(default=None, repr=False)  # tensor x pipeline model parallel
 
     @property
     def is_last_stage(self) -> bool:
@@ -112,6 +120,9 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int = 1234) -> DistInfo
         cp_rank=mpu.get_context_parallel_rank(), cp_size=cp,
         device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
         backend=backend,
+        tp_group=mpu.get_tensor_model_parallel_group(), pp_group=mpu.get_pipeline_model_parallel_group(),
+        dp_group=mpu.get_data_parallel_group(), dp_cp_group=mpu.get_data_parallel_group(with_context_parallel=True),
+        cp_group=mpu.get_context_parallel_group(), mp_group=mpu.get_model_parallel_group(),
     )
 
 
