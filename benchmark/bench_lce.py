@@ -315,13 +315,9 @@ def breakdown(h, W, y, args, cache=False):
         be.backward(h, W, y, None, p, st.cache, lse, ent, g, g, True, True)
 
     out["bwd_backend"] = bench(bwd, rep=args.rep)["ms"]
-    orig = launch._Gemms.d_weight, launch._Gemms.d_hidden
-    try:
-        launch._Gemms.d_weight = lambda self, dl, o: None
-        launch._Gemms.d_hidden = lambda self, dl, w, dh, first: None
-        out["bwd_kernel_only"] = bench(bwd, rep=args.rep)["ms"]
-    finally:
-        launch._Gemms.d_weight, launch._Gemms.d_hidden = orig
+    kernels = launch.TritonBackend(backward_gemms=False)
+    out["bwd_kernel_only"] = bench(lambda: kernels.backward(h, W, y, None, p, st.cache, lse, ent, g, g, True, True),
+                                   rep=args.rep)["ms"]
     out["bwd_gemms"] = out["bwd_backend"] - out["bwd_kernel_only"]
     return out
 
@@ -346,7 +342,7 @@ def sweep(shapes, args):
         from areal_lce.backends.triton import launch
         from areal_lce.types import LCEParams
 
-        be = launch.TritonBackend()
+        be, kernels = launch.TritonBackend(), launch.TritonBackend(backward_gemms=False)
         p = LCEParams(temperature=1.0, vocab_size=V, shard_valid=V, backend="triton")
         st = be.forward(h, W, y, None, p, False)
         lse, ent = st.m + st.s.log(), st.s.log() - st.a / st.s
@@ -355,28 +351,18 @@ def sweep(shapes, args):
             for kind in ("fwd", "bwd"):
                 if kind == "fwd" and tpp != 1:
                     continue
-                configs.override(**{kind: c})
-                configs.USE_TMA = tma
-                configs.BWD_TILES_PER_PROGRAM = tpp
-                orig = launch._Gemms.d_weight, launch._Gemms.d_hidden
                 try:
-                    if kind == "fwd":
-                        ms = bench(lambda: be.forward(h, W, y, None, p, False), rep=200)["ms"]
-                    else:
-                        launch._Gemms.d_weight = lambda self, dl, o: None
-                        launch._Gemms.d_hidden = lambda self, dl, w, dh, first: None
-                        ms = bench(lambda: be.backward(h, W, y, None, p, None, lse, ent, gg, gg, True, True),
-                                   rep=200)["ms"]
+                    with configs.tuning(**{kind: c}, use_tma=tma, bwd_tiles_per_program=tpp):
+                        if kind == "fwd":
+                            ms = bench(lambda: be.forward(h, W, y, None, p, False), rep=200)["ms"]
+                        else:
+                            ms = bench(lambda: kernels.backward(h, W, y, None, p, None, lse, ent, gg, gg, True, True),
+                                       rep=200)["ms"]
                     rows.append({"shape": name, "kind": kind, "tile": str(c), "tma": tma, "tpp": tpp, "ms": ms,
                                  "x_gemm": ms / fl["fwd_gemm"]})
                 except Exception as e:  # noqa: BLE001
                     rows.append({"shape": name, "kind": kind, "tile": str(c), "tma": tma,
                                  "error": f"{type(e).__name__}: {str(e)[:200]}"})
-                finally:
-                    launch._Gemms.d_weight, launch._Gemms.d_hidden = orig
-                    configs.override()
-                    configs.USE_TMA = True
-                    configs.BWD_TILES_PER_PROGRAM = 1
                 log(json.dumps(rows[-1]))
         clean()
     return rows
