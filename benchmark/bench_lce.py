@@ -4,6 +4,7 @@
     python -m benchmark.bench_lce --shapes qwen7b --sweep        # tile sweep of the Triton kernels
     python -m benchmark.bench_lce --shapes qwen7b --chunks 3584,8448   # backward GEMMs per chunk width
     python -m benchmark.bench_lce --merge A/bench_lce.json,B/bench_lce.json --out DIR   # no GPU needed
+    TRITON_INTERPRET=1 python -m benchmark.bench_lce --device cpu --shapes 64x32x512 --rep 1   # smoke run
 
 Shapes: small, qwen7b, llama8b, wide_n (SHAPES below) or NxHxV. Providers (benchmark/lce_providers.py):
 areal_triton, areal_triton_cache, areal_triton_nochecks, areal_torch, torch_eager, torch_compile,
@@ -14,7 +15,9 @@ backend's breakdown.
 
 Writes bench_lce.json, bench_lce.csv and bench_lce.png under --out, stamped with device, versions
 and git sha (benchmark/lce_report.py); prints a table with ratios to the floors and to the targets
-(targets are not asserted). --sweep writes sweep.json, --chunks chunks.json.
+(targets are not asserted). --sweep writes sweep.json, --chunks chunks.json. --device cpu runs the
+same measurement path on CPU tensors (host-timed, no memory figures; the Triton providers need
+TRITON_INTERPRET=1): a check of the script, not a benchmark.
 """
 from __future__ import annotations
 
@@ -57,6 +60,8 @@ def parse_args(argv=None):
     ap.add_argument("--merge", default="", help="comma list of bench_lce.json files: write one combined "
                     "CSV/PNG and print a markdown table (no GPU needed)")
     ap.add_argument("--chunks", default="", help="comma list of backward chunk widths: time the GEMMs only")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: a smoke run of the measurement path (its times are not benchmarks)")
     return ap.parse_args(argv)
 
 
@@ -72,13 +77,13 @@ def main(argv=None):
     names = PROVIDERS if args.providers == "all" else args.providers.split(",")
     if not set(names) <= set(PROVIDERS):
         raise SystemExit(f"--providers: unknown {sorted(set(names) - set(PROVIDERS))}; choose from {PROVIDERS} or all")
-    if not torch.cuda.is_available():
-        print("bench_lce: needs a CUDA device")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_lce: needs a CUDA device (or --device cpu for a smoke run)")
         return 1
     from .lce_run import chunk_gemms, run_shape, sweep
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    m = run_meta()
+    m = run_meta(args.device)
     if args.chunks:
         rows = chunk_gemms(shapes, [int(x) for x in args.chunks.split(",")], args)
         write_json(args.out, "chunks.json", {"meta": m, "rows": rows})

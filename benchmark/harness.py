@@ -3,10 +3,11 @@ cuBLAS floors and exact fp32 reference of the fused op.
 
 Timing
     bench(fn)        triton.testing.do_bench: median with p20/p80 in ms (warm-up 50 ms, then `rep` ms of
-                     timed calls; L2 flushed between calls)
+                     timed calls; L2 flushed between calls); without CUDA (smoke runs) a host timer
     percentiles(xs)  the same three numbers for host-timed repetitions (bench_tp times ranks this way)
 Memory
     PeakMemory       CUDA high-water mark of a block: absolute and above what was allocated at entry
+                     (0 for CPU tensors)
 Stamps
     run_meta()       device, versions, git sha, UTC time and command line, the "meta" of every JSON here
 Floors of linear_logprobs_entropy, measured with cuBLAS in the same run (bf16 in, bf16 out):
@@ -47,16 +48,33 @@ def sync(device=None):
 def clean():
     """Free what the last measurement left (between providers and shapes)."""
     gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def bench(fn, rep=400, grad_to_none=None) -> dict:
     """do_bench of fn: {'ms': median, 'p20', 'p80'}."""
+    if not torch.cuda.is_available():
+        return _host_bench(fn, rep, grad_to_none)
     from triton.testing import do_bench
 
     q = do_bench(fn, warmup=50, rep=rep, quantiles=[0.5, 0.2, 0.8], grad_to_none=grad_to_none)
     return {"ms": q[0], "p20": q[1], "p80": q[2]}
+
+
+def _host_bench(fn, rep, grad_to_none) -> dict:
+    """CPU smoke runs: one warm-up call, then calls for about `rep` ms (at least two), host-timed."""
+    fn()
+    times, t_end = [], time.perf_counter() + rep / 1e3
+    while len(times) < 2 or time.perf_counter() < t_end:
+        for t in grad_to_none or ():
+            t.grad = None
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    med, p20, p80 = percentiles(times)
+    return {"ms": med, "p20": p20, "p80": p80}
 
 
 def percentiles(xs):
@@ -79,15 +97,19 @@ class PeakMemory:
 
     def __init__(self, device=None):
         self.device = device
+        self.cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+        self.base = self.peak = 0
 
     def __enter__(self):
-        self.base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
+        if self.cuda:
+            self.base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
         return self
 
     def __exit__(self, *exc):
-        torch.cuda.synchronize(self.device)
-        self.peak = torch.cuda.max_memory_allocated(self.device)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
         return False
 
     @property
@@ -167,6 +189,17 @@ def gemm_floors(h, W) -> dict:
     return res
 
 
+def _mm32(a, b, acc=None, out=None):
+    """fp32 a·b (+ acc) of bf16 operands: exact products, fp32 accumulation. CUDA: out_dtype GEMMs; CPU
+    has none, so the operands are upcast there (the same exact products)."""
+    kw = {"out_dtype": torch.float32}
+    if a.device.type != "cuda":
+        a, b, kw = a.float(), b.float(), {}
+    if acc is None:
+        return torch.mm(a, b, **kw)
+    return torch.addmm(acc, a, b, **kw) if out is None else torch.addmm(acc, a, b, out=out, **kw)
+
+
 def _split3(x):
     a = x.to(torch.bfloat16)
     r = x - a.float()
@@ -185,7 +218,7 @@ def exact_reference(h, W, y, with_ent: bool, chunk=2048) -> dict:
     dW = torch.zeros(W.shape, device=h.device)
     for s in range(0, N, chunk):
         hc, yc = h[s:s + chunk], y[s:s + chunk]
-        z = torch.mm(hc, W.t(), out_dtype=torch.float32)
+        z = _mm32(hc, W.t())
         lse = torch.logsumexp(z, -1)
         z -= lse[:, None]  # log p
         p = z.exp()
@@ -200,9 +233,8 @@ def exact_reference(h, W, y, with_ent: bool, chunk=2048) -> dict:
         dz.scatter_add_(1, yc[:, None], -torch.ones(yc.shape[0], 1, device=h.device))
         acc = None
         for part in _split3(dz):
-            acc = torch.mm(part, W, out_dtype=torch.float32) if acc is None else \
-                torch.addmm(acc, part, W, out_dtype=torch.float32)
-            torch.addmm(dW, part.t(), hc, out_dtype=torch.float32, out=dW)
+            acc = _mm32(part, W, acc)
+            _mm32(part.t(), hc, dW, out=dW)
         dh[s:s + chunk] = acc
         del dz, p, acc
     return {"logp": lp, "ent": ent, "dh": dh, "dW": dW}

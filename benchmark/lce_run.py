@@ -3,9 +3,9 @@ reference, the Triton backend's own pieces, the tile sweep and the chunked-GEMM 
 
 Per provider and shape (run_shape): forward-only time (no grad); fwd+bwd time of loss = -sum(logp) -
 sum(entropy) (-sum(logp) for providers without entropy); peak extra memory of the forward and of one
-fwd+bwd step beyond the inputs and their gradients; accuracy against harness.exact_reference (max
-|dlogp|, max |dentropy|, rel-L2 of dh and dW). Inputs: bf16 h ~ N(0, 1), W ~ N(0, 16/H), so the logits
-are ~ N(0, 16) and the entropy 3-4 nats; uniform labels.
+fwd+bwd step beyond the inputs and their gradients (none for CPU tensors); accuracy against
+harness.exact_reference (max |dlogp|, max |dentropy|, rel-L2 of dh and dW). Inputs: bf16 h ~ N(0, 1),
+W ~ N(0, 16/H), so the logits are ~ N(0, 16) and the entropy 3-4 nats; uniform labels.
 
 The backend-level timings (breakdown, sweep) call the Triton backend's contract directly
 (areal_lce/backends/base.py) and use its public tuning knobs: `configs.tuning(...)` for tiles and load
@@ -25,11 +25,11 @@ from .lce_providers import ENT_PROVIDERS
 LOGIT_STD = 4.0  # W ~ N(0, 16/H), h ~ N(0, 1): logits ~ N(0, 16), entropy ~ 3-4 nats
 
 
-def make_inputs(N, H, V, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    h = torch.randn(N, H, device="cuda", generator=g).to(torch.bfloat16)
-    W = (torch.randn(V, H, device="cuda", generator=g) * (LOGIT_STD / math.sqrt(H))).to(torch.bfloat16)
-    y = torch.randint(0, V, (N,), device="cuda", generator=g)
+def make_inputs(N, H, V, seed, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    h = torch.randn(N, H, device=device, generator=g).to(torch.bfloat16)
+    W = (torch.randn(V, H, device=device, generator=g) * (LOGIT_STD / math.sqrt(H))).to(torch.bfloat16)
+    y = torch.randint(0, V, (N,), device=device, generator=g)
     return h, W, y
 
 
@@ -55,16 +55,16 @@ def measure(r: dict, fn, with_ent, h0, W0, y, h, W, ref, floors, rep) -> None:
     clean()
     # forward only, no grad
     with torch.no_grad():
-        with PeakMemory() as pm:
+        with PeakMemory(h.device) as pm:
             fn(h0, W0, y)
-        r["fwd_peak_extra_gib"] = pm.extra_gib
+        r["fwd_peak_extra_gib"] = pm.extra_gib if pm.cuda else None
         r["fwd"] = bench(lambda: fn(h0, W0, y), rep=rep)
     clean()
     # one fwd+bwd step: peak extra memory beyond inputs and their gradients
-    with PeakMemory() as pm:
+    with PeakMemory(h.device) as pm:
         lp, en = fn(h, W, y)
         _loss(lp, en, with_ent).backward()
-    r["fwdbwd_peak_extra_gib"] = (pm.extra_bytes - grad_bytes) / 2**30
+    r["fwdbwd_peak_extra_gib"] = (pm.extra_bytes - grad_bytes) / 2**30 if pm.cuda else None
     del lp, en
     h.grad = W.grad = None
     clean()
@@ -82,7 +82,7 @@ def measure(r: dict, fn, with_ent, h0, W0, y, h, W, ref, floors, rep) -> None:
 def run_shape(name, shape, providers, args) -> dict:
     N, H, V = shape
     log(f"=== {name}: N={N} H={H} V={V}")
-    h0, W0, y = make_inputs(N, H, V, seed=1234 + N + H)
+    h0, W0, y = make_inputs(N, H, V, seed=1234 + N + H, device=args.device)
     res = {"shape": name, "N": N, "H": H, "V": V, "providers": {}}
     res["floors"] = gemm_floors(h0, W0)
     log("floors", {k: round(v, 3) for k, v in res["floors"].items()})
@@ -164,7 +164,7 @@ def sweep(shapes, args) -> list:
     ]
     rows = []
     for name, (N, H, V) in shapes:
-        h, W, y = make_inputs(N, H, V, seed=7)
+        h, W, y = make_inputs(N, H, V, seed=7, device=args.device)
         fl = gemm_floors(h, W)
         be, p, _, lse, ent, gg = _backend_call(h, W, y)
         kernels = TritonBackend(backward_gemms=False)
@@ -194,12 +194,12 @@ def chunk_gemms(shapes, widths, args) -> list:
     rows = dlᵀ·h (bf16 out) and d_hidden += dl·W_chunk (fp32 accumulator, out_dtype GEMMs)."""
     rows = []
     for name, (N, H, V) in shapes:
-        h = torch.randn(N, H, device="cuda").to(torch.bfloat16)
-        W = torch.randn(V, H, device="cuda").to(torch.bfloat16)
+        h = torch.randn(N, H, device=args.device).to(torch.bfloat16)
+        W = torch.randn(V, H, device=args.device).to(torch.bfloat16)
         dW = torch.empty_like(W)
-        dh = torch.empty(N, H, device="cuda")
+        dh = torch.empty(N, H, device=args.device)
         for wdt in widths:
-            dl = torch.randn(N * wdt, device="cuda").to(torch.bfloat16)
+            dl = torch.randn(N * wdt, device=args.device).to(torch.bfloat16)
 
             def run():
                 for c0 in range(0, V, wdt):
