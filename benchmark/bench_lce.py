@@ -27,6 +27,11 @@ import sys
 
 import torch
 
+from .harness import log, run_meta, write_json
+from .lce_providers import PROVIDERS, load_providers
+from .lce_report import merge, print_table, write_outputs
+from .lce_run import chunk_gemms, run_shape, sweep
+
 SHAPES = {
     "small": (4096, 896, 151936),
     "qwen7b": (8192, 4096, 151936),
@@ -67,10 +72,6 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from .harness import log, run_meta, write_json
-    from .lce_providers import PROVIDERS, load_providers
-    from .lce_report import merge, print_table, write_outputs
-
     if args.merge:
         return merge(args.merge.split(","), args.out)
     shapes = parse_shapes(args.shapes)
@@ -80,8 +81,6 @@ def main(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_lce: needs a CUDA device (or --device cpu for a smoke run)")
         return 1
-    from .lce_run import chunk_gemms, run_shape, sweep
-
     torch.backends.cuda.matmul.allow_tf32 = False
     m = run_meta(args.device)
     if args.chunks:
