@@ -24,7 +24,7 @@ import torch
 
 from areal_lce.megatron.microbatch import MicroBatch
 
-from benchmark.bench_train import _git_sha, _sync
+from .harness import run_meta, sync, write_json
 
 
 def main():
@@ -62,10 +62,10 @@ def main():
         torch.cuda.reset_peak_memory_stats()
     try:
         for _ in range(args.steps):
-            _sync()
+            sync()
             t0 = time.perf_counter()
             losses.append(eng.train_step([MicroBatch(ids, labels)], loss_fn)["loss"])
-            _sync()
+            sync()
             times.append(time.perf_counter() - t0)
     except torch.OutOfMemoryError as e:
         oom = True
@@ -84,18 +84,8 @@ def main():
         med = statistics.median(times[1:] if len(times) > 1 else times)
         res.update(step_s=med, step_s_all=times, tokens_per_s=args.seq / med, loss=losses)
     if eng.dist.rank == 0 or oom:
-        meta = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "git": _git_sha(),
-                "args": vars(args)}
-        try:
-            import triton
-            from megatron.core import package_info
-            meta.update(triton=triton.__version__, megatron_core=package_info.__version__)
-        except ImportError:
-            pass
         print(json.dumps(res), flush=True)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"cp_{args.route}_{args.seq}.json"), "w") as f:
-            json.dump({"meta": meta, "result": res}, f, indent=1)
+        write_json(args.out, f"cp_{args.route}_{args.seq}.json", {"meta": run_meta(args=vars(args)), "result": res})
     if oom:
         os._exit(3)  # do not wait on the other rank
 

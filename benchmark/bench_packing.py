@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -30,7 +29,7 @@ import torch
 
 from areal_lce.megatron.microbatch import MicroBatch
 
-from benchmark.bench_train import _git_sha, _sync
+from .harness import run_meta, sync, write_json
 
 
 def make_steps(args, vocab: int, micro_batch: int):
@@ -103,10 +102,10 @@ def run(args, job: str, fused: bool, pack: bool) -> dict:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     for mbs in steps:
-        _sync()
+        sync()
         t0 = time.perf_counter()
         losses.append(fn(eng, mbs, ref, RLConfig()))
-        _sync()
+        sync()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
     real = statistics.mean(sum(int((mb.labels != -100).sum()) + mb.input_ids.shape[0] for mb in s)
@@ -170,17 +169,9 @@ def main():
     print(json.dumps(summary, indent=1))
     print(f"target: packed/padded tokens/s >= 1.3; memory saved >= fp32 logits of the longest padded "
           f"micro-batch ({logits_gib:.2f} GiB)")
-    meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__,
-            "git": _git_sha(), "args": vars(args), "fp32_logits_longest_microbatch_gib": logits_gib}
-    try:
-        import triton
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
-    os.makedirs(args.out, exist_ok=True)
+    meta = run_meta(args=vars(args), fp32_logits_longest_microbatch_gib=logits_gib)
     tag = f"mb{args.micro_batch}" + (f"_padded{args.micro_batch_padded}" if args.micro_batch_padded else "")
-    with open(os.path.join(args.out, f"packing_{args.preset}_{tag}.json"), "w") as fh:
-        json.dump({"meta": meta, "summary": summary, "results": results}, fh, indent=1)
+    write_json(args.out, f"packing_{args.preset}_{tag}.json", {"meta": meta, "summary": summary, "results": results})
 
 
 if __name__ == "__main__":

@@ -22,14 +22,13 @@ Targets (issue 15): KV rollout of 64 x 1024 <= 15 s (~15 ms per token), and at m
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import time
 
 import torch
 
-from .bench_train import _engine, _git_sha, _sync, grpo_passes
+from .bench_train import _engine, grpo_passes
+from .harness import run_meta, sync, write_json
 
 
 def _prompts(args, vocab: int, g: torch.Generator):
@@ -46,10 +45,10 @@ def _rollout(eng, prompts, n: int, kv: bool, seed: int) -> dict:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-    _sync(); t0 = time.perf_counter()
+    sync(); t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(seed)
     resp = eng.generate(prompts, n, temperature=1.0, top_p=1.0, eos_id=None, generator=gen)
-    _sync(); dt = time.perf_counter() - t0
+    sync(); dt = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else eng.peak_mem_gib()
     return {"s": dt, "ms_per_token": dt / n * 1e3, "new_tokens": n, "peak_mem_gib": peak,
             "peak_over_start_gib": peak - base, "resp": resp}
@@ -99,17 +98,8 @@ def main():
     print("[step] " + " ".join(f"{k}={v * 1e3:.0f}ms" for k, v in times.items()), flush=True)
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    from areal_lce.megatron.compat import megatron_version
-
-    meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-            "torch": torch.__version__, "megatron_core": ".".join(map(str, megatron_version())), "git": _git_sha(),
-            "args": vars(args), "world": int(os.environ.get("WORLD_SIZE", "1")),
-            "prompt_lengths": sorted({len(p) for p in prompts})}
-    try:
-        import triton
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
+    meta = run_meta(args=vars(args), world=int(os.environ.get("WORLD_SIZE", "1")),
+                    prompt_lengths=sorted({len(p) for p in prompts}))
     a, slots = eng.arch, max(len(p) for p in prompts) + n - 1
     # K and V per layer: [slots, sequences, kv_heads / tp, head_dim] in the model dtype
     cache_gib = 2 * a.num_layers * slots * len(prompts) * a.num_kv_heads // args.tp * a.head_dim \
@@ -126,12 +116,10 @@ def main():
         "rollout_over_rest": kv["s"] / rest,
         "targets": {"kv_rollout_s<=15": kv["s"] <= 15.0, "rollout_over_rest<=5": kv["s"] / rest <= 5.0},
     }
-    print(f"\nrollout {len(prompts)} x {n} on {meta['device']} (git {meta['git']}): KV cache {kv['s']:.2f} s "
+    print(f"\nrollout {len(prompts)} x {n} on {meta['device']} (git {meta['git_sha']}): KV cache {kv['s']:.2f} s "
           f"(target <= 15 s), recompute estimated {estimate:.1f} s ({estimate / kv['s']:.0f}x); "
           f"logprob passes + update {rest:.2f} s; rollout / rest = {kv['s'] / rest:.2f} (target <= 5)")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"rollout_{args.preset}_tp{args.tp}.json"), "w") as fh:
-        json.dump({"meta": meta, "results": result}, fh, indent=1)
+    write_json(args.out, f"rollout_{args.preset}_tp{args.tp}.json", {"meta": meta, "results": result})
 
 
 if __name__ == "__main__":

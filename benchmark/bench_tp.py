@@ -35,10 +35,9 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -46,11 +45,13 @@ import torch.distributed as dist
 
 try:
     import areal_lce  # noqa: F401
-except ImportError:  # run from a checkout without installing the package
+    import benchmark.harness  # noqa: F401
+except ImportError:  # run as `benchmark/bench_tp.py` from a checkout: the repository root is not on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import areal_lce  # noqa: E402
 from areal_lce import comms, linear_logprobs_entropy  # noqa: E402
+from benchmark.harness import PeakMemory, percentiles, run_meta, sync, write_json  # noqa: E402
 
 SHAPES = {  # name -> list of global (N, H, V)
     "default": [(8192, 4096, 151936), (32768, 2048, 151936)],
@@ -59,29 +60,18 @@ SHAPES = {  # name -> list of global (N, H, V)
 TARGETS = {2: 0.55, 4: 0.30}  # per-rank step time / TP=1 step time
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _percentiles(xs):
-    xs = sorted(xs)
-    q = lambda f: xs[min(len(xs) - 1, int(round(f * (len(xs) - 1))))]  # noqa: E731
-    return statistics.median(xs), q(0.2), q(0.8)
-
-
 def time_reps(fn, warmup: int, reps: int, device, group) -> list[float]:
     """Seconds per call of fn on this rank, each rep aligned across ranks by a barrier."""
     for _ in range(warmup):
         fn()
-    _sync(device)
+    sync(device)
     out = []
     for _ in range(reps):
         dist.barrier(group=group)
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         out.append(time.perf_counter() - t0)
     return out
 
@@ -152,7 +142,7 @@ def nccl_time_in_step(step, device) -> float:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
-            _sync(device)
+            sync(device)
         total = 0.0
         for ev in prof.key_averages():
             if "nccl" in ev.key.lower():
@@ -172,25 +162,23 @@ def bench_shape(n, h, v, sp, args, device, group) -> dict:
         return {**row, "error": f"V={v} (and N={n} under SP) must be divisible by tp={tp}"}
     step = Step(n, h, v, tp, rank, sp, dtype, args.backend, device, group)
     step()  # compiles / autotunes kernels outside the memory and time measurements
-    _sync(device)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        _sync(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    step()
-    _sync(device)
+    sync(device)
     peak = [float("nan"), float("nan")]
     if device.type == "cuda":
-        peak_abs = torch.cuda.max_memory_allocated(device)
-        peak = [peak_abs / 2**30, (peak_abs - before) / 2**30]
+        torch.cuda.empty_cache()
+        sync(device)
+        with PeakMemory(device) as pm:
+            step()
+        peak = [pm.peak_gib, pm.extra_gib]
+    else:
+        step()
     times = time_reps(step, args.warmup, args.reps, device, group)
     comm_only = CommsOnly(n, h, tp, sp, dtype, device, group, v // tp)
     comm_parts = {k: time_reps(fn, args.warmup, args.reps, device, group) for k, fn in comm_only.parts().items()}
     in_op = nccl_time_in_step(step, device) if args.profile else float("nan")
     del step, comm_only
 
-    med, p20, p80 = _percentiles(times)
+    med, p20, p80 = percentiles(times)
     local = [med, p20, p80, peak[0], peak[1], in_op] + [statistics.median(t) for t in comm_parts.values()]
     per_rank = gather_floats(local, group, device)
     ms = lambda s: round(s * 1e3, 4)  # noqa: E731
@@ -214,32 +202,11 @@ def _num(x, nd=3):
     return None if x != x else round(x, nd)
 
 
-def _git_sha() -> str:
-    try:
-        root = Path(__file__).resolve().parents[1]
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10)
-        return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if sha.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def _meta(device, group) -> dict:
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "device_count": torch.cuda.device_count() if device.type == "cuda" else 0,
-        "dist_backend": dist.get_backend(group), "world_size": dist.get_world_size(group),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
-        "areal_lce": areal_lce.__version__, "python": platform.python_version(), "git_sha": _git_sha(),
-        "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "host": platform.node(),
-        "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "argv": sys.argv,
-    }
+    return run_meta(device, device_count=torch.cuda.device_count() if device.type == "cuda" else 0,
+                    dist_backend=dist.get_backend(group), world_size=dist.get_world_size(group),
+                    areal_lce=areal_lce.__version__, nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
+                    host=platform.node())
 
 
 def _row_text(r: dict, ratio: str = "", target: str = "") -> str:
@@ -358,10 +325,7 @@ def main() -> int:
             if rank == 0 and "comm_ms" in r:
                 say("    comm alone (ms, slowest rank): " + ", ".join(f"{k} {x:.3f}" for k, x in r["comm_ms"].items()))
     if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, f"bench_tp_tp{tp}.json")
-        with open(path, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
+        path = write_json(args.out, f"bench_tp_tp{tp}.json", {"meta": meta, "results": results})
         say(f"wrote {path}")
         prior = os.path.join(args.out, "bench_tp_tp1.json")
         if tp > 1 and os.path.exists(prior):

@@ -19,31 +19,15 @@ target is: fused step not slower, peak memory lower by at least those bytes.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
-import subprocess
 import time
 
 import torch
 
 from areal_lce.megatron.microbatch import MicroBatch
 
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _git_sha() -> str:
-    if os.environ.get("GIT_SHA"):  # set by the caller where the checkout's .git is absent or stale
-        return os.environ["GIT_SHA"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return os.environ.get("GIT_SHA", "unknown")
+from .harness import run_meta, sync, write_json
 
 
 def _engine(args, fused: bool, trainable: bool = True):
@@ -83,10 +67,10 @@ def run_sft(args, fused: bool) -> dict:
     times, losses, peaks = [], [], []
     for step in range(args.steps):
         mbs = _batches(args, eng.vocab_size, step)
-        _sync()
+        sync()
         t0 = time.perf_counter()
         out = eng.train_step(mbs, sft_loss(len(mbs)))
-        _sync()
+        sync()
         times.append(time.perf_counter() - t0)
         losses.append(out["loss"])
         peaks.append(out["peak_mem_gib"])
@@ -103,7 +87,7 @@ def grpo_passes(args, eng, ref, prompts, resp, g) -> tuple:
     from areal_lce.train.rl_config import RLConfig
     from areal_lce.train.rl_losses import PolicyMicroBatch, group_advantages, rl_loss
 
-    _sync(); t1 = time.perf_counter()
+    sync(); t1 = time.perf_counter()
     seqs = [p + r for p, r in zip(prompts, resp)]
     s = max(len(x) for x in seqs)
     ids = torch.zeros(len(seqs), s, dtype=torch.long)
@@ -113,10 +97,10 @@ def grpo_passes(args, eng, ref, prompts, resp, g) -> tuple:
         labels[i, len(p) - 1: len(x) - 1] = torch.tensor(x[len(p):])
     old = torch.cat([eng.token_stats(ids[i:i + args.micro_batch], labels[i:i + args.micro_batch]).logprobs
                      for i in range(0, len(seqs), args.micro_batch)])
-    _sync(); t2 = time.perf_counter()
+    sync(); t2 = time.perf_counter()
     refl = torch.cat([ref.token_stats(ids[i:i + args.micro_batch], labels[i:i + args.micro_batch]).logprobs
                       for i in range(0, len(seqs), args.micro_batch)])
-    _sync(); t3 = time.perf_counter()
+    sync(); t3 = time.perf_counter()
     rewards = torch.rand(len(seqs), generator=g)
     adv = group_advantages(rewards, args.group)
     n_tok = int((labels != -100).sum())
@@ -128,7 +112,7 @@ def grpo_passes(args, eng, ref, prompts, resp, g) -> tuple:
                                     num_seqs=len(seqs)))
     rl = RLConfig()
     out = eng.train_step(mbs, lambda st, mb: rl_loss(st, mb, rl))
-    _sync(); t4 = time.perf_counter()
+    sync(); t4 = time.perf_counter()
     return {"behaviour_logprobs": t2 - t1, "reference_logprobs": t3 - t2, "update": t4 - t3}, out
 
 
@@ -145,10 +129,10 @@ def run_grpo(args, fused: bool) -> dict:
         prompts = [p for p in prompts for _ in range(args.group)]
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        _sync(); t0 = time.perf_counter()
+        sync(); t0 = time.perf_counter()
         gen = torch.Generator().manual_seed(step)  # the engine samples on the host
         resp = eng.generate(prompts, args.new_tokens, temperature=1.0, top_p=1.0, eos_id=None, generator=gen)
-        _sync()
+        sync()
         phases["rollout"].append(time.perf_counter() - t0)
         times, out = grpo_passes(args, eng, ref, prompts, resp, g)
         for k, v in times.items():
@@ -187,19 +171,12 @@ def main():
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:
         return
-    meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-            "torch": torch.__version__, "git": _git_sha(), "args": vars(args),
-            "world": int(os.environ.get("WORLD_SIZE", "1"))}
-    try:
-        import triton
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
+    meta = run_meta(args=vars(args), world=int(os.environ.get("WORLD_SIZE", "1")))
     seq = args.seq if args.job == "sft" else args.prompt_len + args.new_tokens
     n_tok = args.micro_batch * seq
     from areal_lce.megatron.model import padded_vocab_size  # noqa: F401  (documented padding rule)
     print(f"\n{args.job} {args.preset} tp={args.tp} sp={args.sp} seq={args.seq} micro_batch={args.micro_batch} "
-          f"x{args.micro_batches} on {meta['device']} (git {meta['git']})")
+          f"x{args.micro_batches} on {meta['device']} (git {meta['git_sha']})")
     for r in results:
         extra = ("  " + "  ".join(f"{k}={v * 1e3:.0f}ms" for k, v in r["phase_s"].items())) if "phase_s" in r else ""
         loss = f" loss[0]={r['loss'][0]:.6f}" if "loss" in r else ""
@@ -215,11 +192,8 @@ def main():
             rel = abs(f["loss"][0] - m["loss"][0]) / max(abs(m["loss"][0]), 1e-12)
             meta["first_loss_rel_diff"] = rel
             print(f"  first-step loss relative difference {rel:.2e}")
-    os.makedirs(args.out, exist_ok=True)
     routes = "" if len(results) == 2 else "_" + results[0]["route"]
-    name = f"train_{args.job}_{args.preset}_tp{args.tp}{routes}.json"
-    with open(os.path.join(args.out, name), "w") as fh:
-        json.dump({"meta": meta, "results": results}, fh, indent=1)
+    write_json(args.out, f"train_{args.job}_{args.preset}_tp{args.tp}{routes}.json", {"meta": meta, "results": results})
 
 
 if __name__ == "__main__":

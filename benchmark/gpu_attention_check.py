@@ -18,8 +18,6 @@ Prints one line per case, writes gpu_attention_check.json; exit status 1 on any 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 
@@ -148,10 +146,9 @@ def main() -> int:
     t = timing()
     print(f"timing: {t['tokens']} tokens in 16 sequences (padded {t['padded_tokens']}): varlen {t['varlen_ms']:.2f} ms, "
           f"per-sequence SDPA {t['sdpa_ms']:.2f} ms, padded BSHD SDPA {t['padded_bshd_ms']:.2f} ms (fwd+bwd)")
-    os.makedirs(args.out, exist_ok=True)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    with open(os.path.join(args.out, "gpu_attention_check.json"), "w") as f:
-        json.dump({"meta": meta, "cases": rows, "timing": t}, f, indent=1)
+    from benchmark.harness import run_meta, write_json
+
+    write_json(args.out, "gpu_attention_check.json", {"meta": run_meta(), "cases": rows, "timing": t})
     return 0 if all(r["pass"] for r in rows) else 1
 
 

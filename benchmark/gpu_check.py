@@ -265,16 +265,10 @@ def main():
         bad += not r["ok"]
         print(("PASS " if r["ok"] else "FAIL ") + r["case"] + " " +
               json.dumps({k: v for k, v in r.items() if k != "case"}, default=str), flush=True)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    try:
-        import triton
+    from benchmark.harness import run_meta, write_json
 
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
+    meta = run_meta()
+    write_json(args.out, "gpu_check.json", {"meta": meta, "results": results})
     print(f"gpu_check: {len(results) - bad}/{len(results)} passed on {meta['device']}")
     return 1 if bad else 0
 

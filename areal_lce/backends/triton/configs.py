@@ -2,12 +2,15 @@
 
 GPU tiles were picked by `python -m benchmark.bench_lce --sweep` on an H100 (benchmark/notes.md says
 which run); the interpreter gets one small tile that keeps CPU tests fast (fewer, larger programs).
-`override()` lets a benchmark sweep swap the tiles without touching the launcher.
+`tuning()` lets a benchmark sweep swap tiles and load options for a block of calls, without touching
+the launcher.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, replace
+from typing import Iterator, Optional
 
 
 @dataclass(frozen=True)
@@ -50,13 +53,39 @@ MIN_WORKSPACE_BYTES = 64 * (1 << 20)
 # Load GEMM operands with TMA tensor descriptors where the layout allows (else pointer loads).
 USE_TMA = os.environ.get("AREAL_LCE_TRITON_TMA", "1") == "1"
 
-_OVERRIDES: dict = {}
+_OVERRIDES: dict = {}  # 'fwd' / 'bwd' -> TileConfig, set only inside tuning()
 
 
-def override(**tiles: TileConfig) -> None:
-    """Replace tiles by name ('fwd', 'bwd'), e.g. from a sweep; `override()` clears all overrides."""
-    _OVERRIDES.clear()
-    _OVERRIDES.update(tiles)
+@contextlib.contextmanager
+def tuning(*, fwd: Optional[TileConfig] = None, bwd: Optional[TileConfig] = None, use_tma: Optional[bool] = None,
+           bwd_tiles_per_program: Optional[int] = None) -> Iterator[None]:
+    """Tile and load options of the launcher for the calls inside the block, restored on exit.
+
+        with configs.tuning(bwd=TileConfig(128, 128, 64), use_tma=False, bwd_tiles_per_program=2):
+            TritonBackend().backward(...)
+
+    fwd / bwd replace the forward / backward tile whatever the dtype and H; use_tma and
+    bwd_tiles_per_program replace USE_TMA and BWD_TILES_PER_PROGRAM; None keeps the current value.
+    The settings are process-wide (not per thread): meant for tuning sweeps (`python -m
+    benchmark.bench_lce --sweep`), not for training.
+    """
+    for name, cfg in (("fwd", fwd), ("bwd", bwd)):
+        if cfg is not None and not isinstance(cfg, TileConfig):
+            raise TypeError(f"configs.tuning: {name} must be a TileConfig, got {type(cfg).__name__}")
+    tpp = bwd_tiles_per_program
+    if tpp is not None and (type(tpp) is not int or tpp < 1):
+        raise ValueError(f"configs.tuning: bwd_tiles_per_program must be an int >= 1, got {tpp!r}")
+    global USE_TMA, BWD_TILES_PER_PROGRAM
+    saved = dict(_OVERRIDES), USE_TMA, BWD_TILES_PER_PROGRAM
+    _OVERRIDES.update({k: v for k, v in (("fwd", fwd), ("bwd", bwd)) if v is not None})
+    USE_TMA = USE_TMA if use_tma is None else bool(use_tma)
+    BWD_TILES_PER_PROGRAM = BWD_TILES_PER_PROGRAM if tpp is None else tpp
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(saved[0])
+        USE_TMA, BWD_TILES_PER_PROGRAM = saved[1], saved[2]
 
 
 def tile(kind: str, *, fp32: bool, interpret: bool, H: int) -> TileConfig:

@@ -33,6 +33,7 @@ Extra device memory (bytes), beyond inputs and the returned gradients:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Any, Tuple
@@ -141,15 +142,7 @@ def _check(hidden, weight, labels, inv_t, params: LCEParams, n_valid=None) -> No
 
 
 def _device_ctx(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else _NullCtx()
-
-
-class _NullCtx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _descriptors(hidden, weight_valid, cfg):
@@ -179,9 +172,13 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 class TritonBackend:
     """Backend contract of base.py on CUDA (and on CPU under TRITON_INTERPRET=1). Memory bound: module
-    docstring."""
+    docstring. backward_gemms=False is for profiling (`benchmark.bench_lce` times the backward kernels
+    alone): the backward skips its cuBLAS d_hidden / d_weight GEMMs and returns (None, None)."""
 
     name = "triton"
+
+    def __init__(self, backward_gemms: bool = True):
+        self.backward_gemms = bool(backward_gemms)
 
     def cache_spec(self, n, h, v_shard, dtype, params: LCEParams, keep_cache: bool):
         """fp32 column slabs (_cache_shape) when this shard's fp32 logits 4·N·V_shard fit cache_bytes."""
@@ -294,11 +291,11 @@ class TritonBackend:
                     dl, y, it if it is not None else vecs[0], vecs[2], N, c0, width, width, scale,
                     HAS_INV_T=it is not None, BLOCK_N=configs.LABEL_FIX_BLOCK_N, num_warps=4,
                 )
-                if dw is not None:
+                if dw is not None and self.backward_gemms:
                     gemm.d_weight(dl, dw[c0:c0 + width])
-                if dh is not None:
+                if dh is not None and self.backward_gemms:
                     gemm.d_hidden(dl, weight[c0:c0 + width], dh, first=c0 == 0)
-        return dh, dw
+        return (dh, dw) if self.backward_gemms else (None, None)
 
 
 def _chunk_width(N: int, H: int, valid: int, esize: int, block_v: int = 256) -> int:

@@ -1,0 +1,72 @@
+"""benchmark.bench_lce on a tiny shape: its exact fp32 reference against fp64, and one run of the
+measurement path and of the tile sweep (on CPU: host-timed, the Triton providers in the interpreter).
+The GPU run is `python -m benchmark.bench_lce`; this checks the script, not its times.
+"""
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from benchmark import bench_lce  # noqa: E402
+from benchmark.harness import exact_reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPE = "40x32x384"
+
+
+def _fp64(h, W, y, with_ent):
+    h, W = h.double(), W.double()
+    z = torch.log_softmax(h @ W.t(), -1)
+    p = z.exp()
+    ent = -(p * z).sum(-1)
+    dz = p + (p * (z + ent[:, None]) if with_ent else 0)  # loss = -sum(logp) [- sum(entropy)]
+    dz[torch.arange(len(y)), y] -= 1
+    return {"logp": z.gather(1, y[:, None])[:, 0], "ent": ent, "dh": dz @ W, "dW": dz.t() @ h}
+
+
+@pytest.mark.parametrize("with_ent", [True, False])
+def test_exact_reference_is_fp32_exact(with_ent):
+    """The benchmark's accuracy oracle: within fp32 rounding of fp64, chunked rows (ragged last chunk)."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(40, 32, generator=g).to(torch.bfloat16)
+    W = (torch.randn(384, 32, generator=g) * 0.7).to(torch.bfloat16)
+    W[:6] = h[:6] * 0.8  # peaked rows: p(label) ~ 1
+    y = torch.randint(0, 384, (40,), generator=g)
+    y[:6] = torch.arange(6)
+    ref, exact = exact_reference(h.to(DEVICE), W.to(DEVICE), y.to(DEVICE), with_ent, chunk=16), _fp64(h, W, y, with_ent)
+    assert (ref["logp"].cpu().double() - exact["logp"]).abs().max() < 1e-5
+    assert (ref["ent"].cpu().double() - exact["ent"]).abs().max() < 1e-5
+    for k in ("dh", "dW"):
+        err = (ref[k].cpu().double() - exact[k]).norm() / exact[k].norm()
+        assert err < 1e-6, (k, err.item())  # a bf16 rounding anywhere would show as ~1e-3
+
+
+def test_run_measures_every_provider_against_the_reference(tmp_path, capsys):
+    argv = ["--device", DEVICE, "--shapes", SHAPE, "--providers", "areal_triton,areal_torch,torch_eager",
+            "--rep", "1", "--out", str(tmp_path)]
+    assert bench_lce.main(argv) == 0
+    out = json.loads((tmp_path / "bench_lce.json").read_text())
+    assert "git_sha" in out["meta"] and "torch" in out["meta"]
+    (shape,) = out["shapes"]
+    assert (shape["N"], shape["H"], shape["V"]) == (40, 32, 384)
+    provs = shape["providers"]
+    for name in ("areal_triton", "areal_torch"):
+        r = provs[name]
+        assert "error" not in r, r
+        assert r["logp_maxabs"] < 1e-4 and r["ent_maxabs"] < 1e-4, r
+        assert r["dh_rel"] < 5e-3 and r["dw_rel"] < 5e-3, r  # bf16 gradients: ~2e-3 rounding
+        assert r["fwd"]["ms"] > 0 and r["fwdbwd_x_8nhv"] > 0
+    assert provs["torch_eager"]["logp_maxabs"] > 1e-3  # bf16 logits: the reference tells them apart
+    assert set(shape["breakdown"]) == {"fwd_backend", "bwd_backend", "bwd_kernel_only", "bwd_gemms"}
+    assert (tmp_path / "bench_lce.csv").read_text().count("\n") == 1 + 3
+    printed = capsys.readouterr().out
+    assert "triton breakdown" in printed and "vs targets" in printed
+
+
+def test_sweep_runs_every_candidate(tmp_path):
+    assert bench_lce.main(["--device", DEVICE, "--sweep", "--shapes", SHAPE, "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
+    assert len(rows) == 7 and not [r for r in rows if "error" in r], rows
+    assert {(r["kind"], r["tma"], r["tpp"]) for r in rows} >= {("fwd", False, 1), ("bwd", True, 2)}
