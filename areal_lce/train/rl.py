@@ -124,23 +124,8 @@ class RLJob:
         self.cfg, self.rl, self.dist = cfg, cfg.rl, dist_info
         self.algo = cfg.job
         rl, tr = cfg.rl, cfg.trainer
-        dp = dist_info.dp_size
-        if rl.prompts_per_step % dp:
-            raise ValueError(f"rl.prompts_per_step={rl.prompts_per_step} must be a multiple of the "
-                             f"data-parallel size {dp}")
-        self.local_prompts = rl.prompts_per_step // dp
-        local_batch = self.local_prompts * rl.group_size
-        if local_batch % rl.minibatches:
-            raise ValueError(f"rl.minibatches={rl.minibatches} must divide the {local_batch} sequences per "
-                             "data-parallel rank")
-        minibatch = local_batch // rl.minibatches
-        if minibatch % tr.micro_batch_size and tr.micro_batch_size < minibatch:
-            raise ValueError(f"trainer.micro_batch_size={tr.micro_batch_size} must divide the RL minibatch of "
-                             f"{minibatch} sequences (rl.prompts_per_step x rl.group_size / dp / rl.minibatches)")
-        self.micro = min(tr.micro_batch_size, minibatch)
-        self.advantage = rl.advantage if rl.advantage != "auto" else ("group" if self.algo == "grpo" else "batch")
-        if self.advantage == "group" and rl.group_size < 2:
-            raise ValueError("GRPO needs rl.group_size >= 2 (set rl.advantage=batch for group_size 1)")
+        self.local_prompts, self.micro = rl.rank_split(dist_info.dp_size, tr.micro_batch_size)
+        self.advantage = rl.advantage_for(self.algo)
 
         self.tok = load_tokenizer(cfg.data.tokenizer)
         self.task = build_task(rl.task, rl.task_options)
@@ -162,7 +147,7 @@ class RLJob:
 
         from megatron.core import parallel_state as mpu
 
-        self.dp_group = mpu.get_data_parallel_group() if dp > 1 else None
+        self.dp_group = mpu.get_data_parallel_group() if dist_info.dp_size > 1 else None
 
     # ---- one step ------------------------------------------------------------------------------
     def encode_prompt(self, text: str) -> List[int]:

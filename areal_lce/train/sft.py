@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from . import checkpoint as ckpt
-from .config import JobConfig, dump_yaml
+from .config import JobConfig, dump_yaml, split_global_batch
 from .data import SFTDataset
 from .logging_utils import MetricsLog, ProgressBar, format_record, plot_metrics, read_metrics
 from .losses import SFTLoss
@@ -78,11 +78,7 @@ def run(cfg: JobConfig, engine_factory: Optional[Callable] = None) -> dict:
 def _train(cfg: JobConfig, dist_info, engine_factory) -> dict:
     tr, is_main = cfg.trainer, dist_info.is_main
     dp_size, dp_rank = dist_info.dp_size, dist_info.dp_rank
-    if tr.global_batch_size % (tr.micro_batch_size * dp_size):
-        raise ValueError(f"trainer.global_batch_size={tr.global_batch_size} must be a multiple of "
-                         f"trainer.micro_batch_size={tr.micro_batch_size} x data-parallel size {dp_size} "
-                         f"(world {dist_info.world_size} / (tensor_parallel {dist_info.tp_size} x "
-                         f"pipeline_parallel {dist_info.pp_size}))")
+    split_global_batch(tr.global_batch_size, tr.micro_batch_size, dp_size)
     tok = load_tokenizer(cfg.data.tokenizer)
     model_vocab = cfg.engine.model.vocab_size
     if model_vocab and model_vocab < tok.vocab_size:
