@@ -57,19 +57,21 @@ def _seed(*parts: int) -> int:
 
 
 def rollout_batch(prompt_ids: List[List[int]], responses: List[List[int]], pad_id: int,
-                  pad_to_multiple_of: int = 1) -> MicroBatch:
-    """Right-padded MicroBatch [B, S]: labels are the next tokens on response positions only."""
+                  pad_to_multiple_of: int = 1, temperature: float = 1.0) -> MicroBatch:
+    """Right-padded MicroBatch [B, S] at the sampling `temperature`: labels are the next tokens on response
+    positions only."""
     examples = [Example(ids=tuple(p) + tuple(r), loss_start=len(p)) for p, r in zip(prompt_ids, responses)]
-    return collate(examples, pad_id, pad_to_multiple_of)
+    return dataclasses.replace(collate(examples, pad_id, pad_to_multiple_of), temperature=temperature)
 
 
-def batched_token_stats(engine, batch: MicroBatch, micro_batch_size: int, temperature: float):
-    """No-grad TokenStats of the whole batch, run in microbatches; returns a dict of [B, S] tensors."""
+def batched_token_stats(engine, batch: MicroBatch, micro_batch_size: int):
+    """No-grad TokenStats of the whole batch at its temperature, run in microbatches; returns a dict of
+    [B, S] tensors."""
     out = {}
     n = batch.rows
     for start in range(0, n, micro_batch_size):
         idx = torch.arange(start, min(start + micro_batch_size, n))
-        st = engine.token_stats(batch.input_ids[idx], batch.labels[idx], temperature=temperature, grad=False)
+        st = engine.token_stats(batch.input_ids[idx], batch.labels[idx], temperature=batch.temperature, grad=False)
         for name in ("logprobs", "entropy", "max_logit", "min_logit"):
             out.setdefault(name, []).append(getattr(st, name).detach().float().cpu())
     return {k: torch.cat(v) for k, v in out.items()}
@@ -163,7 +165,7 @@ class RLJob:
         texts = [self.tok.decode(r) for r in responses]
         rewards = torch.tensor([float(self.reward_fn(prompt=p.text, response=t, answer=p.answer))
                                 for p, t in zip(items, texts)], dtype=torch.float32)
-        batch = rollout_batch(prompt_ids, responses, self.tok.pad_id, self.pad_mult)
+        batch = rollout_batch(prompt_ids, responses, self.tok.pad_id, self.pad_mult, rl.temperature)
         return {"batch": batch, "rewards": rewards, "texts": texts, "items": items,
                 "response_len": sum(len(r) for r in responses) / len(responses)}
 
@@ -173,13 +175,13 @@ class RLJob:
         ro = self.rollout(step)
         batch, rewards = ro["batch"], ro["rewards"]
         t_gen = time.perf_counter() - t0
-        behav = batched_token_stats(self.policy, batch, self.micro, rl.temperature)
-        ref = batched_token_stats(self.reference, batch, self.micro, rl.temperature)
+        behav = batched_token_stats(self.policy, batch, self.micro)
+        ref = batched_token_stats(self.reference, batch, self.micro)
         if self.advantage == "group":
             adv = group_advantages(rewards, rl.group_size, std_norm=rl.adv_std_norm, eps=rl.adv_eps)
         else:
             adv = batch_advantages(rewards, std_norm=rl.adv_std_norm, eps=rl.adv_eps)
-        full = PolicyMicroBatch(input_ids=batch.input_ids, labels=batch.labels, temperature=rl.temperature,
+        full = PolicyMicroBatch(input_ids=batch.input_ids, labels=batch.labels, temperature=batch.temperature,
                                 old_logprobs=behav["logprobs"], ref_logprobs=ref["logprobs"], advantages=adv)
 
         sums: dict = {}
