@@ -133,8 +133,9 @@ class RLJob:
 
     def banner(self) -> str:
         cfg = self.cfg
-        return (f"task {cfg.rl.task} {cfg.rl.task_options or ''}, reward {cfg.rl.reward_fn or self.task.default_reward}, "
-                f"advantage {self.advantage}, {run_banner(cfg, self.dist, self.tok)}, rollout: "
+        reward = cfg.rl.reward_fn or self.task.default_reward
+        return (f"task {cfg.rl.task} {cfg.rl.task_options or ''}, reward {reward}, advantage {self.advantage}, "
+                f"{run_banner(cfg, self.dist, self.tok)}, rollout: "
                 f"{'KV cache' if cfg.engine.kv_cache else 'full recompute'}")
 
     def finish(self, output_dir) -> None:
@@ -221,7 +222,8 @@ class RLJob:
         rec = reduce_metrics(local, _REDUCE, self.dist)  # the rest: means over data-parallel ranks
         tokens = int(round(rec.pop("tokens")))
         rec.update(lr=upd.get("lr", 0.0), peak_mem_gib=upd.get("peak_mem_gib", 0.0), tokens=tokens,
-                   gen_time_s=t_gen, step_time_s=time.perf_counter() - t0, sample=repr(ro["items"][0].text + ro["texts"][0]))
+                   gen_time_s=t_gen, step_time_s=time.perf_counter() - t0,
+                   sample=repr(ro["items"][0].text + ro["texts"][0]))
         return rec
 
 
