@@ -113,10 +113,33 @@ def test_bad_yaml_is_rejected_naming_the_option(tmp_path, yaml_text, named):
     (["engine.parallel.context_parallel=2", "engine.parallel.pipeline_parallel=2"], "context_parallel"),
     (["trainer.steps=10", "trainer.stop_at=10"], "trainer.stop_at"),
     (["trainer.steps=4", "engine.optim.lr_schedule=cosine", "engine.optim.warmup_steps=4"], "warmup_steps"),
+    (["job=grpo", "rl.group_size=1"], "rl.group_size"),  # rl.advantage=auto is the group estimator for grpo
+    (["rl.prompts_per_step=3", "rl.group_size=2", "rl.minibatches=4"], "rl.minibatches"),
 ])
 def test_cross_field_checks_name_the_option(overrides, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         load_config(None, overrides)
+
+
+def test_batch_splits_over_data_parallel_ranks():
+    from areal_lce.train.config import split_global_batch
+    from areal_lce.train.rl_config import RLConfig
+
+    assert split_global_batch(8, 2, dp_size=2) == 4
+    with pytest.raises(ConfigError, match=r"trainer.micro_batch_size=4 x data-parallel size 2"):
+        split_global_batch(12, 4, dp_size=2)  # 6 examples per rank: not whole micro-batches of 4
+    # rl: 8 prompts x 4 responses on 2 ranks = 16 sequences per rank, 2 minibatches of 8, micro-batches of 4
+    rl = RLConfig(prompts_per_step=8, group_size=4, minibatches=2)
+    assert rl.rank_split(2, micro_batch_size=4) == (4, 4)
+    assert rl.rank_split(2, micro_batch_size=32) == (4, 8)  # capped at the minibatch
+    assert rl.rank_split(2) == (4, 8)
+    with pytest.raises(ValueError, match="trainer.micro_batch_size=3"):
+        rl.rank_split(2, micro_batch_size=3)
+    with pytest.raises(ValueError, match="rl.prompts_per_step=8 must be a multiple of the data-parallel size 3"):
+        rl.rank_split(3)
+    with pytest.raises(ValueError, match="rl.minibatches=4 must divide the 2 sequences"):
+        RLConfig(prompts_per_step=8, group_size=2, minibatches=4).rank_split(8)  # fine on one rank
+    assert rl.advantage_for("grpo") == "group" and rl.advantage_for("ppo") == "batch"
 
 
 def test_every_option_has_help_and_help_lists_it():

@@ -212,7 +212,15 @@ def _no_engine(*args, **kwargs):
     raise AssertionError("the engine was built: the bad token id was not caught at data load")
 
 
-def test_sft_token_id_beyond_vocab_fails_at_data_load(tmp_path, monkeypatch):
+@pytest.fixture
+def no_engine(monkeypatch):
+    """Building a MegatronEngine fails the test: the jobs must catch bad data before any model exists."""
+    from areal_lce.megatron import engine
+
+    monkeypatch.setattr(engine, "MegatronEngine", _no_engine)
+
+
+def test_sft_token_id_beyond_vocab_fails_at_data_load(tmp_path, monkeypatch, no_engine):
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps({"prompt": "Say:", "response": "ok"}) + "\n"
                     + json.dumps({"prompt": "Sag:", "response": "schön"}) + "\n")
@@ -220,27 +228,20 @@ def test_sft_token_id_beyond_vocab_fails_at_data_load(tmp_path, monkeypatch):
     cfg = load_config(SFT_TINY, [f"data.path={data}", f"trainer.output_dir={tmp_path / 'run'}",
                                  "trainer.progress=false"])
     with pytest.raises(ValueError, match=rf"{data}:2\).*token id 195 .*vocabulary of 128 ids"):
-        sft.run(cfg, engine_factory=_no_engine)
+        sft.run(cfg)
 
 
-def test_rl_token_id_beyond_vocab_is_named(monkeypatch):
+def test_rl_token_id_beyond_vocab_is_named(monkeypatch, no_engine):
     from areal_lce.train import rl
 
     cfg = load_config(GRPO_TINY, ["rl.task_options={template: 'Sag {x}:ü'}"])
     info = types.SimpleNamespace(dp_size=1, dp_rank=0, tp_size=1)
     monkeypatch.setattr(rl, "load_tokenizer", lambda spec: SmallVocabTokenizer(special_ids=(125, 126, 300)))
     with pytest.raises(ValueError, match="eos_id: token id 300 .*vocabulary of 128"):
-        rl.RLJob(cfg, info, engine_factory=_no_engine)
-
-    class Frozen:
-        def __init__(self, *a, **k):
-            pass
-
-        def parameters_named(self):
-            return {}
+        rl.RLJob(cfg, info)  # the host-side part of the job: no engine is built
 
     monkeypatch.setattr(rl, "load_tokenizer", lambda spec: SmallVocabTokenizer())
-    job = rl.RLJob(cfg, info, engine_factory=Frozen)
+    job = rl.RLJob(cfg, info)
     with pytest.raises(ValueError, match=r"rl.task='say_letter' prompt 'Sag A:ü': token id 195 .*128"):
         job.encode_prompt("Sag A:ü")
 

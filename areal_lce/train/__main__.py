@@ -5,7 +5,8 @@
     python -m areal_lce.train --help               # every option with its help string
     python -m areal_lce.train help-markdown        # the same as Markdown tables (docs/training.md)
 
-`job:` in the config picks the loop: sft -> areal_lce.train.sft, grpo | ppo -> areal_lce.train.rl.
+`job:` in the config picks the job: sft -> areal_lce.train.sft, grpo | ppo -> areal_lce.train.rl, both
+run by the loop of areal_lce.train.loop.
 """
 from __future__ import annotations
 

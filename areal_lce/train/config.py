@@ -21,7 +21,8 @@ from .config_io import (ConfigError, dump_yaml, from_dict, iter_fields, load_yam
                         to_dict)
 from .rl_config import RLConfig
 
-JOBS = ("sft", "grpo", "ppo")
+RL_JOBS = ("grpo", "ppo")
+JOBS = ("sft",) + RL_JOBS
 DATA_FORMATS = ("prompt_response", "text")
 
 
@@ -120,9 +121,7 @@ class TrainerConfig:
             raise ConfigError(f"trainer.steps={self.steps} must be >= 1")
         if self.micro_batch_size < 1 or self.global_batch_size < 1:
             raise ConfigError("trainer.global_batch_size and trainer.micro_batch_size must be >= 1")
-        if self.global_batch_size % self.micro_batch_size:
-            raise ConfigError(f"trainer.global_batch_size={self.global_batch_size} is not a multiple of "
-                              f"trainer.micro_batch_size={self.micro_batch_size}")
+        split_global_batch(self.global_batch_size, self.micro_batch_size)  # for any data-parallel size
         if isinstance(self.resume, str) and self.resume != "auto":
             raise ConfigError(f"trainer.resume={self.resume!r}: expected true, false or 'auto'")
         for name in ("save_interval", "stop_at"):
@@ -132,7 +131,19 @@ class TrainerConfig:
             raise ConfigError(f"trainer.log_interval={self.log_interval} must be >= 1")
         if not self.output_dir:
             raise ConfigError("trainer.output_dir is empty")
+        if self.sample_prompts < 0:
+            raise ConfigError(f"trainer.sample_prompts={self.sample_prompts} must be >= 0")
 
+
+def split_global_batch(global_batch_size: int, micro_batch_size: int, dp_size: int = 1) -> int:
+    """Examples of one global batch per data-parallel rank; raises naming the trainer options unless the
+    global batch splits into whole micro-batches on each of `dp_size` ranks (at load: dp_size 1)."""
+    if global_batch_size % (micro_batch_size * dp_size):
+        dp = (f" x data-parallel size {dp_size} (world / (tensor x pipeline x context parallel))"
+              if dp_size > 1 else "")
+        raise ConfigError(f"trainer.global_batch_size={global_batch_size} must be a multiple of "
+                          f"trainer.micro_batch_size={micro_batch_size}{dp}")
+    return global_batch_size // dp_size
 
 
 
@@ -158,13 +169,16 @@ class JobConfig:
             if optim.lr_schedule == "cosine" and optim.warmup_steps >= optim.total_steps:
                 raise ConfigError(f"engine.optim.warmup_steps={optim.warmup_steps} must be < trainer.steps="
                                   f"{self.trainer.steps} for the cosine schedule")
-        if self.trainer.sample_prompts < 0:
-            raise ConfigError(f"trainer.sample_prompts={self.trainer.sample_prompts} must be >= 0")
         if self.trainer.sample_prompts and self.data.format != "prompt_response":
             raise ConfigError("trainer.sample_prompts needs data.format=prompt_response (prompts to complete)")
         if self.trainer.stop_at and self.trainer.stop_at >= self.trainer.steps:
             raise ConfigError(f"trainer.stop_at={self.trainer.stop_at} must be < trainer.steps="
                               f"{self.trainer.steps} (0 disables it)")
+        if self.job in RL_JOBS:
+            try:
+                self.rl.advantage_for(self.job)  # rl.advantage=auto resolves by job: group for grpo
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
 
 
 def apply_overrides(data: dict, overrides: Sequence[str], cls=None) -> dict:

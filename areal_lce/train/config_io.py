@@ -1,5 +1,8 @@
-"""Generic config machinery: a strict YAML loader, dict -> dataclass with type checks, typed dotted
+"""The config type system: a strict YAML loader, dict -> dataclass with type checks, typed dotted
 overrides, and the option listings. `config.py` holds the job's dataclasses and binds these to JobConfig.
+
+One dispatcher on the field's annotation, `to_value`, serves YAML values and command-line texts alike:
+an override's text is read the way YAML would give the value, then checked by the same rules.
 
 YAML rules beyond PyYAML's safe loader: a key given twice in one mapping is an error naming the key and
 both lines (PyYAML would keep the last silently); a syntax error is a ConfigError naming the file, line
@@ -80,40 +83,89 @@ def _finite(x: float, key: str) -> float:
     return x
 
 
-def _check_value(tp, value, key: str):
-    """Return `value` as type `tp` (YAML values: int widens to float, list to tuple), else raise."""
+def _yaml_text(text: str, key: str, what: str):
+    """A command-line value read as YAML (mappings, flow lists, untyped options)."""
+    try:
+        return yaml_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"option '{key}': cannot parse {what} {text!r}: {e}") from e
+
+
+def _list_text(text: str, key: str) -> list:
+    """A command-line list, `[a, b]` (YAML flow form) or `a,b`, as a list of item texts."""
+    s = text.strip()
+    if not s.startswith("["):
+        return [p for p in s.split(",") if p.strip()]
+    raw = _yaml_text(s, key, "list")
+    if not isinstance(raw, list):
+        raise ConfigError(f"option '{key}' expects a list, got {text!r}")
+    return [str(x) for x in raw]
+
+
+def _scalar_text(tp, text: str):
+    """A command-line scalar as YAML would have given it for type `tp`; the checks follow in `to_value`."""
+    s = text.strip()
+    if tp is bool:
+        if s.lower() in _TRUE_WORDS:
+            return True
+        return False if s.lower() in _FALSE_WORDS else text
+    for cast in (int, float):
+        if tp is cast:
+            try:
+                return cast(s)
+            except ValueError:
+                return s  # `1e6` for an int: the YAML 1.2 spelling, accepted below
+    return text  # str options keep their text as given
+
+
+def to_value(tp, value, key: str, *, text: bool = False):
+    """The one type dispatcher of the config: `value` as a value of the annotation `tp`, else a
+    ConfigError naming option `key`.
+
+    `value` is a YAML value (int widens to float, a list becomes a tuple where the field says so), or,
+    with `text=True`, the command-line text of a `key=value` override: that text is first read the way
+    YAML would give the value (bool words, numbers, `[a, b]` or `a,b` lists, `{a: 1}` mappings, none
+    words for Optional), then checked by the same rules.
+    """
     if dataclasses.is_dataclass(tp):
         raise ConfigError(f"option '{key}' is a section; set its fields ({key}.FIELD)")
     if tp is Any:
-        return value
+        return _yaml_text(value.strip(), key, "value") if text else value
     if _is_union(tp):
         args = typing.get_args(tp)
-        if value is None and type(None) in args:
+        value = value.strip() if text else value
+        if type(None) in args and (value.lower() in _NONE_WORDS if text else value is None):
             return None
         for arg in args:
             if arg is type(None):
                 continue
             try:
-                return _check_value(arg, value, key)
+                return to_value(arg, value, key, text=text)
             except ConfigError:
                 pass
         raise ConfigError(f"option '{key}' expects {_type_name(tp)}, got {value!r}")
     origin = typing.get_origin(tp)
     if origin is dict or tp is dict:
+        if text:
+            value = _yaml_text(value.strip(), key, "mapping") if value.strip() else {}
         if not isinstance(value, dict):
             raise ConfigError(f"option '{key}' expects a mapping ({_type_name(tp)}), got {value!r}")
         return dict(value)
     if origin in (list, tuple):
+        if text:
+            value = _list_text(value, key)
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"option '{key}' expects a list ({_type_name(tp)}), got {value!r}")
         args = typing.get_args(tp)
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
                 raise ConfigError(f"option '{key}' expects {len(args)} values, got {len(value)}")
-            return tuple(_check_value(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+            return tuple(to_value(a, v, f"{key}[{i}]", text=text) for i, (a, v) in enumerate(zip(args, value)))
         elem = args[0] if args else Any
-        items = [_check_value(elem, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        items = [to_value(elem, v, f"{key}[{i}]", text=text) for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
+    if text:
+        value = _scalar_text(tp, value)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -135,6 +187,11 @@ def _check_value(tp, value, key: str):
     raise ConfigError(f"option '{key}' expects {_type_name(tp)}, got {value!r}")
 
 
+def parse_value(tp, text: str, key: str):
+    """The command-line text `text` as a value of type `tp` (the field's annotation)."""
+    return to_value(tp, text, key, text=True)
+
+
 def from_dict(cls, data: Optional[dict], prefix: str = ""):
     """Build dataclass `cls` from a nested dict; unknown keys and wrong types raise ConfigError."""
     data = {} if data is None else data
@@ -150,7 +207,7 @@ def from_dict(cls, data: Optional[dict], prefix: str = ""):
         if dataclasses.is_dataclass(tp):
             kwargs[key] = from_dict(tp, value, f"{prefix}{key}.")
         else:
-            kwargs[key] = _check_value(tp, value, f"{prefix}{key}")
+            kwargs[key] = to_value(tp, value, f"{prefix}{key}")
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -190,81 +247,6 @@ def _field_type(cls, dotted: str):
             raise ConfigError(f"unknown option '{dotted}' (valid in '{where}': {', '.join(names)})")
         tp = _hints(tp)[part]
     return tp
-
-
-def parse_value(tp, text: str, key: str):
-    """Parse the command-line string `text` as a value of type `tp` (the field's annotation)."""
-    s = text.strip()
-    if dataclasses.is_dataclass(tp):
-        raise ConfigError(f"option '{key}' is a section; override its fields ({key}.FIELD=...)")
-    if _is_union(tp):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if type(None) in typing.get_args(tp) and s.lower() in _NONE_WORDS:
-            return None
-        for arg in args:
-            try:
-                return parse_value(arg, s, key)
-            except ConfigError:
-                pass
-        raise ConfigError(f"option '{key}' expects {_type_name(tp)}, got {text!r}")
-    origin = typing.get_origin(tp)
-    if origin is dict or tp is dict:
-        try:
-            raw = yaml_load(s) if s else {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"option '{key}': cannot parse mapping {text!r}: {e}") from e
-        if not isinstance(raw, dict):
-            raise ConfigError(f"option '{key}' expects a mapping like {{a: 1}}, got {text!r}")
-        return raw
-    if origin in (list, tuple):
-        if s.startswith("["):
-            try:
-                raw = yaml_load(s)
-            except yaml.YAMLError as e:
-                raise ConfigError(f"option '{key}': cannot parse list {text!r}: {e}") from e
-            if not isinstance(raw, list):
-                raise ConfigError(f"option '{key}' expects a list, got {text!r}")
-            raw = [str(x) for x in raw]
-        else:
-            raw = [p for p in s.split(",") if p.strip()] if s else []
-        args = typing.get_args(tp)
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(args) != len(raw):
-                raise ConfigError(f"option '{key}' expects {len(args)} comma-separated values, got {text!r}")
-            return tuple(parse_value(a, r, key) for a, r in zip(args, raw))
-        elem = args[0] if args else str
-        items = [parse_value(elem, r, key) for r in raw]
-        return tuple(items) if origin is tuple else items
-    if tp is bool:
-        if s.lower() in _TRUE_WORDS:
-            return True
-        if s.lower() in _FALSE_WORDS:
-            return False
-        raise ConfigError(f"option '{key}' expects a bool (true/false), got {text!r}")
-    if tp is int:
-        try:
-            return int(s)
-        except ValueError:
-            try:
-                f = float(s)  # accept 1e6
-            except ValueError:
-                f = None
-            if f is not None and f.is_integer():
-                return int(f)
-            raise ConfigError(f"option '{key}' expects an int, got {text!r}") from None
-    if tp is float:
-        try:
-            return _finite(float(s), key)
-        except ValueError:
-            raise ConfigError(f"option '{key}' expects a float, got {text!r}") from None
-    if tp is str:
-        return text
-    if tp is Any:
-        try:
-            return yaml_load(s)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"option '{key}': cannot parse {text!r}: {e}") from e
-    raise ConfigError(f"option '{key}' has unsupported type {_type_name(tp)} for command-line overrides")
 
 
 def apply_overrides(data: dict, overrides: Sequence[str], cls) -> dict:

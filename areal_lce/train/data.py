@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..megatron.microbatch import MicroBatch
-from .config import DataConfig
+from .config import DataConfig, split_global_batch
 
 IGNORE_INDEX = -100
 BUILTIN_DIR = Path(__file__).parent / "data"
@@ -181,12 +181,9 @@ class SFTDataset:
         return sum(len(self.examples[i].ids) for i in self.global_batch_indices(step, global_batch_size))
 
     def microbatches(self, step: int, global_batch_size: int, micro_batch_size: int,
-                     dp_rank: int = 0, dp_size: int = 1, pad_to_multiple_of: Optional[int] = None) -> list[dict]:
+                     dp_rank: int = 0, dp_size: int = 1, pad_to_multiple_of: Optional[int] = None) -> list[MicroBatch]:
         """This data-parallel rank's slice of global batch `step`, split into right-padded micro-batches."""
-        if global_batch_size % (micro_batch_size * dp_size):
-            raise ValueError(f"trainer.global_batch_size={global_batch_size} is not a multiple of "
-                             f"trainer.micro_batch_size={micro_batch_size} x data-parallel size {dp_size}")
-        per_rank = global_batch_size // dp_size
+        per_rank = split_global_batch(global_batch_size, micro_batch_size, dp_size)
         idx = self.global_batch_indices(step, global_batch_size)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
         mult = self.cfg.pad_to_multiple_of if pad_to_multiple_of is None else pad_to_multiple_of
         return [

@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+LOG_KEYS = ("step", "loss", "entropy", "max_logit", "min_logit", "grad_norm", "lr", "tokens_per_s", "peak_mem_gib")
 PLOT_KEYS = ("loss", "entropy", "max_logit", "min_logit", "grad_norm", "lr", "tokens_per_s", "peak_mem_gib")
 
 
@@ -105,8 +106,8 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def format_record(record: dict, keys: Sequence[str] = ("step", "loss", "entropy", "max_logit", "min_logit",
-                                                       "grad_norm", "lr", "tokens_per_s", "peak_mem_gib")) -> str:
+def format_record(record: dict, keys: Sequence[str] = LOG_KEYS) -> str:
+    """The metrics line of a record: `key=value` for each of `keys` that it holds."""
     return "  ".join(f"{k}={_fmt(record[k])}" for k in keys if k in record)
 
 

@@ -10,16 +10,7 @@ from __future__ import annotations
 
 import torch
 
-IGNORE_INDEX = -100
-
-
-def token_mean_nll(logprobs: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """-mean(logprobs) over positions whose label is not `ignore_index` (0 when there are none)."""
-    if logprobs.shape != labels.shape:
-        raise ValueError(f"logprobs {tuple(logprobs.shape)} and labels {tuple(labels.shape)} differ in shape")
-    mask = labels != ignore_index
-    n = mask.sum().clamp(min=1)
-    return -(logprobs * mask).sum() / n
+from .data import IGNORE_INDEX
 
 
 class SFTLoss:

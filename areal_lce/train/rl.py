@@ -25,18 +25,17 @@ on a fresh run and on a resumed one alike, and needs no checkpoint of its own.
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import time
-from pathlib import Path
-from typing import Callable, List, Optional
+from typing import List
 
 import torch
 
 from ..megatron.microbatch import MicroBatch
-from .checkpoint import clear_run_dir, end_of_step, load_resumable, resolve_resume
-from .data import Example, check_special_ids, check_token_ids, collate
-from .logging_utils import MetricsLog, ProgressBar, format_record, plot_metrics, read_metrics
+from . import loop
+from .config import RL_JOBS
+from .data import Example, check_token_ids, collate
+from .job import model_vocab_size, reduce_metrics, run_banner, sequence_multiple
 from .rewards import load_reward
 from .rl_losses import PolicyMicroBatch, batch_advantages, group_advantages, rl_loss
 from .tasks import build_task
@@ -45,6 +44,8 @@ from .tokenizer import load_tokenizer
 RL_LOG_KEYS = ("step", "reward", "entropy", "kl", "clip_frac", "approx_kl", "response_len", "max_logit",
                "min_logit", "grad_norm", "lr", "step_time_s")
 RL_PLOT_KEYS = ("reward", "entropy", "kl", "clip_frac", "response_len", "max_logit", "min_logit", "grad_norm")
+# how the step's per-rank metrics become the job's (job.reduce_metrics); the others are data-parallel means
+_REDUCE = {"ratio_max": "max", "max_logit": "max", "ratio_min": "min", "min_logit": "min", "tokens": "sum"}
 
 
 def _seed(*parts: int) -> int:
@@ -56,19 +57,21 @@ def _seed(*parts: int) -> int:
 
 
 def rollout_batch(prompt_ids: List[List[int]], responses: List[List[int]], pad_id: int,
-                  pad_to_multiple_of: int = 1) -> MicroBatch:
-    """Right-padded MicroBatch [B, S]: labels are the next tokens on response positions only."""
+                  pad_to_multiple_of: int = 1, temperature: float = 1.0) -> MicroBatch:
+    """Right-padded MicroBatch [B, S] at the sampling `temperature`: labels are the next tokens on response
+    positions only."""
     examples = [Example(ids=tuple(p) + tuple(r), loss_start=len(p)) for p, r in zip(prompt_ids, responses)]
-    return collate(examples, pad_id, pad_to_multiple_of)
+    return dataclasses.replace(collate(examples, pad_id, pad_to_multiple_of), temperature=temperature)
 
 
-def batched_token_stats(engine, batch: MicroBatch, micro_batch_size: int, temperature: float):
-    """No-grad TokenStats of the whole batch, run in microbatches; returns a dict of [B, S] tensors."""
+def batched_token_stats(engine, batch: MicroBatch, micro_batch_size: int):
+    """No-grad TokenStats of the whole batch at its temperature, run in microbatches; returns a dict of
+    [B, S] tensors."""
     out = {}
     n = batch.rows
     for start in range(0, n, micro_batch_size):
         idx = torch.arange(start, min(start + micro_batch_size, n))
-        st = engine.token_stats(batch.input_ids[idx], batch.labels[idx], temperature=temperature, grad=False)
+        st = engine.token_stats(batch.input_ids[idx], batch.labels[idx], temperature=batch.temperature, grad=False)
         for name in ("logprobs", "entropy", "max_logit", "min_logit"):
             out.setdefault(name, []).append(getattr(st, name).detach().float().cpu())
     return {k: torch.cat(v) for k, v in out.items()}
@@ -95,74 +98,48 @@ def _copy_parameters(src, dst) -> None:
             d[name].copy_(p)
 
 
-def _mean_over_dp(values: dict, dp_group, dp_size: int) -> dict:
-    """Average float metrics over data-parallel ranks (identical on tensor-parallel ranks already)."""
-    if dp_size == 1 or not values:
-        return values
-    from areal_lce.comms import all_reduce_sum_
-
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    all_reduce_sum_(t, dp_group)  # sum of per-rank means over DP ranks -> divided below
-    return {k: float(v) / dp_size for k, v in zip(keys, t.tolist())}
-
-
-def _extreme_over_dp(value: float, dp_group, dp_size: int, op: str) -> float:
-    if dp_size == 1:
-        return value
-    from areal_lce.comms import all_reduce_max_
-
-    t = torch.tensor([value if op == "max" else -value], dtype=torch.float64)
-    all_reduce_max_(t, dp_group)  # global max (min as max of negated values) over DP ranks
-    return float(t[0]) if op == "max" else -float(t[0])
-
-
 class RLJob:
-    """State of one GRPO/PPO run: engines, tokenizer, task, reward and the step loop."""
+    """One GRPO/PPO run as the run loop drives it (job.Job): tokenizer, task, reward, and once built the
+    policy and frozen reference engines; `step` is one RL step (module docstring)."""
 
-    def __init__(self, cfg, dist_info, engine_factory: Optional[Callable] = None):
+    log_keys, plot_keys = RL_LOG_KEYS + ("sample",), RL_PLOT_KEYS
+    postfix = (("reward", ".3f"), ("kl", ".2e"))
+
+    def __init__(self, cfg, dist_info):
         self.cfg, self.rl, self.dist = cfg, cfg.rl, dist_info
-        self.algo = cfg.job
-        rl, tr = cfg.rl, cfg.trainer
-        dp = dist_info.dp_size
-        if rl.prompts_per_step % dp:
-            raise ValueError(f"rl.prompts_per_step={rl.prompts_per_step} must be a multiple of the "
-                             f"data-parallel size {dp}")
-        self.local_prompts = rl.prompts_per_step // dp
-        local_batch = self.local_prompts * rl.group_size
-        if local_batch % rl.minibatches:
-            raise ValueError(f"rl.minibatches={rl.minibatches} must divide the {local_batch} sequences per "
-                             "data-parallel rank")
-        minibatch = local_batch // rl.minibatches
-        if minibatch % tr.micro_batch_size and tr.micro_batch_size < minibatch:
-            raise ValueError(f"trainer.micro_batch_size={tr.micro_batch_size} must divide the RL minibatch of "
-                             f"{minibatch} sequences (rl.prompts_per_step x rl.group_size / dp / rl.minibatches)")
-        self.micro = min(tr.micro_batch_size, minibatch)
-        self.advantage = rl.advantage if rl.advantage != "auto" else ("group" if self.algo == "grpo" else "batch")
-        if self.advantage == "group" and rl.group_size < 2:
-            raise ValueError("GRPO needs rl.group_size >= 2 (set rl.advantage=batch for group_size 1)")
-
+        self.name = cfg.job
+        self.plot_title = f"{cfg.job} {cfg.rl.task}"
+        rl = cfg.rl
+        self.local_prompts, self.micro = rl.rank_split(dist_info.dp_size, cfg.trainer.micro_batch_size)
+        self.advantage = rl.advantage_for(cfg.job)
         self.tok = load_tokenizer(cfg.data.tokenizer)
         self.task = build_task(rl.task, rl.task_options)
         self.reward_fn = load_reward(rl.reward_fn or self.task.default_reward)
-        self.pad_mult = cfg.data.pad_to_multiple_of
-        if cfg.engine.parallel.sequence_parallel:  # the sequence is split over TP ranks
-            self.pad_mult = math.lcm(self.pad_mult, dist_info.tp_size)
+        self.pad_mult = sequence_multiple(cfg, dist_info)
+        self.vocab_size = model_vocab_size(cfg, self.tok)
+        self.policy = self.reference = None
 
-        model_vocab = cfg.engine.model.vocab_size  # when set, a model vocabulary larger than the tokenizer's
-        if model_vocab and model_vocab < self.tok.vocab_size:
-            raise ValueError(f"engine.model.vocab_size={model_vocab} is smaller than the tokenizer's "
-                             f"{self.tok.vocab_size} ids (data.tokenizer={cfg.data.tokenizer!r})")
-        self.vocab_size = model_vocab or self.tok.vocab_size
-        check_special_ids(self.tok, self.vocab_size)
-        factory = engine_factory or _default_engine
-        self.policy = factory(cfg.engine, model_vocab or self.tok.vocab_size)
-        self.reference = factory(cfg.engine, model_vocab or self.tok.vocab_size, trainable=False)
+    @property
+    def engine(self):
+        """The policy: the trained engine, whose state the checkpoints hold."""
+        return self.policy
+
+    def build_engines(self) -> None:
+        from ..megatron.engine import MegatronEngine
+
+        self.policy = MegatronEngine(self.cfg.engine, vocab_size=self.vocab_size)
+        self.reference = MegatronEngine(self.cfg.engine, vocab_size=self.vocab_size, trainable=False)
         _copy_parameters(self.policy, self.reference)
 
-        from megatron.core import parallel_state as mpu
+    def banner(self) -> str:
+        cfg = self.cfg
+        reward = cfg.rl.reward_fn or self.task.default_reward
+        return (f"task {cfg.rl.task} {cfg.rl.task_options or ''}, reward {reward}, advantage {self.advantage}, "
+                f"{run_banner(cfg, self.dist, self.tok)}, rollout: "
+                f"{'KV cache' if cfg.engine.kv_cache else 'full recompute'}")
 
-        self.dp_group = mpu.get_data_parallel_group() if dp > 1 else None
+    def finish(self, output_dir) -> None:
+        pass
 
     # ---- one step ------------------------------------------------------------------------------
     def encode_prompt(self, text: str) -> List[int]:
@@ -189,7 +166,7 @@ class RLJob:
         texts = [self.tok.decode(r) for r in responses]
         rewards = torch.tensor([float(self.reward_fn(prompt=p.text, response=t, answer=p.answer))
                                 for p, t in zip(items, texts)], dtype=torch.float32)
-        batch = rollout_batch(prompt_ids, responses, self.tok.pad_id, self.pad_mult)
+        batch = rollout_batch(prompt_ids, responses, self.tok.pad_id, self.pad_mult, rl.temperature)
         return {"batch": batch, "rewards": rewards, "texts": texts, "items": items,
                 "response_len": sum(len(r) for r in responses) / len(responses)}
 
@@ -199,13 +176,13 @@ class RLJob:
         ro = self.rollout(step)
         batch, rewards = ro["batch"], ro["rewards"]
         t_gen = time.perf_counter() - t0
-        behav = batched_token_stats(self.policy, batch, self.micro, rl.temperature)
-        ref = batched_token_stats(self.reference, batch, self.micro, rl.temperature)
+        behav = batched_token_stats(self.policy, batch, self.micro)
+        ref = batched_token_stats(self.reference, batch, self.micro)
         if self.advantage == "group":
             adv = group_advantages(rewards, rl.group_size, std_norm=rl.adv_std_norm, eps=rl.adv_eps)
         else:
             adv = batch_advantages(rewards, std_norm=rl.adv_std_norm, eps=rl.adv_eps)
-        full = PolicyMicroBatch(input_ids=batch.input_ids, labels=batch.labels, temperature=rl.temperature,
+        full = PolicyMicroBatch(input_ids=batch.input_ids, labels=batch.labels, temperature=batch.temperature,
                                 old_logprobs=behav["logprobs"], ref_logprobs=ref["logprobs"], advantages=adv)
 
         sums: dict = {}
@@ -235,87 +212,26 @@ class RLJob:
             "pg_loss": upd.get("pg_loss", 0.0),
             "loss": upd.get("loss", 0.0),
             "grad_norm": upd.get("grad_norm", 0.0),
+            "ratio_max": upd.get("ratio_max", 1.0),
+            "ratio_min": upd.get("ratio_min", 1.0),
+            # vocab logit extremes of the rollout's response tokens (raw logits, before temperature)
+            "max_logit": float(behav["max_logit"][mask].max()),
+            "min_logit": float(behav["min_logit"][mask].min()),
+            "tokens": float(mask.sum()),  # response tokens
         }
-        rec = _mean_over_dp(local, self.dp_group, self.dist.dp_size)
-        rec["ratio_max"] = _extreme_over_dp(upd.get("ratio_max", 1.0), self.dp_group, self.dist.dp_size, "max")
-        rec["ratio_min"] = _extreme_over_dp(upd.get("ratio_min", 1.0), self.dp_group, self.dist.dp_size, "min")
-        # vocab logit extremes of the rollout's response tokens (raw logits, before temperature)
-        rec["max_logit"] = _extreme_over_dp(float(behav["max_logit"][mask].max()), self.dp_group,
-                                            self.dist.dp_size, "max")
-        rec["min_logit"] = _extreme_over_dp(float(behav["min_logit"][mask].min()), self.dp_group,
-                                            self.dist.dp_size, "min")
-        rec.update(lr=upd.get("lr", 0.0), peak_mem_gib=upd.get("peak_mem_gib", 0.0),
-                   tokens=int(n_tok) * self.dist.dp_size, gen_time_s=t_gen, step_time_s=time.perf_counter() - t0,
+        rec = reduce_metrics(local, _REDUCE, self.dist)  # the rest: means over data-parallel ranks
+        tokens = int(round(rec.pop("tokens")))
+        rec.update(lr=upd.get("lr", 0.0), peak_mem_gib=upd.get("peak_mem_gib", 0.0), tokens=tokens,
+                   gen_time_s=t_gen, step_time_s=time.perf_counter() - t0,
                    sample=repr(ro["items"][0].text + ro["texts"][0]))
         return rec
 
 
-def _default_engine(engine_cfg, vocab_size: int, *, trainable: bool = True):
-    from areal_lce.megatron.engine import MegatronEngine
-
-    return MegatronEngine(engine_cfg, vocab_size=vocab_size, trainable=trainable)
-
-
-def run(cfg, engine_factory: Optional[Callable] = None) -> dict:
+def run(cfg) -> dict:
     """Run the GRPO/PPO job `cfg` (a JobConfig with job grpo|ppo).
 
     Returns {'output_dir', 'step' (last step run), 'records' (this invocation's metric records)}.
-    `engine_factory(engine_cfg, vocab_size, *, trainable=True)` replaces MegatronEngine (tests only);
-    the reference policy is built with trainable=False.
     """
-    from areal_lce.megatron.parallel import destroy_distributed, init_distributed
-
-    if cfg.job not in ("grpo", "ppo"):
-        raise ValueError(f"job={cfg.job!r}: the RL runner handles grpo and ppo")
-    dist_info = init_distributed(cfg.engine.parallel, seed=cfg.engine.seed)
-    try:
-        return _train(cfg, dist_info, engine_factory)
-    finally:
-        destroy_distributed()
-
-
-def _train(cfg, dist_info, engine_factory) -> dict:
-    from .config import dump_yaml
-
-    tr, main = cfg.trainer, dist_info.is_main
-    out = Path(tr.output_dir)
-    resume_from = resolve_resume(tr.resume, out)
-    if resume_from is None:
-        clear_run_dir(out, main)
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(dump_yaml(cfg))
-    job = RLJob(cfg, dist_info, engine_factory)
-    random.seed(tr.seed)  # after the engines, whose set-up seeds torch with engine.seed
-    torch.manual_seed(tr.seed)
-    start = 0
-    if resume_from is not None:
-        resume_from, state = load_resumable(job.policy, out, resume_from)  # falls back past a damaged one
-        start = int(state["step"])
-    log = MetricsLog(out / "metrics.jsonl", enabled=main, resume_step=start)
-    if main:
-        route = "fused linear op" if cfg.engine.use_fused_linear_ce else "materialised logits"
-        print(f"[{cfg.job}] task {cfg.rl.task} {cfg.rl.task_options or ''}, reward "
-              f"{cfg.rl.reward_fn or job.task.default_reward}, advantage {job.advantage}, tokenizer "
-              f"{job.tok.name} ({job.tok.vocab_size} ids), world {dist_info.world_size} = TP {dist_info.tp_size} "
-              f"x PP {dist_info.pp_size} x CP {dist_info.cp_size} x DP {dist_info.dp_size}, LM-head route: {route}, rollout: "
-              f"{'KV cache' if cfg.engine.kv_cache else 'full recompute'}"
-              + (f", resumed from {resume_from} (step {start})" if resume_from else ""), flush=True)
-    bar = ProgressBar(tr.steps, initial=start, enabled=tr.progress, is_main=main, desc=cfg.job)
-    records, step = [], start
-    for step in range(start + 1, tr.steps + 1):
-        rec = {"step": step, **job.step(step)}
-        records.append(rec)
-        log.write(rec)
-        bar.update({"reward": f"{rec['reward']:.3f}", "kl": f"{rec['kl']:.2e}"})
-        if main and (step % tr.log_interval == 0 or step == tr.steps):
-            bar.write(format_record(rec, RL_LOG_KEYS) + f"  sample={rec['sample']}")
-        if end_of_step(job.policy, tr, out, step, {"config": dump_yaml(cfg)}, main, bar.write, cfg.job):
-            break
-    bar.close()
-    if main and tr.plot and step == tr.steps:
-        png = plot_metrics(read_metrics(out / "metrics.jsonl"), out / "metrics.png", RL_PLOT_KEYS,
-                           title=f"{cfg.job} {cfg.rl.task} {out.name}")
-        if png:
-            print(f"[{cfg.job}] wrote {out / 'metrics.jsonl'} and {png}", flush=True)
-    return {"output_dir": str(out), "step": step, "records": records}
+    if cfg.job not in RL_JOBS:
+        raise ValueError(f"job={cfg.job!r}: the RL runner handles {' and '.join(RL_JOBS)}")
+    return loop.run(cfg, RLJob)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 LOSS_AGG_MODES = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum")
 KL_ESTIMATORS = ("k1", "k3")
@@ -104,8 +104,7 @@ class RLConfig:
             raise ValueError(f"rl.advantage={self.advantage!r}: expected one of {ADVANTAGES}")
         if self.adv_eps < 0:
             raise ValueError(f"rl.adv_eps={self.adv_eps} must be >= 0")
-        if self.advantage == "group" and self.group_size < 2:
-            raise ValueError("rl.advantage=group needs rl.group_size >= 2 (a group of one has zero advantage)")
+        self.advantage_for(None)
         if not 0.0 < self.clip_eps < 1.0:
             raise ValueError(f"rl.clip_eps={self.clip_eps} must be in (0, 1)")
         if self.clip_eps_high is not None and not self.clip_eps_high > 0:
@@ -118,10 +117,42 @@ class RLConfig:
             raise ValueError(f"rl.kl_estimator={self.kl_estimator!r}: expected one of {KL_ESTIMATORS}")
         if self.loss_agg not in LOSS_AGG_MODES:
             raise ValueError(f"rl.loss_agg={self.loss_agg!r}: expected one of {LOSS_AGG_MODES}")
-        batch = self.prompts_per_step * self.group_size
-        if batch % self.minibatches:
-            raise ValueError(f"rl.minibatches={self.minibatches} must divide prompts_per_step * group_size "
-                             f"= {batch}")
+        self.rank_split(dp_size=1)  # the divisibility that every data-parallel size needs
+
+    def advantage_for(self, job: Optional[str]) -> str:
+        """The advantage estimator of job `job` (grpo | ppo): rl.advantage with 'auto' resolved (group for
+        grpo, batch for ppo; left as 'auto' when `job` is None). Raises when the group estimator would
+        see groups of one response."""
+        mode = self.advantage
+        if mode == "auto" and job is not None:
+            mode = "group" if job == "grpo" else "batch"
+        if mode == "group" and self.group_size < 2:
+            how = "" if mode == self.advantage else f" (auto: group for job {job})"
+            raise ValueError(f"rl.advantage={self.advantage!r}{how} needs rl.group_size >= 2: a group of one "
+                             "response has zero advantage (set rl.advantage=batch for group_size 1)")
+        return mode
+
+    def rank_split(self, dp_size: int, micro_batch_size: Optional[int] = None) -> Tuple[int, int]:
+        """(prompts per data-parallel rank and step, sequences per forward/backward) on `dp_size` ranks.
+
+        Each rank's `prompts x group_size` sequences split into `minibatches` optimizer steps, each run as
+        micro-batches of `micro_batch_size` sequences (capped at the minibatch; None: one micro-batch per
+        minibatch). Raises naming the option that does not divide.
+        """
+        if self.prompts_per_step % dp_size:
+            raise ValueError(f"rl.prompts_per_step={self.prompts_per_step} must be a multiple of the "
+                             f"data-parallel size {dp_size}")
+        prompts = self.prompts_per_step // dp_size
+        sequences = prompts * self.group_size
+        if sequences % self.minibatches:
+            raise ValueError(f"rl.minibatches={self.minibatches} must divide the {sequences} sequences per "
+                             f"data-parallel rank (rl.prompts_per_step x rl.group_size / data-parallel size {dp_size})")
+        minibatch = sequences // self.minibatches
+        micro = minibatch if micro_batch_size is None else min(micro_batch_size, minibatch)
+        if minibatch % micro:
+            raise ValueError(f"trainer.micro_batch_size={micro_batch_size} must divide the RL minibatch of "
+                             f"{minibatch} sequences (rl.prompts_per_step x rl.group_size / dp / rl.minibatches)")
+        return prompts, micro
 
     @property
     def clip_high(self) -> float:

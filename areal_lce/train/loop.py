@@ -1,0 +1,90 @@
+"""The run loop of every train job (SFT, GRPO, PPO), driving a `job.Job`.
+
+    run(cfg, SFTJob)   # distributed set-up, the loop below, tear-down
+
+1. host      the job is built (tokenizer, data or task, checks against the parallel layout): a bad option
+             fails here, before the run directory is touched or a model is built;
+2. run dir   trainer.resume picks the checkpoint to load (a fresh start clears old checkpoints); rank 0
+             writes config.yaml;
+3. engines   `job.build_engines()`, then python's and torch's RNGs are seeded with trainer.seed (after
+             the engines, whose set-up seeds torch with engine.seed);
+4. resume    the checkpoint's engine state and step (a damaged checkpoint falls back to the previous one);
+             metrics.jsonl drops the lines the interrupted run wrote past that step;
+5. steps     `job.step(step)` for every remaining step: its record goes to metrics.jsonl (rank 0), the
+             progress bar and every trainer.log_interval steps a metrics line; then the end-of-step
+             checkpoint (trainer.save_interval, the final one) and trainer.stop_at;
+6. finish    after the last step: `job.finish()` and metrics.png (trainer.plot).
+
+Returns {'output_dir', 'step' (last step run), 'records' (this invocation's metric records)}.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import checkpoint as ckpt
+from .config import dump_yaml
+from .job import Job
+from .logging_utils import MetricsLog, ProgressBar, format_record, plot_metrics, read_metrics
+
+
+def run(cfg, make_job: Callable[..., Job]) -> dict:
+    """Initialise torch.distributed and megatron's parallel state for `cfg`, run `make_job(cfg, dist_info)`
+    through the loop, and tear the parallel state down again."""
+    from ..megatron.parallel import destroy_distributed, init_distributed
+
+    dist_info = init_distributed(cfg.engine.parallel, seed=cfg.engine.seed)
+    try:
+        return train(make_job(cfg, dist_info), cfg, dist_info)
+    finally:
+        destroy_distributed()
+
+
+def train(job: Job, cfg, dist_info) -> dict:
+    """The loop itself (module docstring), on an initialised job and distributed set-up."""
+    tr, is_main = cfg.trainer, dist_info.is_main
+    out = Path(tr.output_dir)
+    resume_from = ckpt.resolve_resume(tr.resume, out)
+    if resume_from is None:
+        ckpt.clear_run_dir(out, is_main)
+    config_text = dump_yaml(cfg)
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(config_text)
+
+    job.build_engines()
+    random.seed(tr.seed)  # after the engines, whose set-up seeds torch with engine.seed
+    torch.manual_seed(tr.seed)
+    start = 0
+    if resume_from is not None:
+        resume_from, state = ckpt.load_resumable(job.engine, out, resume_from)  # falls back past a damaged one
+        start = int(state["step"])
+    metrics = MetricsLog(out / "metrics.jsonl", enabled=is_main, resume_step=start)
+    if is_main:
+        resumed = f", resumed from {resume_from} (step {start})" if resume_from else ""
+        print(f"[{job.name}] {job.banner()}{resumed}", flush=True)
+
+    bar = ProgressBar(tr.steps, initial=start, enabled=tr.progress, is_main=is_main, desc=job.name)
+    records, step = [], start
+    for step in range(start + 1, tr.steps + 1):
+        rec = {"step": step, **job.step(step)}
+        records.append(rec)
+        metrics.write(rec)
+        bar.update({key: format(rec[key], spec) for key, spec in job.postfix})
+        if is_main and (step % tr.log_interval == 0 or step == tr.steps):
+            bar.write(format_record(rec, job.log_keys))
+        if ckpt.end_of_step(job.engine, tr, out, step, {"config": config_text}, is_main, bar.write, job.name):
+            break
+    bar.close()
+
+    if step == tr.steps:
+        job.finish(out)
+        if is_main and tr.plot:
+            png = plot_metrics(read_metrics(out / "metrics.jsonl"), out / "metrics.png", job.plot_keys,
+                               title=f"{job.plot_title} {out.name}")
+            if png:
+                print(f"[{job.name}] wrote {out / 'metrics.jsonl'} and {png}", flush=True)
+    return {"output_dir": str(out), "step": step, "records": records}
