@@ -56,25 +56,39 @@ def _check_tensors(hidden, weight, labels, sequence_parallel: bool, tp: int):
                          f"{tuple(hidden.shape[:-1])}")
 
 
-def _inv_temperature(temperature, labels: torch.Tensor) -> tuple[Optional[float], Optional[torch.Tensor]]:
+def check_temperature(temperature, what: str = "temperature", allow_tensor: bool = True):
+    """The one validation of a temperature's type and range (its per-token *values* on the device are
+    checked by checks.py instead): a finite float > 0 whose inverse fits fp32, or (allow_tensor) a
+    floating-point tensor. Returns it, a Python number as a float. Errors name `what`."""
     if torch.is_tensor(temperature):
+        if not allow_tensor:
+            raise TypeError(f"{what} must be a float, got a tensor")
         if temperature.is_complex() or not temperature.is_floating_point():
-            raise TypeError(f"temperature tensor must be floating point, got {temperature.dtype}")
-        try:
-            t = torch.broadcast_to(temperature.detach().to(labels.device, torch.float32), labels.shape)
-        except RuntimeError as e:
-            raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not broadcast to labels "
-                             f"{tuple(labels.shape)}") from e
-        return None, (1.0 / t).reshape(-1).contiguous()
+            raise TypeError(f"{what} tensor must be floating point, got {temperature.dtype}")
+        return temperature
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a float or a tensor, got {temperature!r}")
+        raise TypeError(f"{what} must be a float{' or a tensor' if allow_tensor else ''}, got {temperature!r}")
     t = float(temperature)
     if not t > 0 or t == float("inf"):
-        raise ValueError(f"temperature must be a finite float > 0, got {temperature}")
+        raise ValueError(f"{what} must be a finite float > 0, got {temperature}")
     if 1.0 / t > torch.finfo(torch.float32).max:
-        raise ValueError(f"temperature={temperature} is too small: 1/temperature overflows fp32 (the logits are "
+        raise ValueError(f"{what}={temperature} is too small: 1/temperature overflows fp32 (the logits are "
                          "scaled by it in fp32)")
-    return t, None
+    return t
+
+
+def inv_temperature(temperature, labels: torch.Tensor) -> tuple[Optional[float], Optional[torch.Tensor]]:
+    """(inv_t float, None) for a scalar temperature, (None, inv_t [N] fp32) for a tensor broadcastable to
+    `labels` (N = labels.numel()). The op and the materialised route scale logits by inv_t = 1/T."""
+    temperature = check_temperature(temperature)
+    if not torch.is_tensor(temperature):
+        return 1.0 / temperature, None
+    try:
+        t = torch.broadcast_to(temperature.detach().to(labels.device, torch.float32), labels.shape)
+    except RuntimeError as e:
+        raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not broadcast to labels "
+                         f"{tuple(labels.shape)}") from e
+    return None, (1.0 / t).reshape(-1).contiguous()
 
 
 def _check_options(ignore_index, vocab_size) -> None:
@@ -183,9 +197,7 @@ def linear_logprobs_entropy(
                                        f"vocab_size={vocab_size}, identically on every rank: pass this "
                                        "rank's vocab shard [vocab/tp, H], not the full weight")
     vocab_start = comms.group_rank(tp_group) * v_shard
-    scalar_t, inv_t = _inv_temperature(temperature, labels)
-    if sequence_parallel and inv_t is not None and inv_t.numel() != labels.numel():
-        raise ValueError("temperature must broadcast to the full-sequence labels under sequence_parallel")
+    inv_t_scalar, inv_t = inv_temperature(temperature, labels)  # broadcast to labels: the full sequence under SP
     y = labels.reshape(-1).to(torch.int64)  # label values are checked inside the op (checks.py)
     shard_valid = max(0, min(v_shard, vocab_size - vocab_start))
     sums = bool(return_logit_sums)
@@ -193,13 +205,13 @@ def linear_logprobs_entropy(
     h2 = h2 if h2.is_contiguous() else h2.contiguous()
     w = weight if weight.is_contiguous() else weight.contiguous()
     if tp == 1:
-        diff, stats = library.lce(h2, w, y, inv_t, temperature=scalar_t, ignore_index=ignore_index,
+        diff, stats = library.lce(h2, w, y, inv_t, inv_t_scalar=inv_t_scalar, ignore_index=ignore_index,
                                   vocab_size=vocab_size, shard_valid=shard_valid, cache_bytes=cache_bytes,
                                   backend=name, compact_ignored=compact_ignored, check_labels=check,
                                   logit_sums=sums)
     else:
         params = LCEParams(
-            temperature=scalar_t, ignore_index=ignore_index, vocab_size=vocab_size, vocab_start=vocab_start,
+            inv_t=inv_t_scalar, ignore_index=ignore_index, vocab_size=vocab_size, vocab_start=vocab_start,
             shard_valid=shard_valid, cache_bytes=cache_bytes, backend=name,
             tp_group=tp_group, tp_size=tp, sequence_parallel=sequence_parallel,
             reduce_d_hidden=reduce_d_hidden, compact_ignored=compact_ignored, check_labels=check,

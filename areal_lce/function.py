@@ -179,7 +179,7 @@ def lce_forward(hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bo
                                              n_valid=None if part is None else part.n_valid)
     merged = merge_shard_stats(st, params.tp_group)
     lp, ent, lse = finish_stats(merged)
-    t_raw = (1.0 / t_c) if t_c is not None else float(params.temperature)
+    t_raw = (1.0 / t_c) if t_c is not None else 1.0 / params.inv_t
     valid = labels != params.ignore_index
     outs = []
     sums = (merged.lsum, merged.lsq) if params.logit_sums else ()

@@ -12,6 +12,7 @@ from typing import Optional, Union
 import torch
 
 from . import comms
+from .api import inv_temperature
 from .types import LCEOutput
 
 
@@ -38,8 +39,9 @@ def logprobs_entropy_from_logits(
     start = comms.group_rank(tp_group) * v_shard
     valid_cols = max(0, min(v_shard, vocab_size - start))
     raw = logits.float()[..., :valid_cols]
-    t = temperature.to(raw.device, torch.float32)[..., None] if torch.is_tensor(temperature) else float(temperature)
-    z = raw / t
+    inv_t_scalar, inv_t = inv_temperature(temperature, labels)
+    it = inv_t_scalar if inv_t is None else inv_t.to(raw.device).view(labels.shape)[..., None]
+    z = raw * it
     with torch.no_grad():
         # MAX over the group of [max, -min]: global max (softmax shift) and min logit, no gradient needed.
         if valid_cols:
@@ -66,7 +68,7 @@ def logprobs_entropy_from_logits(
         # backward reaches the exp-sum's SUM collective exactly as the other ranks' backward does.
         picked = logp.sum(-1)
     lp = comms.all_reduce_sum_replicated_grad(torch.where(own, picked, torch.zeros_like(picked)), tp_group)
-    t_raw = t[..., 0] if torch.is_tensor(t) else t
+    t_raw = 1.0 / (it[..., 0] if torch.is_tensor(it) else it)
     zero = torch.zeros_like(lse)
     return LCEOutput(
         torch.where(valid, lp, zero), torch.where(valid, -plogp, zero),

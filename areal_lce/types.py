@@ -18,9 +18,12 @@ class LCEParams:
     Vocabulary bookkeeping is per shard: this rank's `weight` rows hold global ids
     ``[vocab_start, vocab_start + V_shard)``, of which the first `shard_valid` rows are real tokens
     (rows past it are vocabulary padding and are excluded from the softmax, i.e. masked to -inf).
+    Temperature: the API validates `temperature` and hands on its inverse, `inv_t` (logits z = r · inv_t
+    with r = h·Wᵀ): this float when the temperature is one number, else a per-token [N] fp32 tensor
+    passed beside the params (and `inv_t` here is None).
     """
 
-    temperature: Optional[float] = 1.0  # scalar temperature; None when a per-token tensor is given
+    inv_t: Optional[float] = 1.0  # 1/T of a scalar temperature; None when a per-token inv_t tensor is given
     ignore_index: int = -100
     vocab_size: int = 0  # true global vocabulary (<= V_shard * tp)
     vocab_start: int = 0  # global id of this shard's row 0

@@ -100,7 +100,7 @@ def make_inputs(c: Case, seed: int = 0):
     if temp == "tensor":
         inv_t = 1.0 / (0.5 + 1.5 * torch.rand(c.n, generator=g))
         temp = None
-    params = LCEParams(temperature=temp, vocab_size=c.vocab_start + c.v, vocab_start=c.vocab_start,
+    params = LCEParams(inv_t=None if temp is None else 1.0 / temp, vocab_size=c.vocab_start + c.v, vocab_start=c.vocab_start,
                        shard_valid=valid, backend="triton_ascend")
     g_lp = torch.randn(c.n, generator=g)
     g_ent = torch.randn(c.n, generator=g)
@@ -174,7 +174,7 @@ def test_forward_backward_vs_reference(c: Case):
     ulp_z = torch.finfo(torch.float32).eps * max(ref64.m[torch.isfinite(ref64.m)].abs().max().item()
                                                  if params.shard_valid else 0.0, 1.0)
     g_max = max(g_lp.abs().max().item(), g_ent.abs().max().item())
-    t_max = 1.0 / params.temperature if inv_t is None else inv_t.max().item()
+    t_max = params.inv_t if inv_t is None else inv_t.max().item()
     floor = 8 * ulp_z * g_max * t_max
     check("d_hidden", dh, rdh, tdh, atol=1e-5, floor=floor * w.float().abs().max().item())
     check("d_weight", dw, rdw, tdw.to(w.dtype), atol=1e-5, floor=floor * h.float().abs().max().item())
@@ -245,13 +245,13 @@ def test_need_flags_and_determinism():
 def test_rejects_bad_inputs():
     be = AscendBackend()
     h, w, y = torch.randn(4, 8), torch.randn(16, 8), torch.zeros(4, dtype=torch.int64)
-    p = LCEParams(temperature=1.0, vocab_size=16, shard_valid=16)
+    p = LCEParams(inv_t=1.0, vocab_size=16, shard_valid=16)
     with pytest.raises(TypeError, match="dtype"):
         be.forward(h.double(), w.double(), y, None, p, False)
     with pytest.raises(ValueError, match="disagree on H"):
         be.forward(h, torch.randn(16, 9), y, None, p, False)
     with pytest.raises(ValueError, match="shard_valid"):
-        be.forward(h, w, y, None, LCEParams(temperature=1.0, vocab_size=32, shard_valid=17), False)
+        be.forward(h, w, y, None, LCEParams(inv_t=1.0, vocab_size=32, shard_valid=17), False)
     with pytest.raises(ValueError, match="max_programs"):
         AscendBackend(max_programs=0)
     with pytest.raises(ValueError, match="ub_bytes"):

@@ -109,12 +109,12 @@ def test_opcheck_forward_and_backward_ops():
     h = hidden.requires_grad_()
     w = weight.requires_grad_()
     for inv_t, cache_bytes, compact in ((None, 0, True), (1.0 / temp, 1 << 20, True), (None, 0, False)):
-        args = (h, w, labels, inv_t, 0.7 if inv_t is None else None, IGNORE, 65, 65, cache_bytes,
+        args = (h, w, labels, inv_t, 1 / 0.7 if inv_t is None else None, IGNORE, 65, 65, cache_bytes,
                 "torch", compact, "off", True)
         torch.library.opcheck(lce_forward_op, args)
         torch.library.opcheck(lce_forward_op, args + (True,))  # logit_sums: stats [5, N]
     diff, stats, h_c, lse_ent, cache = lce_forward_op(*args[:-1], False)
-    bargs = (torch.randn(2, 9), hidden.detach(), weight.detach(), labels, None, lse_ent, cache, 0.7,
+    bargs = (torch.randn(2, 9), hidden.detach(), weight.detach(), labels, None, lse_ent, cache, 1 / 0.7,
              IGNORE, 65, 65, 0, "torch", False, True, True)
     torch.library.opcheck(lce_backward_op, bargs, test_utils=("test_schema", "test_faketensor"))
 

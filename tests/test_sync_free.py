@@ -255,7 +255,7 @@ def test_triton_skips_rows_past_n_valid(nan_alloc, cache):
     w = torch.randn(v, h, generator=g) * 0.4
     y = torch.randint(0, v, (n,), generator=g)
     y[nv:] = IGNORE
-    p = LCEParams(temperature=0.8, vocab_size=v, shard_valid=v, backend="triton", cache_bytes=(1 << 30) if cache else 0)
+    p = LCEParams(inv_t=1 / 0.8, vocab_size=v, shard_valid=v, backend="triton", cache_bytes=(1 << 30) if cache else 0)
     hid, w, y = hid.to(dev), w.to(dev), y.to(dev)
     be = TritonBackend()
     st = be.forward(hid, w, y, None, p, keep_cache=True, n_valid=torch.tensor([nv], device=dev))

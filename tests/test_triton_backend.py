@@ -54,7 +54,7 @@ def make(N, H, V, dtype=torch.float32, *, valid=None, start=0, peaked=False, fla
         k = min(N, valid, 6)
         y[:k] = start + torch.arange(k)
     inv_t = (0.4 + torch.rand(N, generator=g)) if temp == "tensor" else None
-    p = LCEParams(temperature=None if inv_t is not None else 0.7, vocab_size=start + valid, vocab_start=start,
+    p = LCEParams(inv_t=None if inv_t is not None else 1 / 0.7, vocab_size=start + valid, vocab_start=start,
                   shard_valid=valid, cache_bytes=(1 << 30) if cache else 0, backend="triton")
     to = lambda t: None if t is None else t.to(DEV)  # noqa: E731
     return to(h.to(dtype)), to(w.to(dtype)), to(y), to(inv_t), p
@@ -107,7 +107,7 @@ def check_backward(dh, dw, h, w, y, it, p, lse64, ent64, g_lp, g_ent):
 
         z = shard_logits(h.float(), w.float(), it, p)
         dl = grad_logits(z, y, lse64.float(), ent64.float(), g_lp, g_ent, p)
-        dl = (dl * (it[:, None] if it is not None else 1 / p.temperature)).to(h.dtype)
+        dl = (dl * (it[:, None] if it is not None else p.inv_t)).to(h.dtype)
         th, tw = (dl.float() @ w.float()), (dl.t().float() @ h.float()).to(w.dtype)
     assert dh.dtype == torch.float32 and dh.shape == h.shape
     assert dw.dtype == w.dtype and dw.shape == w.shape

@@ -66,7 +66,7 @@ class Backend(Protocol):
         hidden: torch.Tensor,  # [N, H]
         weight: torch.Tensor,  # [V_shard, H], same dtype as hidden
         labels: torch.Tensor,  # [N] int64, global ids (any value; out-of-shard ids give zy = 0)
-        inv_t: Optional[torch.Tensor],  # [N] fp32, or None -> scalar 1 / params.temperature
+        inv_t: Optional[torch.Tensor],  # [N] fp32, or None -> the scalar params.inv_t
         params: LCEParams,
         keep_cache: bool,  # True when the caller will run backward and may keep logits
         n_valid: Optional[torch.Tensor] = None,  # [1] int64 device tensor: rows >= n_valid may be skipped
@@ -91,8 +91,3 @@ class Backend(Protocol):
 
     def cache_spec(self, n: int, h: int, v_shard: int, dtype: torch.dtype, params: LCEParams,
                    keep_cache: bool) -> Optional[Tuple[Tuple[int, ...], torch.dtype]]: ...
-
-
-def scalar_inv_t(params: LCEParams) -> float:
-    """1/T for the scalar-temperature case (params.temperature is set whenever inv_t is None)."""
-    return 1.0 / float(params.temperature)

@@ -14,7 +14,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 
 from ..types import LCEParams
-from .base import ShardStats, scalar_inv_t
+from .base import ShardStats
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -26,7 +26,7 @@ def shard_logits(hidden, weight, inv_t, params: LCEParams, raw: Optional[torch.T
     `raw`: this shard's raw logits h·Wᵀ when already computed (else computed here)."""
     acc = _acc_dtype(hidden)
     z = hidden.to(acc) @ weight.to(acc).t() if raw is None else raw
-    z = z * (inv_t.to(acc)[:, None] if inv_t is not None else scalar_inv_t(params))
+    z = z * (inv_t.to(acc)[:, None] if inv_t is not None else params.inv_t)
     if params.shard_valid < weight.shape[0]:
         z[:, params.shard_valid:] = float("-inf")
     return z
@@ -94,7 +94,7 @@ class ReferenceBackend:
                  need_d_hidden, need_d_weight, n_valid=None):
         z = cache if cache is not None else shard_logits(hidden, weight, inv_t, params)
         dz = grad_logits(z, labels, lse, ent, g_lp, g_ent, params)
-        dl = dz * (inv_t.to(dz.dtype)[:, None] if inv_t is not None else scalar_inv_t(params))
+        dl = dz * (inv_t.to(dz.dtype)[:, None] if inv_t is not None else params.inv_t)
         acc = dl.dtype
         dh = (dl @ weight.to(acc)).to(torch.float32 if acc == torch.float32 else acc) if need_d_hidden else None
         dw = (dl.t() @ hidden.to(acc)).to(weight.dtype) if need_d_weight else None

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from ..types import LCEParams
-from .base import ShardStats, scalar_inv_t
+from .base import ShardStats
 
 
 def _chunks(n: int, size: int):
@@ -63,7 +63,7 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _inv_t(inv_t: Optional[torch.Tensor], params: LCEParams, t0: int, t1: int, dtype):
-    return inv_t[t0:t1, None].to(dtype) if inv_t is not None else scalar_inv_t(params)
+    return inv_t[t0:t1, None].to(dtype) if inv_t is not None else params.inv_t
 
 
 class TorchChunkedBackend:

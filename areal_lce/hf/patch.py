@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..api import check_temperature
+
 # Families whose causal-LM forward is exactly `lm_head(base_model(...).last_hidden_state)` and that
 # tests/test_hf.py checks against the unpatched model. Others need `allow_unverified=True`.
 VERIFIED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
@@ -118,9 +120,7 @@ def apply(
     if unknown:
         raise TypeError(f"areal_lce.hf.apply: unknown option(s) {unknown}; allowed: ignore_index, "
                         f"packed_boundaries, allow_unverified, {', '.join(_OP_OPTIONS)}")
-    temperature = op_options.get("temperature", 1.0)
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
-        raise ValueError(f"areal_lce.hf.apply: temperature must be a positive number, got {temperature!r}")
+    check_temperature(op_options.get("temperature", 1.0), "areal_lce.hf.apply: temperature")
     if not isinstance(ignore_index, int):
         raise TypeError(f"areal_lce.hf.apply: ignore_index must be an int, got {ignore_index!r}")
     check_supported(model, allow_unverified=allow_unverified)

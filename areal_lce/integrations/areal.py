@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 
 from .. import comms
-from ..api import linear_logprobs_entropy
+from ..api import check_temperature, linear_logprobs_entropy
 from ._common import check_op_options, patch, positive_float, restore, token_rows
 
 _NAME = "areal_lce.integrations.areal.chunked_lm_head_logprobs_entropy"
@@ -81,7 +81,7 @@ def chunked_lm_head_logprobs_entropy(output_layer, hidden_states: torch.Tensor, 
     """AReaL's `chunked_lm_head_logprobs_entropy`; contract in the module docstring. `op_options` go to
     `areal_lce.linear_logprobs_entropy` (backend, cache_bytes, check_labels, compact_ignored)."""
     check_op_options(op_options, _NAME)
-    t = positive_float(temperature, "temperature", _NAME)
+    t = check_temperature(temperature, f"{_NAME}: temperature", allow_tensor=False)
     scale = positive_float(logit_scale, "logit_scale", _NAME)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"{_NAME}: chunk_size must be a positive int, got {chunk_size!r}")

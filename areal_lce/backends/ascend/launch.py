@@ -18,7 +18,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from ...types import LCEParams
-from ..base import ShardStats, scalar_inv_t
+from ..base import ShardStats
 from . import configs
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -97,10 +97,7 @@ class AscendBackend:
         labels = _aligned_labels(labels.to(torch.int64))
         if inv_t is not None:
             inv_t = inv_t.to(torch.float32).contiguous()
-            scalar = 1.0
-        else:
-            scalar = scalar_inv_t(params)
-        return hidden, weight, labels, inv_t, scalar
+        return hidden, weight, labels, inv_t, params.inv_t if inv_t is None else 1.0
 
     def tiles(self, kind: str, hidden: torch.Tensor, n_tokens: int, vocab: int) -> configs.Tiles:
         return configs.pick_tiles(kind, hidden=hidden.shape[1], elt_bytes=hidden.element_size(),
@@ -121,7 +118,7 @@ class AscendBackend:
     def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool,
                 n_valid=None) -> ShardStats:
         # n_valid is not used: every row is computed (the Function zero-fills the ignored tail)
-        hidden, weight, labels, inv_t, scalar = self._prep(hidden, weight, labels, inv_t, params)
+        hidden, weight, labels, inv_t, inv_t_scalar = self._prep(hidden, weight, labels, inv_t, params)
         n, h = hidden.shape
         dev = hidden.device
         sums = params.logit_sums
@@ -132,7 +129,7 @@ class AscendBackend:
             self._k.lce_fwd_kernel[grid](
                 hidden, weight, labels, inv_t if inv_t is not None else hidden,
                 *(outs if sums else outs + [outs[0], outs[0]]),  # the sums' pointers are unused without HAS_SUMS
-                n, h, params.shard_valid, params.vocab_start, scalar,
+                n, h, params.shard_valid, params.vocab_start, inv_t_scalar,
                 hidden.stride(0), weight.stride(0),
                 HAS_INV_T=inv_t is not None, HAS_SUMS=sums,
                 BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_H=t.block_h,
@@ -144,7 +141,7 @@ class AscendBackend:
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,
                  need_d_hidden: bool, need_d_weight: bool,
                  n_valid=None) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        hidden, weight, labels, inv_t, scalar = self._prep(hidden, weight, labels, inv_t, params)
+        hidden, weight, labels, inv_t, inv_t_scalar = self._prep(hidden, weight, labels, inv_t, params)
         n, h = hidden.shape
         v_shard, valid = weight.shape[0], params.shard_valid
         dev = hidden.device
@@ -164,7 +161,7 @@ class AscendBackend:
                 grid = (self.programs(_cdiv(n, t.block_n), dev),)
                 self._k.lce_bwd_dh_kernel[grid](
                     hidden, weight, labels, t_arg, *rows, d_hidden,
-                    n, h, valid, params.vocab_start, scalar,
+                    n, h, valid, params.vocab_start, inv_t_scalar,
                     hidden.stride(0), weight.stride(0), d_hidden.stride(0),
                     HAS_INV_T=inv_t is not None,
                     BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_H=t.block_h,
@@ -179,7 +176,7 @@ class AscendBackend:
                 grid = (self.programs(_cdiv(valid, t.block_v), dev),)
                 self._k.lce_bwd_dw_kernel[grid](
                     hidden, weight, labels, t_arg, *rows, acc,
-                    n, h, valid, params.vocab_start, scalar,
+                    n, h, valid, params.vocab_start, inv_t_scalar,
                     hidden.stride(0), weight.stride(0), acc.stride(0),
                     HAS_INV_T=inv_t is not None,
                     BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_H=t.block_h,

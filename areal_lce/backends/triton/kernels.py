@@ -147,7 +147,7 @@ def _cache_tile(z_cache, o_n, col0, N, BLOCK_V: tl.constexpr, CACHE_COLS: tl.con
 @triton.jit
 def lce_fwd_kernel(
     h, w, d_h, d_w, y, inv_t, part, z_cache, n_valid,
-    N, H, V, SPLIT_V, n_splits, stride_part, scale,
+    N, H, V, SPLIT_V, n_splits, stride_part, inv_t_scalar,
     HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, HAS_N_VALID: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
@@ -170,7 +170,7 @@ def lce_fwd_kernel(
     if HAS_INV_T:
         b_it = tl.load(inv_t + o_nc)
     else:
-        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + scale
+        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + inv_t_scalar
     b_c = b_it * LOG2E
 
     b_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)  # raw units
@@ -259,7 +259,7 @@ def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, HAS_SUMS: tl.const
 @triton.jit
 def lce_bwd_kernel(
     h, w, d_h, d_w, inv_t, lse, ent, g_lp, g_ent, z_cache, dl, n_valid,
-    N, H, V, v_begin, width, stride_dl, tiles_per_program, scale,
+    N, H, V, v_begin, width, stride_dl, tiles_per_program, inv_t_scalar,
     HAS_INV_T: tl.constexpr, USE_CACHE: tl.constexpr, HAS_N_VALID: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
@@ -285,7 +285,7 @@ def lce_bwd_kernel(
     if HAS_INV_T:
         b_it = tl.load(inv_t + o_nc)
     else:
-        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + scale
+        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + inv_t_scalar
     b_lse = tl.load(lse + o_nc)
     b_ent = tl.load(ent + o_nc)
     b_glp = tl.load(g_lp + o_nc)
@@ -322,7 +322,7 @@ def lce_bwd_kernel(
 
 
 @triton.jit
-def lce_bwd_label_kernel(dl, y, inv_t, g_lp, N, v_begin, width, stride_dl, scale, HAS_INV_T: tl.constexpr,
+def lce_bwd_label_kernel(dl, y, inv_t, g_lp, N, v_begin, width, stride_dl, inv_t_scalar, HAS_INV_T: tl.constexpr,
                          BLOCK_N: tl.constexpr):
     """dl[n, y[n] - v_begin] += g_lp[n] * inv_t[n] where the label falls inside this chunk (runs after
     lce_bwd_kernel on the same stream; one element per row, so no write conflicts)."""
@@ -334,7 +334,7 @@ def lce_bwd_label_kernel(dl, y, inv_t, g_lp, N, v_begin, width, stride_dl, scale
     if HAS_INV_T:
         b_it = tl.load(inv_t + o_n, mask=m, other=0.0)
     else:
-        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + scale
+        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + inv_t_scalar
     b_c = tl.load(g_lp + o_n, mask=m, other=0.0) * b_it
     p = dl + o_n * stride_dl + tl.maximum(o_j, 0)
     b = tl.load(p, mask=m, other=0.0).to(tl.float32) + b_c

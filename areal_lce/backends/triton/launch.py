@@ -41,7 +41,7 @@ import torch
 import triton
 
 from ...types import LCEParams
-from ..base import ShardStats, scalar_inv_t
+from ..base import ShardStats
 from . import configs
 from .kernels import lce_bwd_kernel, lce_bwd_label_kernel, lce_fwd_kernel, lce_fwd_merge_kernel
 
@@ -205,7 +205,7 @@ class TritonBackend:
         hidden, weight = hidden.contiguous(), weight.contiguous()
         y = _local_labels(labels, params)
         it = inv_t.to(torch.float32).contiguous() if inv_t is not None else None
-        scale = scalar_inv_t(params) if inv_t is None else 1.0
+        inv_t_scalar = params.inv_t if inv_t is None else 1.0
         spec = self.cache_spec(N, H, weight.shape[0], hidden.dtype, params, keep_cache)
         use_cache = spec is not None
 
@@ -221,7 +221,7 @@ class TritonBackend:
             lce_fwd_kernel[grid](
                 hidden, weight, d_h, d_w, y, it if it is not None else part, part, cache if use_cache else part,
                 _row_count(n_valid, y),
-                N, H, valid, split_v, n_splits, n_splits * N, scale,
+                N, H, valid, split_v, n_splits, n_splits * N, inv_t_scalar,
                 HAS_INV_T=it is not None, HAS_CACHE=use_cache, HAS_SUMS=sums, HAS_N_VALID=n_valid is not None,
                 EVEN_K=H % cfg.block_k == 0,
                 UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
@@ -260,7 +260,7 @@ class TritonBackend:
         hidden, weight = hidden.contiguous(), weight.contiguous()
         y = _local_labels(labels, params)
         it = inv_t.to(torch.float32).contiguous() if inv_t is not None else None
-        scale = scalar_inv_t(params) if inv_t is None else 1.0
+        inv_t_scalar = params.inv_t if inv_t is None else 1.0
         vecs = [t.to(torch.float32).contiguous() for t in (lse, ent, g_lp, g_ent)]
 
         fp32 = hidden.dtype == torch.float32
@@ -283,7 +283,7 @@ class TritonBackend:
                 lce_bwd_kernel[grid](
                     hidden, weight, d_h, d_w, it if it is not None else vecs[0], *vecs,
                     cache if cache is not None else vecs[0], dl, _row_count(n_valid, y),
-                    N, H, valid, c0, width, width, tpp, scale,
+                    N, H, valid, c0, width, width, tpp, inv_t_scalar,
                     HAS_INV_T=it is not None, USE_CACHE=cache is not None, HAS_N_VALID=n_valid is not None,
                     EVEN_K=H % cfg.block_k == 0,
                     UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
@@ -291,7 +291,7 @@ class TritonBackend:
                     CACHE_COLS=configs.CACHE_COLS, **_launch_opts(cfg),
                 )
                 lce_bwd_label_kernel[(triton.cdiv(N, configs.LABEL_FIX_BLOCK_N),)](
-                    dl, y, it if it is not None else vecs[0], vecs[2], N, c0, width, width, scale,
+                    dl, y, it if it is not None else vecs[0], vecs[2], N, c0, width, width, inv_t_scalar,
                     HAS_INV_T=it is not None, BLOCK_N=configs.LABEL_FIX_BLOCK_N, num_warps=4,
                 )
                 if dw is not None:
