@@ -26,13 +26,14 @@ from .backends.base import ShardStats
 from .types import LCEParams
 
 
-def merge_shard_stats(st: ShardStats, group) -> ShardStats:
-    """Merge per-shard (m, s, a, zy, mn[, lsum, lsq]) into full-vocabulary values. Pure math + two
-    collectives."""
-    # 1 collective: MAX of [m, -mn] gives the global max logit and the global min logit at once.
-    mm = torch.stack([st.m, -st.mn])
+def merge_shard_stats(st: ShardStats, group, inv_t) -> ShardStats:
+    """Merge per-shard (m, s, a, zy, mn, mx[, lsum, lsq]) into full-vocabulary values. Pure math + two
+    collectives. inv_t: this call's [N] inverse temperatures, or the scalar."""
+    # 1 collective: MAX of the raw [mx, -mn] gives the global max and min logit at once.
+    mm = torch.stack([st.mx, -st.mn])
     comms.all_reduce_max_(mm, group)
-    big_m, mn = mm[0], -mm[1]
+    big_mx, mn = mm[0], -mm[1]
+    big_m = big_mx * inv_t  # the global tempered max, exactly (backends/base.py: m = mx · inv_t)
     # Rescale this shard's sums to the global max; a shard with no valid column (s == 0, m == -inf)
     # contributes exactly 0 (avoid (-inf)·0 = NaN). NaN in s or m propagates, as it must.
     empty = st.s == 0
@@ -45,7 +46,7 @@ def merge_shard_stats(st: ShardStats, group) -> ShardStats:
     sums = st.lsum is not None
     packed = torch.stack([s, a, st.zy] + ([st.lsum, st.lsq] if sums else []))
     comms.all_reduce_sum_(packed, group)
-    return ShardStats(m=big_m, s=packed[0], a=packed[1], zy=packed[2], mn=mn,
+    return ShardStats(m=big_m, s=packed[0], a=packed[1], zy=packed[2], mn=mn, mx=big_mx,
                       lsum=packed[3] if sums else None, lsq=packed[4] if sums else None)
 
 
@@ -177,13 +178,12 @@ def lce_forward(hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bo
         h_c, y_c, t_c = _partitioned(part, labels, inv_t, hidden)
     st = get_backend(params.backend).forward(h_c, weight, y_c, t_c, params, keep_cache=keep_cache,
                                              n_valid=None if part is None else part.n_valid)
-    merged = merge_shard_stats(st, params.tp_group)
+    merged = merge_shard_stats(st, params.tp_group, params.inv_t if t_c is None else t_c)
     lp, ent, lse = finish_stats(merged)
-    t_raw = (1.0 / t_c) if t_c is not None else 1.0 / params.inv_t
     valid = labels != params.ignore_index
     outs = []
     sums = (merged.lsum, merged.lsq) if params.logit_sums else ()
-    for group in ((lp, ent), (merged.m * t_raw, merged.mn * t_raw, lse) + sums):
+    for group in ((lp, ent), (merged.mx, merged.mn, lse) + sums):
         o = torch.stack(group)
         if part is not None:
             o = o.index_select(1, part.dest)  # back to the caller's row order

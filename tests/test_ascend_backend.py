@@ -147,7 +147,7 @@ def test_forward_backward_vs_reference(c: Case):
     be = AscendBackend(ub_bytes=c.ub, max_programs=c.max_programs)
     st = be.forward(h, w, y, inv_t, params, keep_cache=True)
     ref64, ref32 = oracle_stats(h, w, y, inv_t, params)
-    for k in ("m", "mn", "zy"):
+    for k in ("m", "mn", "mx", "zy"):
         check(k, getattr(st, k), getattr(ref64, k), getattr(ref32, k), atol=1e-6)
     if params.shard_valid == 0:
         assert torch.equal(st.s, torch.zeros_like(st.s)) and torch.equal(st.a, torch.zeros_like(st.a))
@@ -215,7 +215,7 @@ def test_nan_poisoned_outputs_fully_written(nan_empty, cid):
     h, w, y, inv_t, params, g_lp, g_ent = make_inputs(c, seed=1)
     be = AscendBackend(ub_bytes=c.ub, max_programs=c.max_programs)
     st = be.forward(h, w, y, inv_t, params, keep_cache=False)
-    for k in ("m", "s", "a", "zy", "mn"):
+    for k in ("m", "s", "a", "zy", "mn", "mx"):
         assert not torch.isnan(getattr(st, k)).any(), k
     lse, ent = lse_ent(st)
     dh, dw = be.backward(h, w, y, inv_t, params, None, lse, ent, g_lp, g_ent, True, True)
@@ -229,7 +229,7 @@ def test_need_flags_and_determinism():
     be = AscendBackend()
     st1 = be.forward(h, w, y, inv_t, params, False)
     st2 = be.forward(h, w, y, inv_t, params, False)
-    for k in ("m", "s", "a", "zy", "mn"):
+    for k in ("m", "s", "a", "zy", "mn", "mx"):
         assert torch.equal(getattr(st1, k), getattr(st2, k)), k
     lse, ent = lse_ent(st1)
     args = (h, w, y, inv_t, params, None, lse, ent, g_lp, g_ent)

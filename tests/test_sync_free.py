@@ -261,7 +261,7 @@ def test_triton_skips_rows_past_n_valid(nan_alloc, cache):
     st = be.forward(hid, w, y, None, p, keep_cache=True, n_valid=torch.tensor([nv], device=dev))
     assert (st.cache is not None) == cache
     ref = ReferenceBackend().forward(hid.double(), w.double(), y, None, p, False)
-    for k in ("m", "s", "a", "zy", "mn"):
+    for k in ("m", "s", "a", "zy", "mn", "mx"):
         assert torch.allclose(getattr(st, k)[:nv].double(), getattr(ref, k)[:nv], rtol=1e-5, atol=1e-5), k
     lse = (ref.m + ref.s.log()).float()
     ent = (ref.s.log() - ref.a / ref.s).float()

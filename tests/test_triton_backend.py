@@ -23,7 +23,7 @@ from areal_lce.types import LCEParams  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy inf*0 inside the interpreter
-STATS = ("m", "s", "a", "zy", "mn")
+STATS = ("m", "s", "a", "zy", "mn", "mx")
 
 
 @pytest.fixture(autouse=True)
@@ -211,7 +211,7 @@ def test_nan_row_poisons_only_itself():
     h = h.clone()
     h[5, 3] = float("nan")
     st = be.forward(h, w, y, it, p, keep_cache=False)
-    assert torch.isnan(st.s[5]) and torch.isnan(st.m[5]) and torch.isnan(st.mn[5])
+    assert torch.isnan(st.s[5]) and torch.isnan(st.m[5]) and torch.isnan(st.mn[5]) and torch.isnan(st.mx[5])
     others = torch.arange(17, device=DEV) != 5
     for k in STATS:
         assert torch.equal(getattr(st, k)[others], getattr(clean, k)[others]), k
@@ -240,7 +240,7 @@ def test_empty_shard_and_empty_batch():
     be = TritonBackend()
     st = be.forward(h, w, y, it, empty, keep_cache=True)
     assert (st.m == float("-inf")).all() and (st.s == 0).all() and (st.a == 0).all()
-    assert (st.zy == 0).all() and (st.mn == float("inf")).all()
+    assert (st.zy == 0).all() and (st.mn == float("inf")).all() and (st.mx == float("-inf")).all()
     lse = torch.zeros(5, device=DEV)
     dh, dw = be.backward(h, w, y, it, empty, None, lse, lse, *upstream(5), True, True)
     assert (dh == 0).all() and (dw == 0).all()

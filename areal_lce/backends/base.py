@@ -8,16 +8,20 @@ Notation: z = (h · Wᵀ) · inv_t with inv_t = 1/T per token; columns j >= shar
 behave as z_j = -inf (excluded from every statistic, never read as 0).
 
 forward -> ShardStats, per token over this shard's valid columns:
-  m   = max_j z_j
+  m   = max_j z_j                             (the tempered max: the reference point of s and a)
   s   = Σ_j exp(z_j - m)
   a   = Σ_j (z_j - m) · exp(z_j - m)          (relative to m: no cancellation in the entropy)
   zy  = z_label if vocab_start <= label < vocab_start + shard_valid else 0
-  mn  = min_j z_j
-  lsum, lsq = Σ_j r_j and Σ_j r_j² of the RAW logits r = h · Wᵀ (no temperature), only when
-        params.logit_sums (else None); accumulated in the same pass over the vocabulary as m and s.
+  mx, mn = max_j r_j and min_j r_j of the RAW logits r = h · Wᵀ (no temperature): the op's max_logit /
+        min_logit, emitted as computed, never rescaled by T afterwards.
+  lsum, lsq = Σ_j r_j and Σ_j r_j² of the raw logits, only when params.logit_sums (else None);
+        accumulated in the same pass over the vocabulary as m and s.
   cache: opaque object handed back to backward (e.g. fp32 logits kept under params.cache_bytes), or None.
-  With an empty shard (shard_valid == 0): m = -inf, s = a = 0, mn = +inf, lsum = lsq = 0.
+  With an empty shard (shard_valid == 0): m = mx = -inf, s = a = 0, mn = +inf, lsum = lsq = 0.
   Then lse = m + log s and entropy = log s - a / s (after the cross-shard merge in the Function).
+  m is exactly mx · inv_t in fp32 (the Function relies on it): z_j is the rounded product r_j · inv_t,
+  and rounding a product by inv_t > 0 is monotone, so the largest z_j is the rounded product of the
+  largest r_j. A backend may so track the raw max alone and derive m from it, or the reverse.
 
 backward(lse, ent, g_lp, g_ent) -> (d_hidden fp32 [N, H] or None, d_weight [V_shard, H] in weight.dtype or None):
   p_j  = exp(z_j - lse)
@@ -48,11 +52,12 @@ from ..types import LCEParams
 
 @dataclass
 class ShardStats:
-    m: torch.Tensor
+    m: torch.Tensor  # tempered max (softmax reference point)
     s: torch.Tensor
     a: torch.Tensor
     zy: torch.Tensor
-    mn: torch.Tensor
+    mn: torch.Tensor  # raw min
+    mx: torch.Tensor  # raw max
     cache: Any = None
     lsum: Optional[torch.Tensor] = None  # Σ raw logits, only with params.logit_sums
     lsq: Optional[torch.Tensor] = None  # Σ raw logits², only with params.logit_sums

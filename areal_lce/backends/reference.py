@@ -39,13 +39,15 @@ def label_onehot_index(labels: torch.Tensor, params: LCEParams) -> Tuple[torch.T
     return torch.where(owned, local, torch.zeros_like(local)), owned
 
 
-def stats_from_logits(z: torch.Tensor, labels: torch.Tensor, params: LCEParams) -> ShardStats:
+def stats_from_logits(z: torch.Tensor, raw: torch.Tensor, labels: torch.Tensor, params: LCEParams) -> ShardStats:
+    """ShardStats (base.py) of tempered logits z and raw logits r = h·Wᵀ of one shard, materialised."""
     n = z.shape[0]
     if params.shard_valid == 0:
         inf = torch.full((n,), float("inf"), dtype=z.dtype, device=z.device)
         zero = torch.zeros(n, dtype=z.dtype, device=z.device)
-        return ShardStats(m=-inf, s=zero, a=zero.clone(), zy=zero.clone(), mn=inf)
+        return ShardStats(m=-inf, s=zero, a=zero.clone(), zy=zero.clone(), mn=inf, mx=-inf)
     zv = z[:, : params.shard_valid]
+    rv = raw[:, : params.shard_valid]
     m = zv.max(dim=1).values
     # NaN must poison the row: max() already propagates NaN in torch; keep the shifted values as is.
     d = zv - m[:, None]
@@ -55,8 +57,7 @@ def stats_from_logits(z: torch.Tensor, labels: torch.Tensor, params: LCEParams) 
     a = a + torch.where(torch.isnan(d), d, torch.zeros_like(d)).sum(dim=1)  # keep NaN visible
     col, owned = label_onehot_index(labels, params)
     zy = torch.where(owned, zv.gather(1, col[:, None]).squeeze(1), torch.zeros_like(m))
-    mn = zv.min(dim=1).values
-    return ShardStats(m=m, s=s, a=a, zy=zy, mn=mn)
+    return ShardStats(m=m, s=s, a=a, zy=zy, mn=rv.min(dim=1).values, mx=rv.max(dim=1).values)
 
 
 def grad_logits(z, labels, lse, ent, g_lp, g_ent, params: LCEParams) -> torch.Tensor:
@@ -83,7 +84,7 @@ class ReferenceBackend:
         acc = _acc_dtype(hidden)
         raw = hidden.to(acc) @ weight.to(acc).t()
         z = shard_logits(hidden, weight, inv_t, params, raw=raw)
-        st = stats_from_logits(z, labels, params)
+        st = stats_from_logits(z, raw, labels, params)
         if params.logit_sums:  # raw logits of the valid columns only
             rv = raw[:, : params.shard_valid]
             st.lsum, st.lsq = rv.sum(dim=1), (rv * rv).sum(dim=1)

@@ -122,7 +122,7 @@ class AscendBackend:
         n, h = hidden.shape
         dev = hidden.device
         sums = params.logit_sums
-        outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(7 if sums else 5)]
+        outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(8 if sums else 6)]  # m..mx[, Σr, Σr²]
         if n > 0:
             t = self.tiles("fwd", hidden, n, params.shard_valid)
             grid = (self.programs(_cdiv(n, t.block_n), dev),)
@@ -134,9 +134,9 @@ class AscendBackend:
                 HAS_INV_T=inv_t is not None, HAS_SUMS=sums,
                 BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_H=t.block_h,
             )
-        m, s, a, zy, mn = outs[:5]
-        return ShardStats(m=m, s=s, a=a, zy=zy, mn=mn, cache=None,
-                          lsum=outs[5] if sums else None, lsq=outs[6] if sums else None)
+        m, s, a, zy, mn, mx = outs[:6]
+        return ShardStats(m=m, s=s, a=a, zy=zy, mn=mn, mx=mx, cache=None,
+                          lsum=outs[6] if sums else None, lsq=outs[7] if sums else None)
 
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,
                  need_d_hidden: bool, need_d_weight: bool,

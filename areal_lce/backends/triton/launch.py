@@ -7,7 +7,7 @@ backward programs store zero d_logits. The cuBLAS d_hidden / d_weight GEMMs stil
 Forward (one fused pass, no [N, V] tensor unless the logits cache is on):
     lce_fwd_kernel      grid = ceil(N / BLOCK_N) x n_splits programs, each a token block x a vocab
                         split, tensor-core GEMM tiles with the online-softmax epilogue
-    lce_fwd_merge_kernel  per-split partials -> (m, s, a, zy, mn[, Σr, Σr²]), fixed split order
+    lce_fwd_merge_kernel  per-split partials -> (m, s, a, zy, mn, mx[, Σr, Σr²]), fixed split order
 Backward, per vocab chunk [c0, c1) of the shard (fixed chunk order, no atomics: bitwise deterministic):
     lce_bwd_kernel      recompute (or read cached) logits, write d_logits [N, c1 - c0] (bf16 for
                         bf16/fp16 inputs, fp32 for fp32 inputs and under the interpreter)
@@ -20,8 +20,8 @@ Backward, per vocab chunk [c0, c1) of the shard (fixed chunk order, no atomics: 
                         fp32 output via torch's out_dtype GEMMs)
 
 Extra device memory (bytes), beyond inputs and the returned gradients:
-    forward   20·N·n_splits + 24·N            (partials, merged stats, int32 labels;
-                                               28·N·n_splits + 32·N with params.logit_sums)
+    forward   24·N·n_splits + 28·N            (partials, merged stats, int32 labels;
+                                               32·N·n_splits + 36·N with params.logit_sums)
               + 4·N·ceil(shard_valid / 256)·256   only when the logits cache is kept
     backward  N·V_chunk·e  <=  max(B, 256·N·e),  B = min(WORKSPACE_BYTES, max(MIN_WORKSPACE_BYTES,
               BACKWARD_BYTES - 4·N·H)), with e = 2 (bf16/fp16) or 4 (fp32, interpreter) and
@@ -211,7 +211,7 @@ class TritonBackend:
 
         cfg = configs.tile("fwd", fp32=hidden.dtype == torch.float32, interpret=INTERPRET, H=H)
         split_v, n_splits = _split_plan(N, valid, cfg.block_n, _slots(dev), INTERPRET)
-        rows = 7 if sums else 5  # (m, s, a, zy, mn[, Σr, Σr²])
+        rows = 8 if sums else 6  # (m, s, a, zy, mn, mx[, Σr, Σr²])
         part = _alloc((rows, n_splits, N), torch.float32, dev)
         cache = _alloc(spec[0], torch.float32, dev) if use_cache else None
         out = _alloc((rows, N), torch.float32, dev)
@@ -231,8 +231,8 @@ class TritonBackend:
             lce_fwd_merge_kernel[(triton.cdiv(N, configs.MERGE_BLOCK_N),)](
                 part, out, N, n_splits, n_splits * N, HAS_SUMS=sums, BLOCK_N=configs.MERGE_BLOCK_N, num_warps=4,
             )
-        return ShardStats(m=out[0], s=out[1], a=out[2], zy=out[3], mn=out[4], cache=cache,
-                          lsum=out[5] if sums else None, lsq=out[6] if sums else None)
+        return ShardStats(m=out[0], s=out[1], a=out[2], zy=out[3], mn=out[4], mx=out[5], cache=cache,
+                          lsum=out[6] if sums else None, lsq=out[7] if sums else None)
 
     # ----------------------------------------------------------------------------------- backward
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,
@@ -327,7 +327,7 @@ def cache_logits(cache: torch.Tensor, valid: int) -> torch.Tensor:
 def _empty_stats(N: int, dev, sums: bool) -> ShardStats:
     z = torch.zeros(N, dtype=torch.float32, device=dev)
     inf = torch.full((N,), float("inf"), dtype=torch.float32, device=dev)
-    return ShardStats(m=-inf, s=z, a=z.clone(), zy=z.clone(), mn=inf.clone(), cache=None,
+    return ShardStats(m=-inf, s=z, a=z.clone(), zy=z.clone(), mn=inf.clone(), mx=-inf, cache=None,
                       lsum=z.clone() if sums else None, lsq=z.clone() if sums else None)
 
 
