@@ -125,7 +125,7 @@ def test_tensor_parallel_call_compiles_with_a_graph_break(fake_group):  # noqa: 
     hidden, weight, proj, labels, _ = _inputs(n=12, v=10)
     labels = torch.randint(0, 20, (12,), generator=torch.Generator().manual_seed(1))
     labels[[2, 9]] = IGNORE
-    f = _model(backend="torch", tp_group=fake_group)
+    f = _model(backend="torch", vocab_parallel=areal_lce.VocabParallel(fake_group))
     eager = _step(f, hidden, weight, proj, labels, 0.9)
     got = _step(torch.compile(f, backend="aot_eager"), hidden, weight, proj, labels, 0.9)
     for a, b in zip(got, eager):

@@ -119,7 +119,8 @@ def test_tensor_parallel_path_reads_nothing_on_the_host(fake_group):  # noqa: F8
     hidden, weight, labels, _ = _inputs(n=12, v=10, ignored=(1, 7))
     labels = labels % 20  # global ids over 2 shards of 10
     labels[[1, 7]] = IGNORE
-    kw = dict(backend="torch", tp_group=fake_group, check_labels="deferred", temperature=0.9)
+    kw = dict(backend="torch", vocab_parallel=areal_lce.VocabParallel(fake_group), check_labels="deferred",
+              temperature=0.9)
     first = _run(hidden, weight, labels, **kw)  # the shard-size agreement check syncs once per group
     with no_host_reads():
         again = _run(hidden, weight, labels, **kw)
@@ -137,7 +138,7 @@ def test_tensor_parallel_label_disagreement_deferred_and_sync(fake_group, monkey
     hidden, weight, labels, _ = _inputs(n=12, v=10, ignored=(1, 7))
     labels = labels % 20
     labels[[1, 7]] = IGNORE
-    kw = dict(backend="torch", tp_group=fake_group, temperature=0.9)
+    kw = dict(backend="torch", vocab_parallel=areal_lce.VocabParallel(fake_group), temperature=0.9)
     areal_lce.linear_logprobs_entropy(hidden, weight, labels, check_labels=False, **kw)  # one-time shard check
     record = dist.all_reduce
 

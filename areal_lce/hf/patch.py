@@ -35,6 +35,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..api import check_temperature
+from ..types import VocabParallel
 
 # Families whose causal-LM forward is exactly `lm_head(base_model(...).last_hidden_state)` and that
 # tests/test_hf.py checks against the unpatched model. Others need `allow_unverified=True`.
@@ -393,12 +394,12 @@ def _run_op(weight, hidden, labels, ignore_index, op_options):
     from ..api import linear_logprobs_entropy
 
     labels = labels.to(hidden.device)
-    weight, hidden, tp = _resolve_dtensor(weight, hidden)
+    global_vocab = weight.shape[0]
+    weight, hidden, vocab_parallel = _resolve_dtensor(weight, hidden)
     if hidden.device != weight.device:  # e.g. an accelerate device map put the head elsewhere
         hidden, labels = hidden.to(weight.device), labels.to(weight.device)
-    if "vocab_size" not in op_options and tp:
-        op_options = dict(op_options, vocab_size=tp.pop("global_vocab"))
-    tp.pop("global_vocab", None)
+    if "vocab_size" not in op_options and vocab_parallel is not None:
+        op_options = dict(op_options, vocab_size=global_vocab)
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         # nn.Linear would run in the autocast dtype: do the same, then keep autocast off inside the op.
@@ -408,25 +409,26 @@ def _run_op(weight, hidden, labels, ignore_index, op_options):
         hidden = hidden.to(weight.dtype)
     with torch.autocast(device_type, enabled=False):
         return linear_logprobs_entropy(hidden.contiguous(), weight, labels.contiguous(), ignore_index=ignore_index,
-                                       return_stats=True, **tp, **op_options)
+                                       return_stats=True, vocab_parallel=vocab_parallel, **op_options)
 
 
 def _resolve_dtensor(weight, hidden):
-    """Local tensors and TP options for DTensor weight/hidden (see the module docstring)."""
+    """(local weight, local hidden, VocabParallel or None) for DTensor weight/hidden (see the module
+    docstring)."""
     try:
         from torch.distributed.tensor import DTensor, Replicate, Shard
     except ImportError:  # torch built without distributed
-        return weight, hidden, {}
+        return weight, hidden, None
     if not isinstance(weight, DTensor):
         if isinstance(hidden, DTensor):
             raise ValueError("areal_lce.hf: hidden states are a DTensor but lm_head.weight is not; unsupported layout")
-        return weight, hidden, {}
+        return weight, hidden, None
     placements = tuple(weight.placements)
     shard_dims = [i for i, p in enumerate(placements) if not isinstance(p, Replicate)]
     if not shard_dims:
         if isinstance(hidden, DTensor):
             hidden = hidden.to_local()  # replicated weight: d_hidden is complete on every rank
-        return weight.to_local(), hidden, {}
+        return weight.to_local(), hidden, None
     elif len(shard_dims) == 1 and placements[shard_dims[0]] == Shard(0):
         mesh_dim = shard_dims[0]
         world = weight.device_mesh.size(mesh_dim)
@@ -435,7 +437,7 @@ def _resolve_dtensor(weight, hidden):
                              f"({weight.shape[0]} rows) over {world} ranks unevenly; the vocab-parallel op needs "
                              "equal shards")
         local_w = weight.to_local()
-        tp = {"tp_group": weight.device_mesh.get_group(mesh_dim), "global_vocab": weight.shape[0]}
+        group = weight.device_mesh.get_group(mesh_dim)
     else:
         raise ValueError(f"areal_lce.hf: lm_head.weight is a DTensor with placements {placements}; supported are "
                          "all-Replicate and Shard(0) on one mesh dimension (vocab parallel). An FSDP2-sharded "
@@ -449,8 +451,8 @@ def _resolve_dtensor(weight, hidden):
         from torch.distributed.tensor import Partial
 
         # Each rank's d_hidden is then a partial over the vocab shards of mesh_dim; DTensor sums it
-        # where it needs the total.
+        # where it needs the total, so the op leaves it to the caller.
         hidden = hidden.to_local(grad_placements=[Partial() if i == mesh_dim else Replicate()
                                                   for i in range(len(placements))])
-        tp["reduce_d_hidden"] = False
-    return local_w, hidden, tp
+        return local_w, hidden, VocabParallel(group, d_hidden="caller")
+    return local_w, hidden, VocabParallel(group)  # plain replicated hidden: the op all-reduces d_hidden

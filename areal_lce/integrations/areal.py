@@ -39,6 +39,7 @@ import torch
 
 from .. import comms
 from ..api import check_temperature, linear_logprobs_entropy
+from ..types import VocabParallel
 from ._common import check_op_options, patch, positive_float, restore, token_rows
 
 _NAME = "areal_lce.integrations.areal.chunked_lm_head_logprobs_entropy"
@@ -94,10 +95,13 @@ def chunked_lm_head_logprobs_entropy(output_layer, hidden_states: torch.Tensor, 
         h2, weight = h2.float(), weight.float()
     elif h2.dtype != weight.dtype:
         raise ValueError(f"{_NAME}: hidden ({h2.dtype}) and weight ({weight.dtype}) dtypes must match")
-    out = linear_logprobs_entropy(
-        h2, weight, y, temperature=t / scale, tp_group=tp_group if tp > 1 else None, sequence_parallel=sp,
-        reduce_d_hidden=sp or bool(getattr(output_layer, "allreduce_dgrad", tp > 1)),
-        return_stats=True, return_logit_sums=True, **op_options)
+    if sp:  # this rank's sequence shard: gathered in the op, d_hidden reduce-scattered back
+        d_hidden = "reduce_scatter"
+    else:  # the layer's allreduce_dgrad (its input-gradient all-reduce, which this call replaces) or not
+        d_hidden = "all_reduce" if getattr(output_layer, "allreduce_dgrad", tp > 1) else "caller"
+    vp = VocabParallel(tp_group if tp > 1 else None, d_hidden)
+    out = linear_logprobs_entropy(h2, weight, y, temperature=t / scale, vocab_parallel=vp, return_stats=True,
+                                  return_logit_sums=True, **op_options)
     vocab = weight.shape[0] * tp
     return output_type()(
         out.logprobs, out.entropy.detach(), out.min_logit * scale, out.max_logit * scale,

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from ..api import check_temperature, linear_logprobs_entropy
+from ..types import VocabParallel
 from ._common import check_op_options, patch, restore, token_rows
 
 _NAME = "areal_lce.integrations.verl.linear_cross_entropy"
@@ -59,8 +60,9 @@ def linear_cross_entropy(
     h2, y = token_rows(hidden, labels, 1, _NAME)
     if h2.dtype != weight.dtype:  # e.g. an fp32 residual stream: compute in the weight's dtype
         h2 = h2.to(weight.dtype)
-    out = linear_logprobs_entropy(h2, weight, y, temperature=t, tp_group=dist_process_group,
-                                  sequence_parallel=False, reduce_d_hidden=False, **op_options)
+    # verl's SP gather (or, without SP, its caller) reduces d_hidden: the op leaves it vocab-partial
+    vp = VocabParallel(dist_process_group, d_hidden="caller")
+    out = linear_logprobs_entropy(h2, weight, y, temperature=t, vocab_parallel=vp, **op_options)
     logprobs = out.logprobs
     if reduction.lower() == "sum":
         logprobs = logprobs.sum()
