@@ -473,7 +473,7 @@ def _dist_worker():
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from areal_lce.hf.patch import _resolve_dtensor
+    from areal_lce.hf.head import _resolve_dtensor
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
