@@ -42,12 +42,25 @@ cache_spec(n, h, v_shard, dtype, params, keep_cache) -> (shape, dtype) of the ca
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Tuple
 
 import torch
 
 from ..types import LCEParams
+
+
+POISON_ENV = "AREAL_LCE_POISON_OUTPUTS"
+POISON = os.environ.get(POISON_ENV, "") == "1"  # read once; tests/conftest.py sets it before areal_lce loads
+
+
+def alloc(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.empty for every buffer a backend's kernels (or loops) write. With AREAL_LCE_POISON_OUTPUTS=1,
+    which tests/conftest.py sets, floating-point buffers start as NaN instead, so an element a kernel fails
+    to write shows up as NaN in the tests. Off otherwise (one flag test per allocation)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    return t.fill_(float("nan")) if POISON and t.is_floating_point() else t
 
 
 @dataclass

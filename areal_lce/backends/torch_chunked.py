@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from ..types import LCEParams
-from .base import ShardStats
+from .base import ShardStats, alloc
 
 
 def _chunks(n: int, size: int):
@@ -92,7 +92,7 @@ class TorchChunkedBackend:
         lsum = torch.zeros(n, dtype=acc, device=dev) if params.logit_sums else None
         lsq = torch.zeros(n, dtype=acc, device=dev) if params.logit_sums else None
         spec = self.cache_spec(n, hidden.shape[1], weight.shape[0], hidden.dtype, params, keep_cache)
-        cache = None if spec is None else torch.empty(spec[0], dtype=spec[1], device=dev)
+        cache = None if spec is None else alloc(spec[0], spec[1], dev)
         local = labels - params.vocab_start
         n_chunk, v_chunk = chunk_shape(n, vv, dev)
         for t0, t1 in _chunks(n, n_chunk):

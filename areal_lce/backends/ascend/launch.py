@@ -18,7 +18,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from ...types import LCEParams
-from ..base import ShardStats
+from ..base import ShardStats, alloc
 from . import configs
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -122,7 +122,7 @@ class AscendBackend:
         n, h = hidden.shape
         dev = hidden.device
         sums = params.logit_sums
-        outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(8 if sums else 6)]  # m..mx[, Σr, Σr²]
+        outs = [alloc(n, torch.float32, dev) for _ in range(8 if sums else 6)]  # m..mx[, Σr, Σr²]
         if n > 0:
             t = self.tiles("fwd", hidden, n, params.shard_valid)
             grid = (self.programs(_cdiv(n, t.block_n), dev),)
@@ -156,7 +156,7 @@ class AscendBackend:
             if n == 0 or valid == 0:
                 d_hidden = torch.zeros(n, h, dtype=torch.float32, device=dev)
             else:
-                d_hidden = torch.empty(n, h, dtype=torch.float32, device=dev)
+                d_hidden = alloc((n, h), torch.float32, dev)
                 t = self.tiles("bwd_dh", hidden, n, valid)
                 grid = (self.programs(_cdiv(n, t.block_n), dev),)
                 self._k.lce_bwd_dh_kernel[grid](
@@ -171,7 +171,7 @@ class AscendBackend:
             if n == 0 or valid == 0:
                 d_weight = torch.zeros(v_shard, h, dtype=weight.dtype, device=dev)
             else:
-                acc = torch.empty(v_shard, h, dtype=torch.float32, device=dev)
+                acc = alloc((v_shard, h), torch.float32, dev)
                 t = self.tiles("bwd_dw", hidden, n, valid)
                 grid = (self.programs(_cdiv(valid, t.block_v), dev),)
                 self._k.lce_bwd_dw_kernel[grid](

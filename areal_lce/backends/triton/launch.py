@@ -41,7 +41,7 @@ import torch
 import triton
 
 from ...types import LCEParams
-from ..base import ShardStats
+from ..base import ShardStats, alloc
 from . import configs
 from .kernels import lce_bwd_kernel, lce_bwd_label_kernel, lce_fwd_kernel, lce_fwd_merge_kernel
 
@@ -55,8 +55,8 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _alloc(shape, dtype, device) -> torch.Tensor:
-    """Every buffer a kernel writes comes from here (tests swap in NaN-filled buffers)."""
-    return torch.empty(shape, dtype=dtype, device=device)
+    """Every buffer a kernel writes comes from here (base.alloc: NaN-filled under the tests)."""
+    return alloc(shape, dtype, device)
 
 
 @functools.lru_cache(maxsize=None)
