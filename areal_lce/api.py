@@ -222,7 +222,7 @@ def linear_logprobs_entropy(
                                        f"the vocab-parallel group has {tp} ranks and weight's {v_shard} rows "
                                        f"already cover vocab_size={vocab_size}, identically on every rank: pass "
                                        "this rank's vocab shard [vocab/tp, H], not the full weight")
-    vocab_start = comms.group_rank(group) * v_shard  # VocabParallel: rank r owns [r·V_shard, (r+1)·V_shard)
+    vocab_start = vp.vocab_range(v_shard)[0] if tp > 1 else 0
     inv_t_scalar, inv_t = inv_temperature(temperature, labels)  # broadcast to labels: the full sequence under SP
     y = labels.reshape(-1).to(torch.int64)  # label values are checked inside the op (checks.py)
     shard_valid = max(0, min(v_shard, vocab_size - vocab_start))

@@ -72,6 +72,10 @@ class VocabParallel:
         """hidden is this rank's sequence shard (d_hidden="reduce_scatter")."""
         return self.d_hidden == "reduce_scatter"
 
+    def vocab_range(self, v_shard: int) -> tuple:
+        """(first, end) global ids of this rank's V_shard weight rows."""
+        return self.rank * v_shard, (self.rank + 1) * v_shard
+
 
 @dataclass(frozen=True)
 class LCEParams:
