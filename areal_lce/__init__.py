@@ -3,12 +3,15 @@
     from areal_lce import linear_logprobs_entropy
     out = linear_logprobs_entropy(hidden, lm_head_weight, labels, temperature=1.0, return_stats=True)
     out.logprobs, out.entropy, out.max_logit, out.min_logit, out.lse
+    # tensor parallel: weight is this rank's vocab shard; VocabParallel says who reduces d_hidden
+    out = linear_logprobs_entropy(hidden, weight_shard, labels, vocab_parallel=VocabParallel(tp_group))
     areal_lce.check_deferred()   # raise on bad labels seen by deferred (accelerator default) checks
 """
 from .api import linear_logprobs_entropy
 from .checks import check_deferred
 from .materialised import logprobs_entropy_from_logits
-from .types import LCEOutput, LCEParams
+from .types import LCEOutput, LCEParams, VocabParallel
 
 __version__ = "0.1.0"
-__all__ = ["linear_logprobs_entropy", "check_deferred", "logprobs_entropy_from_logits", "LCEOutput", "LCEParams", "__version__"]
+__all__ = ["linear_logprobs_entropy", "check_deferred", "logprobs_entropy_from_logits", "LCEOutput", "LCEParams",
+           "VocabParallel", "__version__"]

@@ -1,7 +1,7 @@
 """Functional API: validate once, resolve the backend once, call the op.
 
 Without tensor parallelism the call goes through the torch.library ops of library.py (compiles with
-torch.compile(fullgraph=True)); with a tp_group of more than one rank it goes through the
+torch.compile(fullgraph=True)); with a VocabParallel group of more than one rank it goes through the
 autograd.Function of function.py (a process group is not an operator argument), which torch.compile
 runs as a graph break. Both run the same forward and backward code.
 """
@@ -16,7 +16,7 @@ from . import checks, comms, library
 from .backends import resolve_backend
 from .device import auto_cache_bytes
 from .function import LinearLogprobsEntropy
-from .types import LCEOutput, LCEParams
+from .types import LCEOutput, LCEParams, VocabParallel
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -49,32 +49,47 @@ def _check_tensors(hidden, weight, labels, sequence_parallel: bool, tp: int):
     rows = hidden.numel() // hidden.shape[-1] if hidden.shape[-1] else 0
     if sequence_parallel:
         if labels.numel() != rows * tp:
-            raise ValueError(f"with sequence_parallel=True, labels must hold the full sequence: expected "
+            raise ValueError(f"with sequence parallelism (VocabParallel(d_hidden='reduce_scatter'), formerly "
+                             f"sequence_parallel=True), labels must hold the full sequence: expected "
                              f"{rows} hidden rows × tp {tp} = {rows * tp} labels, got {labels.numel()}")
     elif tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"labels shape {tuple(labels.shape)} must equal hidden's leading shape "
                          f"{tuple(hidden.shape[:-1])}")
 
 
-def _inv_temperature(temperature, labels: torch.Tensor) -> tuple[Optional[float], Optional[torch.Tensor]]:
+def check_temperature(temperature, what: str = "temperature", allow_tensor: bool = True):
+    """The one validation of a temperature's type and range (its per-token *values* on the device are
+    checked by checks.py instead): a finite float > 0 whose inverse fits fp32, or (allow_tensor) a
+    floating-point tensor. Returns it, a Python number as a float. Errors name `what`."""
     if torch.is_tensor(temperature):
+        if not allow_tensor:
+            raise TypeError(f"{what} must be a float, got a tensor")
         if temperature.is_complex() or not temperature.is_floating_point():
-            raise TypeError(f"temperature tensor must be floating point, got {temperature.dtype}")
-        try:
-            t = torch.broadcast_to(temperature.detach().to(labels.device, torch.float32), labels.shape)
-        except RuntimeError as e:
-            raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not broadcast to labels "
-                             f"{tuple(labels.shape)}") from e
-        return None, (1.0 / t).reshape(-1).contiguous()
+            raise TypeError(f"{what} tensor must be floating point, got {temperature.dtype}")
+        return temperature
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a float or a tensor, got {temperature!r}")
+        raise TypeError(f"{what} must be a float{' or a tensor' if allow_tensor else ''}, got {temperature!r}")
     t = float(temperature)
     if not t > 0 or t == float("inf"):
-        raise ValueError(f"temperature must be a finite float > 0, got {temperature}")
+        raise ValueError(f"{what} must be a finite float > 0, got {temperature}")
     if 1.0 / t > torch.finfo(torch.float32).max:
-        raise ValueError(f"temperature={temperature} is too small: 1/temperature overflows fp32 (the logits are "
+        raise ValueError(f"{what}={temperature} is too small: 1/temperature overflows fp32 (the logits are "
                          "scaled by it in fp32)")
-    return t, None
+    return t
+
+
+def inv_temperature(temperature, labels: torch.Tensor) -> tuple[Optional[float], Optional[torch.Tensor]]:
+    """(inv_t float, None) for a scalar temperature, (None, inv_t [N] fp32) for a tensor broadcastable to
+    `labels` (N = labels.numel()). The op and the materialised route scale logits by inv_t = 1/T."""
+    temperature = check_temperature(temperature)
+    if not torch.is_tensor(temperature):
+        return 1.0 / temperature, None
+    try:
+        t = torch.broadcast_to(temperature.detach().to(labels.device, torch.float32), labels.shape)
+    except RuntimeError as e:
+        raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not broadcast to labels "
+                         f"{tuple(labels.shape)}") from e
+    return None, (1.0 / t).reshape(-1).contiguous()
 
 
 def _check_options(ignore_index, vocab_size) -> None:
@@ -82,6 +97,33 @@ def _check_options(ignore_index, vocab_size) -> None:
         raise TypeError(f"ignore_index must be an int (e.g. -100), got {ignore_index!r}")
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral)):
         raise TypeError(f"vocab_size must be an int or None, got {vocab_size!r}")
+
+
+def legacy_vocab_parallel(tp_group, sequence_parallel, reduce_d_hidden) -> Optional[VocabParallel]:
+    """The deprecated keywords `tp_group`, `sequence_parallel`, `reduce_d_hidden` (kept for one release)
+    as the VocabParallel they mean. Without a tp_group the other two change nothing (as before)."""
+    if tp_group is None:
+        return None
+    comms.checked_group_size(tp_group, "tp_group")
+    sp = bool(sequence_parallel)
+    reduce = True if reduce_d_hidden is None else bool(reduce_d_hidden)
+    if sp and not reduce:
+        raise ValueError("sequence_parallel=True reduce-scatters d_hidden inside the op; reduce_d_hidden=False "
+                         "is only for callers that gather hidden themselves (pass sequence_parallel=False), "
+                         "i.e. VocabParallel(group, d_hidden='caller')")
+    return VocabParallel(tp_group, "reduce_scatter" if sp else "all_reduce" if reduce else "caller")
+
+
+def _vocab_parallel(vocab_parallel, tp_group, sequence_parallel, reduce_d_hidden) -> Optional[VocabParallel]:
+    legacy = {k: v for k, v in (("tp_group", tp_group), ("sequence_parallel", sequence_parallel),
+                                ("reduce_d_hidden", reduce_d_hidden)) if v is not None}
+    if vocab_parallel is None:
+        return legacy_vocab_parallel(tp_group, sequence_parallel, reduce_d_hidden)
+    if legacy:
+        raise TypeError(f"pass vocab_parallel=VocabParallel(...) or the deprecated {sorted(legacy)}, not both")
+    if not isinstance(vocab_parallel, VocabParallel):
+        raise TypeError(f"vocab_parallel must be an areal_lce.VocabParallel or None, got {vocab_parallel!r}")
+    return vocab_parallel
 
 
 @torch.compiler.assume_constant_result
@@ -112,11 +154,12 @@ def linear_logprobs_entropy(
     return_logit_sums: bool = False,
     backend: str = "auto",
     cache_bytes: Union[int, str] = 0,
-    tp_group=None,
-    sequence_parallel: bool = False,
-    reduce_d_hidden: bool = True,
+    vocab_parallel: Optional[VocabParallel] = None,
     check_labels: Union[bool, str] = True,
     compact_ignored: bool = True,
+    tp_group=None,
+    sequence_parallel: Optional[bool] = None,
+    reduce_d_hidden: Optional[bool] = None,
 ) -> LCEOutput:
     """Per-token logprobs and entropy of softmax(hidden · weightᵀ / temperature), never materialising logits.
 
@@ -132,40 +175,37 @@ def linear_logprobs_entropy(
     return_logit_sums: also return `sum_logit` = Σ_j r_j and `sumsq_logit` = Σ_j r_j² of the raw logits
         r = h·W_jᵀ (before temperature) over the true vocabulary, so the row mean is sum_logit / vocab_size
         and the row L2 norm sqrt(sumsq_logit). Accumulated in the forward's own pass over the vocabulary
-        and merged over tp_group in its existing SUM (two more rows, no extra collective). Opt-in: it
+        and merged over the vocab-parallel group in its existing SUM (two more rows, no extra collective). Opt-in: it
         costs two reductions per logit in the forward epilogue.
     cache_bytes: logits-cache budget in bytes. When this rank's fp32 logits (4·N·V_shard bytes) fit it, the
         forward keeps them and the backward skips the recompute GEMM. Default 0: always recompute.
         "auto": min(4 GiB, device memory / 8), at least 1 GiB (1 GiB on CPU).
     backend: "auto" | "triton" | "triton_ascend" | "torch" | "reference" (see docs/backends.md);
         "auto" consults the AREAL_LCE_BACKEND environment variable, then the device.
-    tp_group: the tensor-parallel group when `weight` is this rank's vocab shard [V/tp, H] (rank r owns
-        global ids [r·V/tp, (r+1)·V/tp)); labels hold global ids; outputs are the full-vocabulary values,
-        identical on every rank. Forward: two O(N) collectives (one MAX, one packed SUM).
-    sequence_parallel: hidden is this rank's [N/tp, H] sequence shard (rank order), labels the FULL [N]
-        sequence; the forward all-gathers hidden, the backward reduce-scatters d_hidden, so this rank's
-        gradient is its shard of the full gradient. Outputs cover the full sequence.
-    reduce_d_hidden: without sequence parallel, all-reduce d_hidden over tp_group inside the op (default).
-        Turn off when the caller's own mapping already reduces it (Megatron's
-        copy_to_tensor_model_parallel_region), so it is reduced exactly once.
+    vocab_parallel: `VocabParallel(group, d_hidden=...)` when `weight` is this rank's vocab shard
+        [V/tp, H]: how hidden arrives, who reduces d_hidden and how global ids map to shards are stated
+        in VocabParallel's docstring (types.py). Forward: two O(N) collectives (one MAX, one packed SUM).
+    tp_group, sequence_parallel, reduce_d_hidden: deprecated (removed in the next release), the former
+        spelling of vocab_parallel: tp_group=g means VocabParallel(g), with sequence_parallel=True
+        d_hidden="reduce_scatter", with reduce_d_hidden=False d_hidden="caller" (legacy_vocab_parallel).
+        Passing them together with vocab_parallel is an error.
     check_labels: validate label values (outside [0, vocab_size) and not ignore_index) and temperature
         values (not finite and > 0). True (default): "sync" on CPU tensors, "deferred" on accelerators.
         "sync": raise here (one reduction and a host sync). "deferred": no host sync; bad rows get
         logprob NaN and `areal_lce.check_deferred()` raises naming the values (checks.py). False: off.
-        Under tp_group it also checks that every rank passes the same labels (ignore pattern included)
+        Under vocab_parallel it also checks that every rank passes the same labels (ignore pattern included)
         and shard size, with one all-reduce of 2 int64 per call and no further host sync: "sync" raises
         on every rank at the call; "deferred" makes every logprob of the call NaN and check_deferred()
         names the disagreement. Off: the shard size is checked once per group only.
     Determinism: bitwise-identical outputs and gradients run to run for the same inputs and backend.
     Host syncs: none with the defaults on accelerators (CUDA-graph capturable), apart from one-time checks
-    per tp_group (the shard size agrees; with vocab_size <= V_shard, weight is not the full weight).
+    per group (the shard size agrees; with vocab_size <= V_shard, weight is not the full weight).
     """
     _check_options(ignore_index, vocab_size)
-    tp = comms.checked_group_size(tp_group, "tp_group")
-    _check_tensors(hidden, weight, labels, sequence_parallel, tp)
-    if sequence_parallel and tp > 1 and not reduce_d_hidden:
-        raise ValueError("sequence_parallel=True reduce-scatters d_hidden inside the op; reduce_d_hidden=False "
-                         "is only for callers that gather hidden themselves (pass sequence_parallel=False)")
+    vp = _vocab_parallel(vocab_parallel, tp_group, sequence_parallel, reduce_d_hidden)
+    tp = 1 if vp is None else vp.size
+    group = None if tp == 1 else vp.group
+    _check_tensors(hidden, weight, labels, vp is not None and vp.sequence_parallel, tp)
     name, cache_bytes, check = _resolve(backend, hidden.device, hidden.dtype, cache_bytes, check_labels)
     v_shard = weight.shape[0]
     v_total = v_shard * tp
@@ -176,16 +216,14 @@ def linear_logprobs_entropy(
                          f"(weight rows {v_shard} × tp {tp})")
     if tp > 1:
         if check != "sync":  # "sync": checked per call with the labels (function.py); else once per group
-            comms.check_same_across_group(v_shard, tp_group, "weight's vocab shard size (weight.shape[0])")
+            comms.check_same_across_group(v_shard, group, "weight's vocab shard size (weight.shape[0])")
         if vocab_size <= v_shard:  # ranks > 0 hold only padding (legal), unless this is the full weight
-            comms.check_not_replicated(weight[:vocab_size], tp_group, "weight (rows below vocab_size)",
-                                       f"tp_group has {tp} ranks and weight's {v_shard} rows already cover "
-                                       f"vocab_size={vocab_size}, identically on every rank: pass this "
-                                       "rank's vocab shard [vocab/tp, H], not the full weight")
-    vocab_start = comms.group_rank(tp_group) * v_shard
-    scalar_t, inv_t = _inv_temperature(temperature, labels)
-    if sequence_parallel and inv_t is not None and inv_t.numel() != labels.numel():
-        raise ValueError("temperature must broadcast to the full-sequence labels under sequence_parallel")
+            comms.check_not_replicated(weight[:vocab_size], group, "weight (rows below vocab_size)",
+                                       f"the vocab-parallel group has {tp} ranks and weight's {v_shard} rows "
+                                       f"already cover vocab_size={vocab_size}, identically on every rank: pass "
+                                       "this rank's vocab shard [vocab/tp, H], not the full weight")
+    vocab_start = vp.vocab_range(v_shard)[0] if tp > 1 else 0
+    inv_t_scalar, inv_t = inv_temperature(temperature, labels)  # broadcast to labels: the full sequence under SP
     y = labels.reshape(-1).to(torch.int64)  # label values are checked inside the op (checks.py)
     shard_valid = max(0, min(v_shard, vocab_size - vocab_start))
     sums = bool(return_logit_sums)
@@ -193,17 +231,15 @@ def linear_logprobs_entropy(
     h2 = h2 if h2.is_contiguous() else h2.contiguous()
     w = weight if weight.is_contiguous() else weight.contiguous()
     if tp == 1:
-        diff, stats = library.lce(h2, w, y, inv_t, temperature=scalar_t, ignore_index=ignore_index,
+        diff, stats = library.lce(h2, w, y, inv_t, inv_t_scalar=inv_t_scalar, ignore_index=ignore_index,
                                   vocab_size=vocab_size, shard_valid=shard_valid, cache_bytes=cache_bytes,
                                   backend=name, compact_ignored=compact_ignored, check_labels=check,
                                   logit_sums=sums)
     else:
         params = LCEParams(
-            temperature=scalar_t, ignore_index=ignore_index, vocab_size=vocab_size, vocab_start=vocab_start,
-            shard_valid=shard_valid, cache_bytes=cache_bytes, backend=name,
-            tp_group=tp_group, tp_size=tp, sequence_parallel=sequence_parallel,
-            reduce_d_hidden=reduce_d_hidden, compact_ignored=compact_ignored, check_labels=check,
-            logit_sums=sums)
+            inv_t=inv_t_scalar, ignore_index=ignore_index, vocab_size=vocab_size, vocab_start=vocab_start,
+            shard_valid=shard_valid, cache_bytes=cache_bytes, backend=name, vocab_parallel=vp, tp_size=tp,
+            compact_ignored=compact_ignored, check_labels=check, logit_sums=sums)
         diff, stats = _tensor_parallel(h2, w, y, inv_t, params)
     shape = labels.shape
     rows = [r.view(shape) for r in stats.unbind(0)]  # max_logit, min_logit, lse[, sum_logit, sumsq_logit]

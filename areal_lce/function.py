@@ -26,13 +26,14 @@ from .backends.base import ShardStats
 from .types import LCEParams
 
 
-def merge_shard_stats(st: ShardStats, group) -> ShardStats:
-    """Merge per-shard (m, s, a, zy, mn[, lsum, lsq]) into full-vocabulary values. Pure math + two
-    collectives."""
-    # 1 collective: MAX of [m, -mn] gives the global max logit and the global min logit at once.
-    mm = torch.stack([st.m, -st.mn])
+def merge_shard_stats(st: ShardStats, group, inv_t) -> ShardStats:
+    """Merge per-shard (m, s, a, zy, mn, mx[, lsum, lsq]) into full-vocabulary values. Pure math + two
+    collectives. inv_t: this call's [N] inverse temperatures, or the scalar."""
+    # 1 collective: MAX of the raw [mx, -mn] gives the global max and min logit at once.
+    mm = torch.stack([st.mx, -st.mn])
     comms.all_reduce_max_(mm, group)
-    big_m, mn = mm[0], -mm[1]
+    big_mx, mn = mm[0], -mm[1]
+    big_m = big_mx * inv_t  # the global tempered max, exactly (backends/base.py: m = mx · inv_t)
     # Rescale this shard's sums to the global max; a shard with no valid column (s == 0, m == -inf)
     # contributes exactly 0 (avoid (-inf)·0 = NaN). NaN in s or m propagates, as it must.
     empty = st.s == 0
@@ -45,7 +46,7 @@ def merge_shard_stats(st: ShardStats, group) -> ShardStats:
     sums = st.lsum is not None
     packed = torch.stack([s, a, st.zy] + ([st.lsum, st.lsq] if sums else []))
     comms.all_reduce_sum_(packed, group)
-    return ShardStats(m=big_m, s=packed[0], a=packed[1], zy=packed[2], mn=mn,
+    return ShardStats(m=big_m, s=packed[0], a=packed[1], zy=packed[2], mn=mn, mx=big_mx,
                       lsum=packed[3] if sums else None, lsq=packed[4] if sums else None)
 
 
@@ -168,7 +169,7 @@ def lce_forward(hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bo
     inv_t [N] fp32 or None. Collectives: the label agreement votes under TP with checks on, an
     all-gather of hidden under SP, then merge_shard_stats."""
     bad = _check_values(labels, inv_t, weight.shape[0], params)
-    if params.sequence_parallel:
+    if params.d_hidden == "reduce_scatter":
         hidden = comms.all_gather_rows(hidden, params.tp_group)  # sequence shards -> full sequence
     part = partition_rows(labels, params.ignore_index) if params.compact_ignored else None
     if part is None:
@@ -177,13 +178,12 @@ def lce_forward(hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bo
         h_c, y_c, t_c = _partitioned(part, labels, inv_t, hidden)
     st = get_backend(params.backend).forward(h_c, weight, y_c, t_c, params, keep_cache=keep_cache,
                                              n_valid=None if part is None else part.n_valid)
-    merged = merge_shard_stats(st, params.tp_group)
+    merged = merge_shard_stats(st, params.tp_group, params.inv_t if t_c is None else t_c)
     lp, ent, lse = finish_stats(merged)
-    t_raw = (1.0 / t_c) if t_c is not None else float(params.temperature)
     valid = labels != params.ignore_index
     outs = []
     sums = (merged.lsum, merged.lsq) if params.logit_sums else ()
-    for group in ((lp, ent), (merged.m * t_raw, merged.mn * t_raw, lse) + sums):
+    for group in ((lp, ent), (merged.mx, merged.mn, lse) + sums):
         o = torch.stack(group)
         if part is not None:
             o = o.index_select(1, part.dest)  # back to the caller's row order
@@ -202,7 +202,7 @@ def lce_backward(h_c, weight, labels, inv_t, lse_ent, cache, g_diff: torch.Tenso
                  need_dh: bool, need_dw: bool, hidden_dtype: torch.dtype):
     """(d_hidden in hidden_dtype or None, d_weight or None) for upstream g_diff [2, N] of (logprobs,
     entropy). h_c, lse_ent and cache as lce_forward returned them. Collectives: under SP a
-    reduce-scatter of d_hidden, else (reduce_d_hidden) an all-reduce SUM of it."""
+    reduce-scatter or an all-reduce SUM of d_hidden, as params.d_hidden says (VocabParallel)."""
     acc = torch.float64 if h_c.dtype == torch.float64 else torch.float32
     g = g_diff.to(acc)
     part = partition_rows(labels, params.ignore_index) if params.compact_ignored else None
@@ -218,10 +218,10 @@ def lce_backward(h_c, weight, labels, inv_t, lse_ent, cache, g_diff: torch.Tenso
     if need_dh:
         if part is not None:
             dh = dh.index_select(0, part.dest)
-        if params.sequence_parallel:
+        if params.d_hidden == "reduce_scatter":
             # reduce-scatter: vocab-partial full-sequence grads -> this rank's shard of the total
             dh = comms.reduce_scatter_rows(dh, params.tp_group)
-        elif params.reduce_d_hidden:
+        elif params.d_hidden == "all_reduce":
             # all-reduce: vocab-partial grads of the replicated hidden -> the total on every rank
             dh = comms.all_reduce_sum_(dh, params.tp_group)
         dh = dh.to(hidden_dtype)
@@ -231,22 +231,22 @@ def lce_backward(h_c, weight, labels, inv_t, lse_ent, cache, g_diff: torch.Tenso
 class LinearLogprobsEntropy(torch.autograd.Function):
     """Per-token logprobs and entropy of softmax(h·Wᵀ/T) without materialising logits (TP path).
 
-    Inputs: hidden [N, H] (or this rank's [N/tp, H] sequence shard under sequence parallel), weight
+    Inputs: hidden [N, H] (or this rank's [N/tp, H] sequence shard with d_hidden="reduce_scatter"), weight
     [V_shard, H] (this rank's vocab shard), labels [N] int64 global ids with ignore_index rows, inv_t
     [N] fp32 or None, params (LCEParams). Outputs: [2, N] logprobs and entropy (differentiable), and the
     not differentiable [3, N] max_logit, min_logit (raw logits, before temperature) and lse (tempered),
     [5, N] with params.logit_sums (+ the raw logits' Σ r and Σ r²).
 
-    Collectives (group = params.tp_group; none when tp_size == 1), each of the same size on every rank:
+    Collectives (group = params.vocab_parallel.group; none when tp_size == 1), each of the same size on
+    every rank; d_hidden modes as defined in VocabParallel's docstring (types.py):
       forward : check_labels "sync" / "deferred" -> MAX of 2 int64 (the ranks' label fingerprints);
-                sequence_parallel -> all-gather of hidden rows (sequence shards -> full sequence);
-                MAX of [max, -min] per token; SUM of packed [s, a, z_label(, Σr, Σr²)] per token.
+                "reduce_scatter" -> all-gather of hidden rows (sequence shards -> full sequence);
+                MAX of the raw [max, -min] per token; SUM of packed [s, a, z_label(, Σr, Σr²)] per token.
                 Nothing N×V or V×H.
-      backward: sequence_parallel -> reduce-scatter of d_hidden (vocab-partial full-sequence grads ->
-                this rank's shard of the total); else, if reduce_d_hidden, all-reduce SUM of d_hidden
-                (vocab-partial -> total on every rank); reduce_d_hidden=False leaves d_hidden partial for a
-                caller whose own mapping reduces it (Megatron's copy_to_tensor_model_parallel_region).
-                d_hidden is reduced in fp32, exactly once. d_weight is local to the shard: never reduced.
+      backward: "reduce_scatter" -> reduce-scatter of d_hidden (vocab-partial full-sequence grads ->
+                this rank's shard of the total); "all_reduce" -> all-reduce SUM of d_hidden
+                (vocab-partial -> total on every rank); "caller" -> none (d_hidden left vocab-partial).
+                d_hidden is reduced in fp32. d_weight is local to the shard: never reduced.
 
     Context parallelism: no CP collective, by design. Each CP rank passes its CP-local tokens (megatron's
     load-balanced zigzag: every sequence cut into 2·cp chunks, rank r keeps chunks r and 2·cp−1−r; per

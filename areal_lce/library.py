@@ -31,9 +31,9 @@ from .function import lce_backward, lce_forward, once_differentiable
 from .types import LCEParams
 
 
-def _params(temperature, ignore_index, vocab_size, shard_valid, cache_bytes, backend, compact_ignored,
+def _params(inv_t_scalar, ignore_index, vocab_size, shard_valid, cache_bytes, backend, compact_ignored,
             check_labels, logit_sums=False) -> LCEParams:
-    return LCEParams(temperature=temperature, ignore_index=ignore_index, vocab_size=vocab_size,
+    return LCEParams(inv_t=inv_t_scalar, ignore_index=ignore_index, vocab_size=vocab_size,
                      vocab_start=0, shard_valid=shard_valid, cache_bytes=cache_bytes, backend=backend,
                      compact_ignored=compact_ignored, check_labels=check_labels, logit_sums=logit_sums)
 
@@ -44,10 +44,10 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 @torch.library.custom_op("areal_lce::lce_forward", mutates_args=())
 def lce_forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_t: Optional[Tensor],
-                   temperature: Optional[float], ignore_index: int, vocab_size: int, shard_valid: int,
+                   inv_t_scalar: Optional[float], ignore_index: int, vocab_size: int, shard_valid: int,
                    cache_bytes: int, backend: str, compact_ignored: bool, check_labels: str,
                    keep_cache: bool, logit_sums: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    params = _params(temperature, ignore_index, vocab_size, shard_valid, cache_bytes, backend, compact_ignored,
+    params = _params(inv_t_scalar, ignore_index, vocab_size, shard_valid, cache_bytes, backend, compact_ignored,
                      check_labels, logit_sums)
     f = lce_forward(hidden, weight, labels, inv_t, params, keep_cache)
     h_c = f.h_c if compact_ignored else hidden.new_empty(0)
@@ -56,11 +56,11 @@ def lce_forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_t: Option
 
 
 @lce_forward_op.register_fake
-def _(hidden, weight, labels, inv_t, temperature, ignore_index, vocab_size, shard_valid, cache_bytes, backend,
+def _(hidden, weight, labels, inv_t, inv_t_scalar, ignore_index, vocab_size, shard_valid, cache_bytes, backend,
       compact_ignored, check_labels, keep_cache, logit_sums=False):
     n, h = hidden.shape
     acc = _acc(hidden.dtype)
-    params = _params(temperature, ignore_index, vocab_size, shard_valid, cache_bytes, backend, compact_ignored,
+    params = _params(inv_t_scalar, ignore_index, vocab_size, shard_valid, cache_bytes, backend, compact_ignored,
                      check_labels, logit_sums)
     spec = get_backend(backend).cache_spec(n, h, weight.shape[0], hidden.dtype, params, keep_cache)
     cache = hidden.new_empty(spec[0], dtype=spec[1]) if spec is not None else hidden.new_empty(0, dtype=torch.float32)
@@ -71,10 +71,10 @@ def _(hidden, weight, labels, inv_t, temperature, ignore_index, vocab_size, shar
 
 @torch.library.custom_op("areal_lce::lce_backward", mutates_args=())
 def lce_backward_op(g_diff: Tensor, h_c: Tensor, weight: Tensor, labels: Tensor, inv_t: Optional[Tensor],
-                    lse_ent: Tensor, cache: Tensor, temperature: Optional[float], ignore_index: int,
+                    lse_ent: Tensor, cache: Tensor, inv_t_scalar: Optional[float], ignore_index: int,
                     vocab_size: int, shard_valid: int, cache_bytes: int, backend: str, compact_ignored: bool,
                     need_dh: bool, need_dw: bool) -> Tuple[Tensor, Tensor]:
-    params = _params(temperature, ignore_index, vocab_size, shard_valid, cache_bytes, backend, compact_ignored,
+    params = _params(inv_t_scalar, ignore_index, vocab_size, shard_valid, cache_bytes, backend, compact_ignored,
                      "off")
     dh, dw = lce_backward(h_c, weight, labels, inv_t, lse_ent, cache if cache.numel() else None, g_diff, params,
                           need_dh, need_dw, h_c.dtype)
@@ -82,13 +82,13 @@ def lce_backward_op(g_diff: Tensor, h_c: Tensor, weight: Tensor, labels: Tensor,
 
 
 @lce_backward_op.register_fake
-def _(g_diff, h_c, weight, labels, inv_t, lse_ent, cache, temperature, ignore_index, vocab_size, shard_valid,
+def _(g_diff, h_c, weight, labels, inv_t, lse_ent, cache, inv_t_scalar, ignore_index, vocab_size, shard_valid,
       cache_bytes, backend, compact_ignored, need_dh, need_dw):
     return (h_c.new_empty(h_c.shape) if need_dh else h_c.new_empty(0),
             weight.new_empty(weight.shape) if need_dw else weight.new_empty(0))
 
 
-_OPTIONS = slice(4, 11)  # temperature .. compact_ignored among the forward op's inputs
+_OPTIONS = slice(4, 11)  # inv_t_scalar .. compact_ignored among the forward op's inputs
 _N_INPUTS = 14  # hidden, weight, labels, inv_t, 8 options, keep_cache, logit_sums
 
 
@@ -116,13 +116,13 @@ def _backward(ctx, g_diff, *_non_differentiable):
 lce_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def lce(hidden: Tensor, weight: Tensor, labels: Tensor, inv_t: Optional[Tensor], *, temperature: Optional[float],
+def lce(hidden: Tensor, weight: Tensor, labels: Tensor, inv_t: Optional[Tensor], *, inv_t_scalar: Optional[float],
         ignore_index: int, vocab_size: int, shard_valid: int, cache_bytes: int, backend: str,
         compact_ignored: bool, check_labels: str, logit_sums: bool = False) -> Tuple[Tensor, Tensor]:
     """(diff [2, N], stats [3, N] or [5, N] with logit_sums) of the op without TP through the custom ops
     (api.py validated)."""
     keep = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    diff, stats, _, _, _ = lce_forward_op(hidden, weight, labels, inv_t, temperature, ignore_index, vocab_size,
+    diff, stats, _, _, _ = lce_forward_op(hidden, weight, labels, inv_t, inv_t_scalar, ignore_index, vocab_size,
                                           shard_valid, cache_bytes, backend, compact_ignored, check_labels, keep,
                                           logit_sums)
     return diff, stats

@@ -12,6 +12,7 @@ from typing import Optional, Union
 import torch
 
 from . import comms
+from .api import inv_temperature
 from .types import LCEOutput
 
 
@@ -38,16 +39,18 @@ def logprobs_entropy_from_logits(
     start = comms.group_rank(tp_group) * v_shard
     valid_cols = max(0, min(v_shard, vocab_size - start))
     raw = logits.float()[..., :valid_cols]
-    t = temperature.to(raw.device, torch.float32)[..., None] if torch.is_tensor(temperature) else float(temperature)
-    z = raw / t
+    inv_t_scalar, inv_t = inv_temperature(temperature, labels)
+    it = inv_t_scalar if inv_t is None else inv_t.to(raw.device).view(labels.shape)[..., None]
+    z = raw * it
     with torch.no_grad():
-        # MAX over the group of [max, -min]: global max (softmax shift) and min logit, no gradient needed.
+        # MAX over the group of the raw [max, -min]: global max and min logit, no gradient needed.
         if valid_cols:
-            mm = torch.stack([z.max(-1).values, -z.min(-1).values])
+            mm = torch.stack([raw.max(-1).values, -raw.min(-1).values])
         else:
             mm = torch.full((2,) + tuple(z.shape[:-1]), float("-inf"), device=z.device)
         comms.all_reduce_max_(mm, tp_group)
-        big_m, mn = mm[0], -mm[1]
+        big_mx, mn = mm[0], -mm[1]
+        big_m = big_mx * (it[..., 0] if torch.is_tensor(it) else it)  # softmax shift: the max of z, exactly
     e = torch.exp(z - big_m[..., None])
     # SUM: full-vocab exp-sum; its gradient is summed too (every rank's own log-probs use lse)
     s = comms.all_reduce_sum_partial_grad(e.sum(-1), tp_group)
@@ -66,9 +69,8 @@ def logprobs_entropy_from_logits(
         # backward reaches the exp-sum's SUM collective exactly as the other ranks' backward does.
         picked = logp.sum(-1)
     lp = comms.all_reduce_sum_replicated_grad(torch.where(own, picked, torch.zeros_like(picked)), tp_group)
-    t_raw = t[..., 0] if torch.is_tensor(t) else t
     zero = torch.zeros_like(lse)
     return LCEOutput(
         torch.where(valid, lp, zero), torch.where(valid, -plogp, zero),
-        torch.where(valid, big_m * t_raw, zero).detach(), torch.where(valid, mn * t_raw, zero).detach(),
+        torch.where(valid, big_mx, zero).detach(), torch.where(valid, mn, zero).detach(),
         torch.where(valid, lse, zero).detach())

@@ -1,7 +1,9 @@
-"""The op's option bundle and its named result.
+"""The op's option values and its named result.
 
-`LCEParams` travels as one frozen value from the functional API into the autograd Function and on to
-the backend, so the Function's backward returns one gradient slot per tensor input, not one per option.
+`VocabParallel` is the op's tensor-parallel option (the process group, who reduces d_hidden, and the
+vocabulary bookkeeping derived from the group). `LCEParams` travels as one frozen value from the
+functional API into the autograd Function and on to the backend, so the Function's backward returns
+one gradient slot per tensor input, not one per option.
 """
 from __future__ import annotations
 
@@ -9,6 +11,70 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 import torch
+
+from . import comms
+
+D_HIDDEN_MODES = ("all_reduce", "reduce_scatter", "caller")
+
+
+@dataclass(frozen=True)
+class VocabParallel:
+    """Vocabulary (tensor) parallelism of `linear_logprobs_entropy`: `weight` is this rank's vocab shard.
+
+    group     the torch.distributed process group over which the LM-head weight is split along the
+              vocabulary (Megatron's tensor-parallel group). None or a 1-rank group: no collective.
+    d_hidden  how the hidden states arrive and who reduces their gradient (below).
+
+    Vocabulary bookkeeping, derived from the group and `weight` (nothing to pass): every rank holds an
+    equal shard of V_shard = weight.shape[0] rows, rank r owning global ids [r·V_shard, (r+1)·V_shard)
+    (Megatron's layout). Labels are global ids on every rank. The true vocabulary size stays the op's
+    own `vocab_size` argument, because an unsharded weight can carry padding rows too: rows at global
+    ids >= vocab_size are padding on whichever rank they fall. Outputs are the full-vocabulary values,
+    identical on every rank.
+
+    Who reduces d_hidden. Each rank's backward computes only its vocab shard's part of d_hidden (a
+    partial sum over the vocabulary), and exactly one reduction over `group` must make it whole:
+      "all_reduce"      hidden [N, H] is the same on every rank; the op all-reduces (SUM) d_hidden in its
+                        backward, so every rank's hidden.grad is the full gradient. For callers without
+                        an autograd mapping of their own.
+      "reduce_scatter"  sequence parallel: hidden is this rank's [N/tp, H] sequence shard (rank order),
+                        labels (and a per-token temperature) cover the full sequence [N]. The forward
+                        all-gathers hidden; the backward reduce-scatters d_hidden, so this rank gets its
+                        shard of the full gradient. Pass the hidden from *before* Megatron's
+                        gather_from_sequence_parallel_region (whose backward would reduce a second time).
+      "caller"          hidden is the same on every rank and the op leaves d_hidden vocab-partial: the
+                        caller's own mapping reduces it, e.g. Megatron's copy_to_tensor_model_parallel_region
+                        (identity forward, all-reduce backward) or gather_from_sequence_parallel_region
+                        (all-gather forward, reduce-scatter backward) applied before the op.
+    Reducing in the op *and* in the caller's mapping would multiply the gradient by the group size; a
+    sequence shard whose gradient is left to the caller has no spelling here. d_weight is never reduced
+    (each rank's gradient is of its own shard).
+    """
+
+    group: Any = None
+    d_hidden: str = "all_reduce"
+
+    def __post_init__(self):
+        if self.d_hidden not in D_HIDDEN_MODES:
+            raise ValueError(f"VocabParallel(d_hidden={self.d_hidden!r}): expected one of {D_HIDDEN_MODES}")
+        comms.checked_group_size(self.group, "VocabParallel.group")
+
+    @property
+    def size(self) -> int:
+        return comms.group_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return comms.group_rank(self.group)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """hidden is this rank's sequence shard (d_hidden="reduce_scatter")."""
+        return self.d_hidden == "reduce_scatter"
+
+    def vocab_range(self, v_shard: int) -> tuple:
+        """(first, end) global ids of this rank's V_shard weight rows."""
+        return self.rank * v_shard, (self.rank + 1) * v_shard
 
 
 @dataclass(frozen=True)
@@ -18,22 +84,32 @@ class LCEParams:
     Vocabulary bookkeeping is per shard: this rank's `weight` rows hold global ids
     ``[vocab_start, vocab_start + V_shard)``, of which the first `shard_valid` rows are real tokens
     (rows past it are vocabulary padding and are excluded from the softmax, i.e. masked to -inf).
+    Temperature: the API validates `temperature` and hands on its inverse, `inv_t` (logits z = r · inv_t
+    with r = h·Wᵀ): this float when the temperature is one number, else a per-token [N] fp32 tensor
+    passed beside the params (and `inv_t` here is None).
     """
 
-    temperature: Optional[float] = 1.0  # scalar temperature; None when a per-token tensor is given
+    inv_t: Optional[float] = 1.0  # 1/T of a scalar temperature; None when a per-token inv_t tensor is given
     ignore_index: int = -100
     vocab_size: int = 0  # true global vocabulary (<= V_shard * tp)
     vocab_start: int = 0  # global id of this shard's row 0
     shard_valid: int = 0  # real (unpadded) rows in this shard, 0 <= shard_valid <= V_shard
     cache_bytes: int = 0  # logits-cache budget in bytes ("auto" resolved): forward keeps fp32 logits when they fit
     backend: str = "torch"  # resolved backend name
-    tp_group: Any = None  # torch.distributed ProcessGroup of the vocab shards, None = unsharded
-    tp_size: int = 1
-    sequence_parallel: bool = False  # hidden is this rank's [N/tp, H] sequence shard
-    reduce_d_hidden: bool = True  # the Function reduces d_hidden over tp_group (off: caller's mappings do)
+    vocab_parallel: Optional[VocabParallel] = None  # the tensor-parallel option; None = unsharded
+    tp_size: int = 1  # vocab_parallel's group size, resolved once by the API
     compact_ignored: bool = True  # partition ignore_index rows to the tail on the device (function.py)
     check_labels: str = "off"  # label/temperature value checks: "sync" | "deferred" | "off" (checks.py)
     logit_sums: bool = False  # backends also accumulate Σ_j r_j and Σ_j r_j² of the raw logits
+
+    @property
+    def tp_group(self):
+        return None if self.vocab_parallel is None else self.vocab_parallel.group
+
+    @property
+    def d_hidden(self) -> str:
+        """VocabParallel.d_hidden, "all_reduce" without vocab parallelism (no collective then)."""
+        return "all_reduce" if self.vocab_parallel is None else self.vocab_parallel.d_hidden
 
 
 class LCEOutput(NamedTuple):

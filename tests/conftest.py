@@ -1,10 +1,17 @@
-"""Test-wide setup. Without CUDA, Triton kernels run through the interpreter on CPU tensors; the
-variable must be set before any @triton.jit function is defined, so it is set here, first."""
+"""Test-wide setup, done here first, before any test module imports areal_lce or triton:
+
+* Without CUDA, Triton kernels run through the interpreter on CPU tensors (TRITON_INTERPRET=1 must be
+  set before any @triton.jit function is defined).
+* NaN poisoning: every buffer a backend's kernels write (areal_lce.backends.base.alloc) starts as NaN
+  (AREAL_LCE_POISON_OUTPUTS=1, read once when areal_lce.backends loads), so an output element a kernel
+  fails to write fails the test that reads it. torchrun workers launched by the tests inherit it.
+"""
 import os
 import shutil
 
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("AREAL_LCE_POISON_OUTPUTS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -17,3 +24,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _outputs_are_poisoned():
+    """Fail loudly if something imported areal_lce before the variable above was set."""
+    from areal_lce.backends import base
+
+    assert base.POISON == (os.environ[base.POISON_ENV] == "1"), \
+        f"{base.POISON_ENV} was not set before areal_lce.backends was imported"

@@ -109,12 +109,12 @@ def test_opcheck_forward_and_backward_ops():
     h = hidden.requires_grad_()
     w = weight.requires_grad_()
     for inv_t, cache_bytes, compact in ((None, 0, True), (1.0 / temp, 1 << 20, True), (None, 0, False)):
-        args = (h, w, labels, inv_t, 0.7 if inv_t is None else None, IGNORE, 65, 65, cache_bytes,
+        args = (h, w, labels, inv_t, 1 / 0.7 if inv_t is None else None, IGNORE, 65, 65, cache_bytes,
                 "torch", compact, "off", True)
         torch.library.opcheck(lce_forward_op, args)
         torch.library.opcheck(lce_forward_op, args + (True,))  # logit_sums: stats [5, N]
     diff, stats, h_c, lse_ent, cache = lce_forward_op(*args[:-1], False)
-    bargs = (torch.randn(2, 9), hidden.detach(), weight.detach(), labels, None, lse_ent, cache, 0.7,
+    bargs = (torch.randn(2, 9), hidden.detach(), weight.detach(), labels, None, lse_ent, cache, 1 / 0.7,
              IGNORE, 65, 65, 0, "torch", False, True, True)
     torch.library.opcheck(lce_backward_op, bargs, test_utils=("test_schema", "test_faketensor"))
 
@@ -125,7 +125,7 @@ def test_tensor_parallel_call_compiles_with_a_graph_break(fake_group):  # noqa: 
     hidden, weight, proj, labels, _ = _inputs(n=12, v=10)
     labels = torch.randint(0, 20, (12,), generator=torch.Generator().manual_seed(1))
     labels[[2, 9]] = IGNORE
-    f = _model(backend="torch", tp_group=fake_group)
+    f = _model(backend="torch", vocab_parallel=areal_lce.VocabParallel(fake_group))
     eager = _step(f, hidden, weight, proj, labels, 0.9)
     got = _step(torch.compile(f, backend="aot_eager"), hidden, weight, proj, labels, 0.9)
     for a, b in zip(got, eager):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import areal_lce
 
-from _cases import available_backends
+from helpers.inputs import available_backends
 
 CP = 2
 IGNORE = -100

@@ -12,9 +12,7 @@ import inspect
 import pytest
 import torch
 from torch import nn
-
-transformers = pytest.importorskip("transformers")
-from transformers import (  # noqa: E402
+from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -25,7 +23,7 @@ from transformers import (  # noqa: E402
     Qwen3ForCausalLM,
 )
 
-import areal_lce.hf as hf  # noqa: E402
+import areal_lce.hf as hf
 
 V, H = 1000, 64
 # initializer_range 0.2 (not the default 0.02) gives peaked next-token distributions (max prob up to
@@ -438,7 +436,6 @@ def test_fsdp2_and_dtensor_tp_two_ranks(tmp_path):
     import subprocess
     import sys
 
-    pytest.importorskip("torch.distributed.fsdp")
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     with socket.socket() as sock:
@@ -473,7 +470,7 @@ def _dist_worker():
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from areal_lce.hf.patch import _resolve_dtensor
+    from areal_lce.hf.head import _resolve_dtensor
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

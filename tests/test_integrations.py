@@ -25,7 +25,7 @@ import _integrations as I
 from areal_lce.integrations import areal as lce_areal
 from areal_lce.integrations import verl as lce_verl
 
-from _cases import available_backends
+from helpers.inputs import available_backends
 
 BACKENDS = [b for b in available_backends() if b != "triton_ascend"]
 needs_verl = pytest.mark.skipif(

@@ -12,7 +12,7 @@ import areal_lce
 from areal_lce.backends import get_backend
 from areal_lce.types import LCEParams
 
-from _cases import CASES, available_backends, make_inputs
+from helpers.inputs import CASES, available_backends, case_by_id, make_inputs
 
 BACKENDS = available_backends()
 # why each: ragged last vocab tile, padding rows with huge logits (must not be summed), per-token T (the
@@ -53,8 +53,7 @@ def test_sums_against_fp64(case, backend):
 def test_sums_leave_everything_else_bitwise_unchanged(backend):
     """The sums are extra accumulators: logprobs, entropy, stats and both gradients are the same bits
     with and without them, and the sums carry no gradient."""
-    case = CASES[1]
-    h, w, y, t = make_inputs(case, seed=5)
+    h, w, y, t = make_inputs(case_by_id("n17_v1001"), seed=5)
     res = []
     for sums in (False, True):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -77,7 +76,7 @@ def test_empty_shard_and_all_ignored(backend):
     g = torch.Generator().manual_seed(2)
     h, w = torch.randn(5, 16, generator=g), torch.randn(64, 16, generator=g)
     y = torch.randint(0, 64, (5,), generator=g)
-    params = LCEParams(temperature=1.0, vocab_size=64, vocab_start=64, shard_valid=0, backend=backend,
+    params = LCEParams(inv_t=1.0, vocab_size=64, vocab_start=64, shard_valid=0, backend=backend,
                        logit_sums=True)
     st = get_backend(backend).forward(h, w, y, None, params, keep_cache=False)
     assert torch.all(st.lsum == 0) and torch.all(st.lsq == 0) and torch.all(st.s == 0)
@@ -86,7 +85,7 @@ def test_empty_shard_and_all_ignored(backend):
 
 
 def test_sums_without_compaction_zero_ignored_rows():
-    h, w, y, t = make_inputs(CASES[5])  # "ignore": 30% ignored rows
+    h, w, y, t = make_inputs(case_by_id("ignore"))  # 30% ignored rows
     a = areal_lce.linear_logprobs_entropy(h, w, y, backend="torch", return_logit_sums=True)
     b = areal_lce.linear_logprobs_entropy(h, w, y, backend="torch", return_logit_sums=True, compact_ignored=False)
     assert torch.allclose(a.sum_logit, b.sum_logit, rtol=1e-6, atol=1e-5)

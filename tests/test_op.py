@@ -11,7 +11,7 @@ import torch
 import areal_lce
 from areal_lce.backends.reference import reference_logprobs_entropy
 
-from _cases import CASES, available_backends, make_inputs
+from helpers.inputs import CASES, available_backends, case_by_id, make_inputs
 
 BACKENDS = available_backends()
 FIELDS = ("logprobs", "entropy", "max_logit", "min_logit", "lse")
@@ -78,7 +78,7 @@ def test_against_fp64_oracle(case, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("which", ["logprobs_only", "entropy_only", "zero", "expanded", "noncontig"])
 def test_upstream_gradient_forms(backend, which):
-    case = CASES[1]
+    case = case_by_id("n17_v1001")
     h, w, y, t = make_inputs(case, seed=3)
     out, hh, ww = _run(case, backend, h, w, y, t)
     n = y.numel()
@@ -115,7 +115,7 @@ def test_upstream_gradient_forms(backend, which):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_noncontiguous_inputs(backend):
-    case = CASES[1]
+    case = case_by_id("n17_v1001")
     h, w, y, t = make_inputs(case, seed=4)
     h_nc = h.t().contiguous().t()  # same values, column-major strides
     w_nc = torch.cat([w, w], dim=1)[:, : w.shape[1]]  # a strided view
@@ -128,7 +128,7 @@ def test_noncontiguous_inputs(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_deterministic(backend):
-    case = CASES[3]
+    case = case_by_id("peaked")
     h, w, y, t = make_inputs(case, seed=5)
     runs = []
     for _ in range(2):
@@ -141,7 +141,7 @@ def test_deterministic(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cache_and_compaction_agree(backend):
-    case = CASES[5]  # has ignored rows
+    case = case_by_id("ignore")
     h, w, y, t = make_inputs(case, seed=6)
     results = []
     for kw in ({}, {"cache_bytes": 1 << 30}, {"compact_ignored": False}):
@@ -155,7 +155,7 @@ def test_cache_and_compaction_agree(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_nan_inf_poison_only_their_rows(backend):
-    case = CASES[1]
+    case = case_by_id("n17_v1001")
     h, w, y, t = make_inputs(case, seed=7)
     h = h.clone()
     h[2, 3] = float("nan")
@@ -169,15 +169,16 @@ def test_nan_inf_poison_only_their_rows(backend):
 
 
 def test_all_rows_ignored():
-    h, w, y, t = make_inputs(CASES[1])
+    case = case_by_id("n17_v1001")
+    h, w, y, t = make_inputs(case)
     y = torch.full_like(y, -100)
-    out, hh, ww = _run(CASES[1], "torch", h, w, y, t)
+    out, hh, ww = _run(case, "torch", h, w, y, t)
     gh, gw = _grads(out, hh, ww, torch.ones(y.shape), torch.ones(y.shape))
     assert torch.all(out.logprobs == 0) and torch.all(gh == 0) and torch.all(gw == 0)
 
 
 def test_materialised_route_matches_oracle():
-    case = CASES[10]  # padded vocab, peaked
+    case = case_by_id("padded_vocab")  # peaked too
     h, w, y, t = make_inputs(case, seed=8)
     h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
     logits = (h64 @ w64.t()).float()

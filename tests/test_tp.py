@@ -3,8 +3,10 @@
 * A fake TP group of size 2 in one process (torch.distributed's collectives replaced by recorders):
   the op must issue exactly the collectives its docstring promises, each on the given group and of the
   promised size — forward one MAX and one packed SUM of O(N) elements (plus the API's 2-integer
-  shard-size agreement check; the logit sums ride in the same SUM), backward one all-reduce of d_hidden, none with reduce_d_hidden=False,
-  one reduce-scatter under sequence parallel (whose forward all-gathers hidden once).
+  shard-size agreement check; the logit sums ride in the same SUM), backward one all-reduce of d_hidden
+  (VocabParallel d_hidden="all_reduce"), none with d_hidden="caller", one reduce-scatter under sequence
+  parallel ("reduce_scatter", whose forward all-gathers hidden once). The deprecated keywords tp_group /
+  sequence_parallel / reduce_d_hidden map to the same calls.
 * The real thing: `torchrun/run_lce_tp2.py --quick --bad-input` on 2 gloo ranks (CPU), which compares
   every sharded result with the unsharded fp64 oracle and checks the clear errors on bad input.
 """
@@ -21,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from areal_lce import linear_logprobs_entropy, logprobs_entropy_from_logits
+from areal_lce import VocabParallel, linear_logprobs_entropy, logprobs_entropy_from_logits
 
 ROOT = Path(__file__).resolve().parents[1]
 IGNORE = -100
@@ -42,7 +44,7 @@ def fake_group(monkeypatch):
 
     def check(group):
         if group is not g:
-            raise AssertionError(f"collective issued on {group!r}, not on the tp_group passed to the op")
+            raise AssertionError(f"collective issued on {group!r}, not on the group passed to the op")
 
     def all_reduce(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
         g.calls.append(dict(kind="all_reduce", op=op, group=group, numel=t.numel(), shape=tuple(t.shape),
@@ -117,18 +119,18 @@ def _assert_forward(calls, n_valid: int) -> int:
     return len(reduces)
 
 
-@pytest.mark.parametrize("reduce_d_hidden", [True, False], ids=["reduce_d_hidden", "no_reduce"])
-def test_fake_group_collectives_non_sp(fake_group, reduce_d_hidden):
+@pytest.mark.parametrize("d_hidden", ["all_reduce", "caller"])
+def test_fake_group_collectives_non_sp(fake_group, d_hidden):
     hidden, weight, labels = _inputs(sp=False)
-    out = linear_logprobs_entropy(hidden, weight, labels, backend="torch", tp_group=fake_group,
-                                  reduce_d_hidden=reduce_d_hidden)
+    out = linear_logprobs_entropy(hidden, weight, labels, backend="torch",
+                                  vocab_parallel=VocabParallel(fake_group, d_hidden))
     fwd = list(fake_group.calls)
     n_reduces = _assert_forward(fwd, n_valid=N)
     assert len(fwd) == n_reduces, fwd  # no all-gather, no reduce-scatter without SP
     fake_group.calls.clear()
     (out.logprobs.sum() + out.entropy.sum()).backward()
     bwd = fake_group.calls
-    if reduce_d_hidden:
+    if d_hidden == "all_reduce":
         # one SUM of d_hidden over the group, in fp32, over every row of this rank's [N, H]
         assert [(c["kind"], c["op"], c["shape"], c["dtype"]) for c in bwd] == \
             [("all_reduce", dist.ReduceOp.SUM, (N, H), torch.float32)], bwd
@@ -139,8 +141,8 @@ def test_fake_group_collectives_non_sp(fake_group, reduce_d_hidden):
 
 def test_fake_group_collectives_sequence_parallel(fake_group):
     hidden, weight, labels = _inputs(sp=True)
-    out = linear_logprobs_entropy(hidden, weight, labels, backend="torch", tp_group=fake_group,
-                                  sequence_parallel=True, temperature=0.8)
+    out = linear_logprobs_entropy(hidden, weight, labels, backend="torch", temperature=0.8,
+                                  vocab_parallel=VocabParallel(fake_group, "reduce_scatter"))
     fwd = list(fake_group.calls)
     gathers = _split(fwd, "all_gather")
     assert [(c["shape"], c["out_shape"]) for c in gathers] == [((N // 2, H), (N, H))], fwd
@@ -156,11 +158,46 @@ def test_fake_group_collectives_sequence_parallel(fake_group):
     assert hidden.grad.shape == (N // 2, H)
 
 
+@pytest.mark.parametrize("legacy, mode", [
+    (dict(), "all_reduce"),
+    (dict(reduce_d_hidden=False), "caller"),
+    (dict(sequence_parallel=True), "reduce_scatter"),
+], ids=["tp_group", "reduce_d_hidden=False", "sequence_parallel=True"])
+def test_deprecated_keywords_are_the_same_call(fake_group, legacy, mode):
+    """tp_group / sequence_parallel / reduce_d_hidden (kept for one release) give the collectives and the
+    bits of the VocabParallel they stand for."""
+    runs = []
+    for kw in (dict(legacy, tp_group=fake_group), dict(vocab_parallel=VocabParallel(fake_group, mode))):
+        hidden, weight, labels = _inputs(sp=mode == "reduce_scatter")
+        out = linear_logprobs_entropy(hidden, weight, labels, backend="torch", temperature=0.9, **kw)
+        (out.logprobs.sum() - 0.5 * out.entropy.sum()).backward()
+        runs.append(([(c["kind"], c.get("op"), c["shape"]) for c in fake_group.calls], out, hidden.grad, weight.grad))
+        fake_group.calls.clear()
+    (calls_a, out_a, dh_a, dw_a), (calls_b, out_b, dh_b, dw_b) = runs
+    assert calls_a == calls_b
+    assert torch.equal(out_a.logprobs, out_b.logprobs) and torch.equal(dh_a, dh_b) and torch.equal(dw_a, dw_b)
+
+
+def test_vocab_parallel_bad_input(fake_group):
+    hidden, weight, labels = _inputs(sp=False)
+    with pytest.raises(TypeError, match="not both"):
+        linear_logprobs_entropy(hidden, weight, labels, vocab_parallel=VocabParallel(fake_group), tp_group=fake_group)
+    with pytest.raises(ValueError, match="d_hidden"):
+        VocabParallel(fake_group, "sum")
+    with pytest.raises(TypeError, match="VocabParallel.group"):
+        VocabParallel(2)
+    with pytest.raises(TypeError, match="vocab_parallel"):
+        linear_logprobs_entropy(hidden, weight, labels, vocab_parallel=fake_group)
+    with pytest.raises(ValueError, match="reduce_d_hidden"):  # the one combination the old keywords allowed
+        linear_logprobs_entropy(hidden[: N // 2], weight, labels, tp_group=fake_group, sequence_parallel=True,
+                                reduce_d_hidden=False)
+
+
 def test_fake_group_logit_sums_ride_the_packed_sum(fake_group):
     """return_logit_sums adds two rows (Σr, Σr²) to the forward's one packed SUM: 5·n instead of 3·n
     elements, no extra collective (this rank's shard sums are exactly what the SUM receives)."""
     hidden, weight, labels = _inputs(sp=False)
-    out = linear_logprobs_entropy(hidden, weight, labels, backend="torch", tp_group=fake_group,
+    out = linear_logprobs_entropy(hidden, weight, labels, backend="torch", vocab_parallel=VocabParallel(fake_group),
                                   return_logit_sums=True)
     n = N  # every row: ignored ones are partitioned on the device, not dropped (see _assert_forward)
     floats = [c for c in _split(fake_group.calls, "all_reduce") if c["dtype"] != torch.int64]

@@ -31,7 +31,7 @@ try:
 except ImportError:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from areal_lce import check_deferred, linear_logprobs_entropy, logprobs_entropy_from_logits  # noqa: E402
+from areal_lce import VocabParallel, check_deferred, linear_logprobs_entropy, logprobs_entropy_from_logits  # noqa: E402
 from areal_lce.backends import get_backend, interpreter_on  # noqa: E402
 from areal_lce.backends.reference import reference_logprobs_entropy  # noqa: E402
 
@@ -58,7 +58,7 @@ class Case:
     pad: str = "none"  # "none" | "last" (padding inside the last shard) | "shard" (last shard all padding)
     peaked: bool = False  # some logits ~25 above the rest (weight rows copied from hidden rows)
     cache: bool = False  # logits cache on (cache_bytes large enough) instead of recompute
-    route: str = "fused"  # "fused" | "no_reduce" (reduce_d_hidden=False under a copy-to-TP mapping)
+    route: str = "fused"  # "fused" | "no_reduce" (VocabParallel d_hidden="caller" under a copy-to-TP mapping)
     #                       | "materialised" (logprobs_entropy_from_logits on this rank's logits shard)
     min_tp: int = 2
 
@@ -200,11 +200,11 @@ def run_sharded(case: Case, backend: str, hidden, weight, labels, temperature, v
     else:
         h_in = CopyToTP.apply(h, group) if case.route == "no_reduce" else h
         cache = 1 << 30 if case.cache else 0
+        d_hidden = "caller" if case.route == "no_reduce" else "reduce_scatter" if case.sp else "all_reduce"
         out = linear_logprobs_entropy(h_in, w, labels, temperature=temperature, ignore_index=IGNORE,
                                       vocab_size=vocab, return_stats=True, return_logit_sums=True,
                                       backend=backend, cache_bytes=cache,
-                                      tp_group=group, sequence_parallel=case.sp,
-                                      reduce_d_hidden=case.route != "no_reduce")
+                                      vocab_parallel=VocabParallel(group, d_hidden))
     (out.logprobs * g_lp + out.entropy * g_ent).sum().backward()
     return out, h.grad, w.grad
 
@@ -273,8 +273,8 @@ def run_bad_input(group, device, backend: str) -> bool:
     full_w = torch.randn(v_shard * tp, h_dim, generator=g).to(device)
     labels = torch.randint(0, v_shard * tp, (n,), generator=g).to(device)
     shard = full_w[rank * v_shard:(rank + 1) * v_shard]
-    call = (lambda **kw: linear_logprobs_entropy(**{**dict(hidden=hidden, weight=shard, labels=labels,
-                                                            backend=backend, tp_group=group), **kw}))
+    base = dict(hidden=hidden, weight=shard, labels=labels, backend=backend, vocab_parallel=VocabParallel(group))
+    call = (lambda **kw: linear_logprobs_entropy(**{**base, **kw}))
     checked = lambda **kw: (call(**kw), check_deferred())  # noqa: E731  (label values: deferred on GPUs)
     ok = [
         # rank r holds v_shard + r rows: the shard-size agreement check must fire on every rank
@@ -288,15 +288,16 @@ def run_bad_input(group, device, backend: str) -> bool:
         # ranks passing different labels: every rank raises (deferred on GPUs: every logprob NaN until then)
         expect_error("labels_differ_across_ranks", lambda: checked(labels=(labels + rank) % (v_shard * tp)),
                      "labels differ across the tensor-parallel group", rank),
-        # the unsharded weight handed in with tp_group: caught through the true vocabulary size
+        # the unsharded weight handed in with a vocab-parallel group: caught through the true vocabulary size
         expect_error("full_weight_with_tp_group", lambda: call(weight=full_w, vocab_size=v_shard * tp),
                      "vocab shard", rank),
         # under SP, labels must cover the full sequence, not this rank's rows
         expect_error("sp_local_labels", lambda: call(hidden=hidden[: n // tp], labels=labels[: n // tp],
-                                                     sequence_parallel=True),
-                     "sequence_parallel", rank),
-        expect_error("sp_without_reduce", lambda: call(hidden=hidden[: n // tp], sequence_parallel=True,
-                                                        reduce_d_hidden=False), "reduce_d_hidden", rank),
+                                                     vocab_parallel=VocabParallel(group, "reduce_scatter")),
+                     "full sequence", rank),
+        expect_error("deprecated_kw_sp_without_reduce", lambda: call(  # the shim refuses their one bad combination
+            hidden=hidden[: n // tp], vocab_parallel=None, tp_group=group, sequence_parallel=True,
+            reduce_d_hidden=False), "reduce_d_hidden", rank),
     ]
     return reduce_max([float(not all(ok))], group, device)[0] == 0.0  # every rank must have seen every error
 
@@ -347,7 +348,6 @@ def main() -> int:
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-
     backends = available_backends(device) if args.backends == "auto" else args.backends.split(",")
     for b in backends:
         get_backend(b)  # an explicitly named backend that cannot load is an error

@@ -8,16 +8,20 @@ Notation: z = (h · Wᵀ) · inv_t with inv_t = 1/T per token; columns j >= shar
 behave as z_j = -inf (excluded from every statistic, never read as 0).
 
 forward -> ShardStats, per token over this shard's valid columns:
-  m   = max_j z_j
+  m   = max_j z_j                             (the tempered max: the reference point of s and a)
   s   = Σ_j exp(z_j - m)
   a   = Σ_j (z_j - m) · exp(z_j - m)          (relative to m: no cancellation in the entropy)
   zy  = z_label if vocab_start <= label < vocab_start + shard_valid else 0
-  mn  = min_j z_j
-  lsum, lsq = Σ_j r_j and Σ_j r_j² of the RAW logits r = h · Wᵀ (no temperature), only when
-        params.logit_sums (else None); accumulated in the same pass over the vocabulary as m and s.
+  mx, mn = max_j r_j and min_j r_j of the RAW logits r = h · Wᵀ (no temperature): the op's max_logit /
+        min_logit, emitted as computed, never rescaled by T afterwards.
+  lsum, lsq = Σ_j r_j and Σ_j r_j² of the raw logits, only when params.logit_sums (else None);
+        accumulated in the same pass over the vocabulary as m and s.
   cache: opaque object handed back to backward (e.g. fp32 logits kept under params.cache_bytes), or None.
-  With an empty shard (shard_valid == 0): m = -inf, s = a = 0, mn = +inf, lsum = lsq = 0.
+  With an empty shard (shard_valid == 0): m = mx = -inf, s = a = 0, mn = +inf, lsum = lsq = 0.
   Then lse = m + log s and entropy = log s - a / s (after the cross-shard merge in the Function).
+  m is exactly mx · inv_t in fp32 (the Function relies on it): z_j is the rounded product r_j · inv_t,
+  and rounding a product by inv_t > 0 is monotone, so the largest z_j is the rounded product of the
+  largest r_j. A backend may so track the raw max alone and derive m from it, or the reverse.
 
 backward(lse, ent, g_lp, g_ent) -> (d_hidden fp32 [N, H] or None, d_weight [V_shard, H] in weight.dtype or None):
   p_j  = exp(z_j - lse)
@@ -38,6 +42,7 @@ cache_spec(n, h, v_shard, dtype, params, keep_cache) -> (shape, dtype) of the ca
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Tuple
 
@@ -46,13 +51,26 @@ import torch
 from ..types import LCEParams
 
 
+POISON_ENV = "AREAL_LCE_POISON_OUTPUTS"
+POISON = os.environ.get(POISON_ENV, "") == "1"  # read once; tests/conftest.py sets it before areal_lce loads
+
+
+def alloc(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.empty for every buffer a backend's kernels (or loops) write. With AREAL_LCE_POISON_OUTPUTS=1,
+    which tests/conftest.py sets, floating-point buffers start as NaN instead, so an element a kernel fails
+    to write shows up as NaN in the tests. Off otherwise (one flag test per allocation)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    return t.fill_(float("nan")) if POISON and t.is_floating_point() else t
+
+
 @dataclass
 class ShardStats:
-    m: torch.Tensor
+    m: torch.Tensor  # tempered max (softmax reference point)
     s: torch.Tensor
     a: torch.Tensor
     zy: torch.Tensor
-    mn: torch.Tensor
+    mn: torch.Tensor  # raw min
+    mx: torch.Tensor  # raw max
     cache: Any = None
     lsum: Optional[torch.Tensor] = None  # Σ raw logits, only with params.logit_sums
     lsq: Optional[torch.Tensor] = None  # Σ raw logits², only with params.logit_sums
@@ -66,7 +84,7 @@ class Backend(Protocol):
         hidden: torch.Tensor,  # [N, H]
         weight: torch.Tensor,  # [V_shard, H], same dtype as hidden
         labels: torch.Tensor,  # [N] int64, global ids (any value; out-of-shard ids give zy = 0)
-        inv_t: Optional[torch.Tensor],  # [N] fp32, or None -> scalar 1 / params.temperature
+        inv_t: Optional[torch.Tensor],  # [N] fp32, or None -> the scalar params.inv_t
         params: LCEParams,
         keep_cache: bool,  # True when the caller will run backward and may keep logits
         n_valid: Optional[torch.Tensor] = None,  # [1] int64 device tensor: rows >= n_valid may be skipped
@@ -91,8 +109,3 @@ class Backend(Protocol):
 
     def cache_spec(self, n: int, h: int, v_shard: int, dtype: torch.dtype, params: LCEParams,
                    keep_cache: bool) -> Optional[Tuple[Tuple[int, ...], torch.dtype]]: ...
-
-
-def scalar_inv_t(params: LCEParams) -> float:
-    """1/T for the scalar-temperature case (params.temperature is set whenever inv_t is None)."""
-    return 1.0 / float(params.temperature)

@@ -14,7 +14,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 
 from ..types import LCEParams
-from .base import ShardStats, scalar_inv_t
+from .base import ShardStats
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -26,7 +26,7 @@ def shard_logits(hidden, weight, inv_t, params: LCEParams, raw: Optional[torch.T
     `raw`: this shard's raw logits h·Wᵀ when already computed (else computed here)."""
     acc = _acc_dtype(hidden)
     z = hidden.to(acc) @ weight.to(acc).t() if raw is None else raw
-    z = z * (inv_t.to(acc)[:, None] if inv_t is not None else scalar_inv_t(params))
+    z = z * (inv_t.to(acc)[:, None] if inv_t is not None else params.inv_t)
     if params.shard_valid < weight.shape[0]:
         z[:, params.shard_valid:] = float("-inf")
     return z
@@ -39,13 +39,15 @@ def label_onehot_index(labels: torch.Tensor, params: LCEParams) -> Tuple[torch.T
     return torch.where(owned, local, torch.zeros_like(local)), owned
 
 
-def stats_from_logits(z: torch.Tensor, labels: torch.Tensor, params: LCEParams) -> ShardStats:
+def stats_from_logits(z: torch.Tensor, raw: torch.Tensor, labels: torch.Tensor, params: LCEParams) -> ShardStats:
+    """ShardStats (base.py) of tempered logits z and raw logits r = h·Wᵀ of one shard, materialised."""
     n = z.shape[0]
     if params.shard_valid == 0:
         inf = torch.full((n,), float("inf"), dtype=z.dtype, device=z.device)
         zero = torch.zeros(n, dtype=z.dtype, device=z.device)
-        return ShardStats(m=-inf, s=zero, a=zero.clone(), zy=zero.clone(), mn=inf)
+        return ShardStats(m=-inf, s=zero, a=zero.clone(), zy=zero.clone(), mn=inf, mx=-inf)
     zv = z[:, : params.shard_valid]
+    rv = raw[:, : params.shard_valid]
     m = zv.max(dim=1).values
     # NaN must poison the row: max() already propagates NaN in torch; keep the shifted values as is.
     d = zv - m[:, None]
@@ -55,8 +57,7 @@ def stats_from_logits(z: torch.Tensor, labels: torch.Tensor, params: LCEParams) 
     a = a + torch.where(torch.isnan(d), d, torch.zeros_like(d)).sum(dim=1)  # keep NaN visible
     col, owned = label_onehot_index(labels, params)
     zy = torch.where(owned, zv.gather(1, col[:, None]).squeeze(1), torch.zeros_like(m))
-    mn = zv.min(dim=1).values
-    return ShardStats(m=m, s=s, a=a, zy=zy, mn=mn)
+    return ShardStats(m=m, s=s, a=a, zy=zy, mn=rv.min(dim=1).values, mx=rv.max(dim=1).values)
 
 
 def grad_logits(z, labels, lse, ent, g_lp, g_ent, params: LCEParams) -> torch.Tensor:
@@ -83,7 +84,7 @@ class ReferenceBackend:
         acc = _acc_dtype(hidden)
         raw = hidden.to(acc) @ weight.to(acc).t()
         z = shard_logits(hidden, weight, inv_t, params, raw=raw)
-        st = stats_from_logits(z, labels, params)
+        st = stats_from_logits(z, raw, labels, params)
         if params.logit_sums:  # raw logits of the valid columns only
             rv = raw[:, : params.shard_valid]
             st.lsum, st.lsq = rv.sum(dim=1), (rv * rv).sum(dim=1)
@@ -94,7 +95,7 @@ class ReferenceBackend:
                  need_d_hidden, need_d_weight, n_valid=None):
         z = cache if cache is not None else shard_logits(hidden, weight, inv_t, params)
         dz = grad_logits(z, labels, lse, ent, g_lp, g_ent, params)
-        dl = dz * (inv_t.to(dz.dtype)[:, None] if inv_t is not None else scalar_inv_t(params))
+        dl = dz * (inv_t.to(dz.dtype)[:, None] if inv_t is not None else params.inv_t)
         acc = dl.dtype
         dh = (dl @ weight.to(acc)).to(torch.float32 if acc == torch.float32 else acc) if need_d_hidden else None
         dw = (dl.t() @ hidden.to(acc)).to(weight.dtype) if need_d_weight else None

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from ..types import LCEParams
-from .base import ShardStats, scalar_inv_t
+from .base import ShardStats, alloc
 
 
 def _chunks(n: int, size: int):
@@ -63,7 +63,7 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _inv_t(inv_t: Optional[torch.Tensor], params: LCEParams, t0: int, t1: int, dtype):
-    return inv_t[t0:t1, None].to(dtype) if inv_t is not None else scalar_inv_t(params)
+    return inv_t[t0:t1, None].to(dtype) if inv_t is not None else params.inv_t
 
 
 class TorchChunkedBackend:
@@ -85,26 +85,30 @@ class TorchChunkedBackend:
         n, dev = hidden.shape[0], hidden.device
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         vv = params.shard_valid
-        m = torch.full((n,), float("-inf"), dtype=acc, device=dev)
-        mn = torch.full((n,), float("inf"), dtype=acc, device=dev)
+        m = torch.full((n,), float("-inf"), dtype=acc, device=dev)  # tempered running max
+        mx = torch.full((n,), float("-inf"), dtype=acc, device=dev)  # raw running max
+        mn = torch.full((n,), float("inf"), dtype=acc, device=dev)  # raw running min
         s, a, zy = (torch.zeros(n, dtype=acc, device=dev) for _ in range(3))
         lsum = torch.zeros(n, dtype=acc, device=dev) if params.logit_sums else None
         lsq = torch.zeros(n, dtype=acc, device=dev) if params.logit_sums else None
         spec = self.cache_spec(n, hidden.shape[1], weight.shape[0], hidden.dtype, params, keep_cache)
-        cache = None if spec is None else torch.empty(spec[0], dtype=spec[1], device=dev)
+        cache = None if spec is None else alloc(spec[0], spec[1], dev)
         local = labels - params.vocab_start
         n_chunk, v_chunk = chunk_shape(n, vv, dev)
         for t0, t1 in _chunks(n, n_chunk):
-            mt, st, at = m[t0:t1], s[t0:t1], a[t0:t1]
+            mt, st, at, mxt = m[t0:t1], s[t0:t1], a[t0:t1], mx[t0:t1]
             for v0, v1 in _chunks(vv, v_chunk):
                 z = _mm_f32(hidden[t0:t1], weight[v0:v1].t())  # raw logits of this block
                 if lsum is not None:  # raw-logit sums from the same block, before temperature
                     lsum[t0:t1] += z.sum(1)
                     lsq[t0:t1] += (z * z).sum(1)
-                z.mul_(_inv_t(inv_t, params, t0, t1, z.dtype))
+                torch.maximum(mxt, z.max(dim=1).values, out=mxt)
+                torch.minimum(mn[t0:t1], z.min(dim=1).values, out=mn[t0:t1])
+                it = _inv_t(inv_t, params, t0, t1, z.dtype)
+                z.mul_(it)
                 if cache is not None:
                     cache[t0:t1, v0:v1] = z
-                new_m = torch.maximum(mt, z.max(dim=1).values)
+                new_m = mxt * (it[:, 0] if torch.is_tensor(it) else it)  # = max of the tempered z (base.py)
                 shift = mt - new_m
                 scale = torch.exp(shift)
                 d = z - new_m[:, None]
@@ -113,12 +117,11 @@ class TorchChunkedBackend:
                 at.copy_(torch.where(st > 0, (at + shift * st) * scale, torch.zeros_like(at)) + (d * e).sum(1))
                 st.copy_(st * scale + e.sum(1))
                 mt.copy_(new_m)
-                torch.minimum(mn[t0:t1], z.min(dim=1).values, out=mn[t0:t1])
                 col = local[t0:t1] - v0
                 own = (col >= 0) & (col < v1 - v0)
                 picked = z.gather(1, col.clamp(0, v1 - v0 - 1)[:, None]).squeeze(1)
                 zy[t0:t1] += torch.where(own, picked, torch.zeros_like(picked))
-        return ShardStats(m=m, s=s, a=a, zy=zy, mn=mn, cache=cache, lsum=lsum, lsq=lsq)
+        return ShardStats(m=m, s=s, a=a, zy=zy, mn=mn, mx=mx, cache=cache, lsum=lsum, lsq=lsq)
 
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache, lse, ent, g_lp, g_ent,
                  need_d_hidden, need_d_weight, n_valid=None):

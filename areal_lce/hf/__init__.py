@@ -7,12 +7,12 @@
 
 See docs/hf.md.
 """
+from .head import fused_head
 from .patch import (
     LCECausalLMOutput,
     VERIFIED_MODEL_TYPES,
     apply,
     check_supported,
-    fused_head,
     is_patched,
     next_token_labels,
     remove,

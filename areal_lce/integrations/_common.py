@@ -7,8 +7,8 @@ import math
 import torch
 
 _ORIGINALS: dict = {}  # (module name, attribute) -> the framework's own function, kept for remove()
-_RESERVED = ("tp_group", "sequence_parallel", "reduce_d_hidden", "temperature", "return_stats",
-             "return_logit_sums", "vocab_size")
+_RESERVED = ("vocab_parallel", "tp_group", "sequence_parallel", "reduce_d_hidden", "temperature",
+             "return_stats", "return_logit_sums", "vocab_size")
 
 
 def check_op_options(options: dict, adapter: str) -> None:

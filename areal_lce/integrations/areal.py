@@ -38,7 +38,8 @@ from typing import NamedTuple
 import torch
 
 from .. import comms
-from ..api import linear_logprobs_entropy
+from ..api import check_temperature, linear_logprobs_entropy
+from ..types import VocabParallel
 from ._common import check_op_options, patch, positive_float, restore, token_rows
 
 _NAME = "areal_lce.integrations.areal.chunked_lm_head_logprobs_entropy"
@@ -81,7 +82,7 @@ def chunked_lm_head_logprobs_entropy(output_layer, hidden_states: torch.Tensor, 
     """AReaL's `chunked_lm_head_logprobs_entropy`; contract in the module docstring. `op_options` go to
     `areal_lce.linear_logprobs_entropy` (backend, cache_bytes, check_labels, compact_ignored)."""
     check_op_options(op_options, _NAME)
-    t = positive_float(temperature, "temperature", _NAME)
+    t = check_temperature(temperature, f"{_NAME}: temperature", allow_tensor=False)
     scale = positive_float(logit_scale, "logit_scale", _NAME)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"{_NAME}: chunk_size must be a positive int, got {chunk_size!r}")
@@ -94,10 +95,13 @@ def chunked_lm_head_logprobs_entropy(output_layer, hidden_states: torch.Tensor, 
         h2, weight = h2.float(), weight.float()
     elif h2.dtype != weight.dtype:
         raise ValueError(f"{_NAME}: hidden ({h2.dtype}) and weight ({weight.dtype}) dtypes must match")
-    out = linear_logprobs_entropy(
-        h2, weight, y, temperature=t / scale, tp_group=tp_group if tp > 1 else None, sequence_parallel=sp,
-        reduce_d_hidden=sp or bool(getattr(output_layer, "allreduce_dgrad", tp > 1)),
-        return_stats=True, return_logit_sums=True, **op_options)
+    if sp:  # this rank's sequence shard: gathered in the op, d_hidden reduce-scattered back
+        d_hidden = "reduce_scatter"
+    else:  # the layer's allreduce_dgrad (its input-gradient all-reduce, which this call replaces) or not
+        d_hidden = "all_reduce" if getattr(output_layer, "allreduce_dgrad", tp > 1) else "caller"
+    vp = VocabParallel(tp_group if tp > 1 else None, d_hidden)
+    out = linear_logprobs_entropy(h2, weight, y, temperature=t / scale, vocab_parallel=vp, return_stats=True,
+                                  return_logit_sums=True, **op_options)
     vocab = weight.shape[0] * tp
     return output_type()(
         out.logprobs, out.entropy.detach(), out.min_logit * scale, out.max_logit * scale,

@@ -28,8 +28,9 @@ from typing import Optional
 
 import torch
 
-from ..api import linear_logprobs_entropy
-from ._common import check_op_options, patch, positive_float, restore, token_rows
+from ..api import check_temperature, linear_logprobs_entropy
+from ..types import VocabParallel
+from ._common import check_op_options, patch, restore, token_rows
 
 _NAME = "areal_lce.integrations.verl.linear_cross_entropy"
 # Where verl 0.9.1 looks `linear_cross_entropy` up at call time: the Megatron fused forward (its
@@ -53,14 +54,15 @@ def linear_cross_entropy(
     -> (logprobs, entropy); contract in the module docstring. `op_options` go to
     `areal_lce.linear_logprobs_entropy` (backend, cache_bytes, check_labels, compact_ignored)."""
     check_op_options(op_options, _NAME)
-    t = positive_float(temperature, "temperature", _NAME)
+    t = check_temperature(temperature, f"{_NAME}: temperature", allow_tensor=False)
     if not isinstance(reduction, str) or reduction.lower() not in ("none", "sum", "mean"):
         raise ValueError(f"{_NAME}: reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
     h2, y = token_rows(hidden, labels, 1, _NAME)
     if h2.dtype != weight.dtype:  # e.g. an fp32 residual stream: compute in the weight's dtype
         h2 = h2.to(weight.dtype)
-    out = linear_logprobs_entropy(h2, weight, y, temperature=t, tp_group=dist_process_group,
-                                  sequence_parallel=False, reduce_d_hidden=False, **op_options)
+    # verl's SP gather (or, without SP, its caller) reduces d_hidden: the op leaves it vocab-partial
+    vp = VocabParallel(dist_process_group, d_hidden="caller")
+    out = linear_logprobs_entropy(h2, weight, y, temperature=t, vocab_parallel=vp, **op_options)
     logprobs = out.logprobs
     if reduction.lower() == "sum":
         logprobs = logprobs.sum()

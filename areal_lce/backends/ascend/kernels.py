@@ -61,15 +61,19 @@ def _d_logits(b_z, m_ok, m_label, b_lse, b_ent, b_glp, b_gent, b_t):
 @triton.jit
 def lce_fwd_kernel(
     h_ptr, w_ptr, y_ptr, inv_t_ptr,
-    m_ptr, s_ptr, a_ptr, zy_ptr, mn_ptr, ls_ptr, lq_ptr,
+    m_ptr, s_ptr, a_ptr, zy_ptr, mn_ptr, mx_ptr, ls_ptr, lq_ptr,
     N, H, shard_valid, vocab_start, inv_t_scalar,
     stride_h, stride_w,
     HAS_INV_T: tl.constexpr, HAS_SUMS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """Per token over this shard's valid columns: m = max z, s = Σ e^(z-m), a = Σ (z-m)·e^(z-m),
-    zy = z[label] (0 if the label is not in the shard), mn = min z; with HAS_SUMS also Σ r and Σ r² of
-    the raw logits r = h·Wᵀ (before temperature). Online over vocab tiles."""
+    zy = z[label] (0 if the label is not in the shard), mn / mx = min / max of the raw logits
+    r = h·Wᵀ (before temperature); with HAS_SUMS also Σ r and Σ r². Online over vocab tiles.
+
+    The running max is kept in raw units (mx) and the tempered one derived as m = mx · inv_t, which is
+    exactly the max of the tempered z (rounding a product by inv_t > 0 is monotone): the raw max costs
+    no extra reduction and is stored as computed."""
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -81,7 +85,7 @@ def lce_fwd_kernel(
         else:
             b_t = tl.zeros((BLOCK_N,), dtype=tl.float32) + inv_t_scalar
         b_y = tl.load(y_ptr + o_n, mask=m_n, other=-1) - vocab_start
-        b_m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        b_mx = tl.full((BLOCK_N,), float("-inf"), tl.float32)
         b_s = tl.zeros((BLOCK_N,), dtype=tl.float32)
         b_a = tl.zeros((BLOCK_N,), dtype=tl.float32)
         b_zy = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -97,22 +101,24 @@ def lce_fwd_kernel(
                 b_rv = tl.where(m_v[None, :], b_r, 0.0)
                 b_ls += tl.sum(b_rv, 1)
                 b_lq += tl.sum(b_rv * b_rv, 1)
+            b_mn = tl.minimum(b_mn, tl.min(tl.where(m_v[None, :], b_r, float("inf")), 1))
+            b_mx_new = tl.maximum(b_mx, tl.max(tl.where(m_v[None, :], b_r, float("-inf")), 1))
+            b_m, b_m_new = b_mx * b_t, b_mx_new * b_t  # tempered maxima before / after this tile
             b_z = b_r * b_t[:, None]
             b_z = tl.where(m_v[None, :], b_z, float("-inf"))
-            b_m_new = tl.maximum(b_m, tl.max(b_z, 1))
             b_d = tl.where(m_v[None, :], b_z - b_m_new[:, None], 0.0)  # 0, not -inf: no (-inf)·0 below
             b_e = tl.where(m_v[None, :], tl.exp(b_d), 0.0)
             # Rescale the running sums to the new max: a' = e^δ (a + δ s), s' = e^δ s, δ = m - m'.
             # Before the first tile m = -inf and s = a = 0; δ := 0 there avoids (-inf)·0.
             b_shift = tl.where(b_m == float("-inf"), 0.0, b_m - b_m_new)
-            b_r = tl.exp(b_shift)
-            b_a = b_r * (b_a + b_shift * b_s) + tl.sum(b_d * b_e, 1)
-            b_s = b_r * b_s + tl.sum(b_e, 1)
-            b_m = b_m_new
+            b_alpha = tl.exp(b_shift)
+            b_a = b_alpha * (b_a + b_shift * b_s) + tl.sum(b_d * b_e, 1)
+            b_s = b_alpha * b_s + tl.sum(b_e, 1)
+            b_mx = b_mx_new
             m_label = (o_v[None, :] == b_y[:, None]) & m_v[None, :]
             b_zy += tl.sum(tl.where(m_label, b_z, 0.0), 1)
-            b_mn = tl.minimum(b_mn, tl.min(tl.where(m_v[None, :], b_z, float("inf")), 1))
-        tl.store(m_ptr + o_n, b_m, mask=m_n)
+        tl.store(m_ptr + o_n, b_mx * b_t, mask=m_n)
+        tl.store(mx_ptr + o_n, b_mx, mask=m_n)
         tl.store(s_ptr + o_n, b_s, mask=m_n)
         tl.store(a_ptr + o_n, b_a, mask=m_n)
         tl.store(zy_ptr + o_n, b_zy, mask=m_n)

@@ -18,7 +18,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from ...types import LCEParams
-from ..base import ShardStats, scalar_inv_t
+from ..base import ShardStats, alloc
 from . import configs
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -97,10 +97,7 @@ class AscendBackend:
         labels = _aligned_labels(labels.to(torch.int64))
         if inv_t is not None:
             inv_t = inv_t.to(torch.float32).contiguous()
-            scalar = 1.0
-        else:
-            scalar = scalar_inv_t(params)
-        return hidden, weight, labels, inv_t, scalar
+        return hidden, weight, labels, inv_t, params.inv_t if inv_t is None else 1.0
 
     def tiles(self, kind: str, hidden: torch.Tensor, n_tokens: int, vocab: int) -> configs.Tiles:
         return configs.pick_tiles(kind, hidden=hidden.shape[1], elt_bytes=hidden.element_size(),
@@ -121,30 +118,30 @@ class AscendBackend:
     def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool,
                 n_valid=None) -> ShardStats:
         # n_valid is not used: every row is computed (the Function zero-fills the ignored tail)
-        hidden, weight, labels, inv_t, scalar = self._prep(hidden, weight, labels, inv_t, params)
+        hidden, weight, labels, inv_t, inv_t_scalar = self._prep(hidden, weight, labels, inv_t, params)
         n, h = hidden.shape
         dev = hidden.device
         sums = params.logit_sums
-        outs = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(7 if sums else 5)]
+        outs = [alloc(n, torch.float32, dev) for _ in range(8 if sums else 6)]  # m..mx[, Σr, Σr²]
         if n > 0:
             t = self.tiles("fwd", hidden, n, params.shard_valid)
             grid = (self.programs(_cdiv(n, t.block_n), dev),)
             self._k.lce_fwd_kernel[grid](
                 hidden, weight, labels, inv_t if inv_t is not None else hidden,
                 *(outs if sums else outs + [outs[0], outs[0]]),  # the sums' pointers are unused without HAS_SUMS
-                n, h, params.shard_valid, params.vocab_start, scalar,
+                n, h, params.shard_valid, params.vocab_start, inv_t_scalar,
                 hidden.stride(0), weight.stride(0),
                 HAS_INV_T=inv_t is not None, HAS_SUMS=sums,
                 BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_H=t.block_h,
             )
-        m, s, a, zy, mn = outs[:5]
-        return ShardStats(m=m, s=s, a=a, zy=zy, mn=mn, cache=None,
-                          lsum=outs[5] if sums else None, lsq=outs[6] if sums else None)
+        m, s, a, zy, mn, mx = outs[:6]
+        return ShardStats(m=m, s=s, a=a, zy=zy, mn=mn, mx=mx, cache=None,
+                          lsum=outs[6] if sums else None, lsq=outs[7] if sums else None)
 
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,
                  need_d_hidden: bool, need_d_weight: bool,
                  n_valid=None) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        hidden, weight, labels, inv_t, scalar = self._prep(hidden, weight, labels, inv_t, params)
+        hidden, weight, labels, inv_t, inv_t_scalar = self._prep(hidden, weight, labels, inv_t, params)
         n, h = hidden.shape
         v_shard, valid = weight.shape[0], params.shard_valid
         dev = hidden.device
@@ -159,12 +156,12 @@ class AscendBackend:
             if n == 0 or valid == 0:
                 d_hidden = torch.zeros(n, h, dtype=torch.float32, device=dev)
             else:
-                d_hidden = torch.empty(n, h, dtype=torch.float32, device=dev)
+                d_hidden = alloc((n, h), torch.float32, dev)
                 t = self.tiles("bwd_dh", hidden, n, valid)
                 grid = (self.programs(_cdiv(n, t.block_n), dev),)
                 self._k.lce_bwd_dh_kernel[grid](
                     hidden, weight, labels, t_arg, *rows, d_hidden,
-                    n, h, valid, params.vocab_start, scalar,
+                    n, h, valid, params.vocab_start, inv_t_scalar,
                     hidden.stride(0), weight.stride(0), d_hidden.stride(0),
                     HAS_INV_T=inv_t is not None,
                     BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_H=t.block_h,
@@ -174,12 +171,12 @@ class AscendBackend:
             if n == 0 or valid == 0:
                 d_weight = torch.zeros(v_shard, h, dtype=weight.dtype, device=dev)
             else:
-                acc = torch.empty(v_shard, h, dtype=torch.float32, device=dev)
+                acc = alloc((v_shard, h), torch.float32, dev)
                 t = self.tiles("bwd_dw", hidden, n, valid)
                 grid = (self.programs(_cdiv(valid, t.block_v), dev),)
                 self._k.lce_bwd_dw_kernel[grid](
                     hidden, weight, labels, t_arg, *rows, acc,
-                    n, h, valid, params.vocab_start, scalar,
+                    n, h, valid, params.vocab_start, inv_t_scalar,
                     hidden.stride(0), weight.stride(0), acc.stride(0),
                     HAS_INV_T=inv_t is not None,
                     BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_H=t.block_h,

@@ -5,9 +5,9 @@ No allocation or host logic here (launch.py owns both):
   lce_fwd_kernel        one program = BLOCK_N tokens x one vocab split of SPLIT_V columns. For each
                         BLOCK_V tile it runs a tensor-core GEMM over H (fp32 accumulator) and folds the
                         tile into running per-token statistics (online softmax). Writes per-split
-                        partials (m, s, a, zy, mn), with HAS_SUMS also the raw logits' row sum and sum
-                        of squares from the same accumulator tile (logit mean / L2 norm without another
-                        pass), and optionally the fp32 tempered logits (cache).
+                        partials (m, s, a, zy, mn, mx), with HAS_SUMS also the raw logits' row sum and
+                        sum of squares from the same accumulator tile (logit mean / L2 norm without
+                        another pass), and optionally the fp32 tempered logits (cache).
                         z_label comes from the same accumulator as the max and the sum, so logprob =
                         z_label - lse keeps their rounding correlated (a separate row dot gave 7-20x
                         worse max |dlogp| on an H100, benchmark/notes.md run7).
@@ -24,10 +24,12 @@ CACHE_COLS] tile is one contiguous block.
 
 Units. The accumulator holds raw logits r = h . w. With c = inv_t * log2(e), the softmax terms are
 exp2((r - r_max) * c); subtracting in raw units first keeps (r - r_max) exact near the max. The partial
-`a` is returned in natural units: a = ln2 * sum(d2 * exp2(d2)), d2 = (r - r_max) * c.
+`a` is returned in natural units: a = ln2 * sum(d2 * exp2(d2)), d2 = (r - r_max) * c. The raw max and
+min (mx, mn: the op's max_logit / min_logit) are stored as tracked; the tempered max m = r_max * inv_t
+(the merge's reference point) is one more row of the partials, so the merge needs no inv_t.
 
 NaN. tl.max / tl.maximum ignore NaN on the GPU, so a NaN logit never reaches the running max; it does
-reach exp2(NaN - m) and therefore s, and the merge kernel turns m / mn into NaN wherever s is NaN.
+reach exp2(NaN - m) and therefore s, and the merge kernel turns m / mn / mx into NaN wherever s is NaN.
 
 Interpreter. bf16 tl.dot returns garbage under TRITON_INTERPRET=1 (field-notes section 5): with
 UPCAST every loaded tile is converted to fp32 right after the load.
@@ -147,14 +149,14 @@ def _cache_tile(z_cache, o_n, col0, N, BLOCK_V: tl.constexpr, CACHE_COLS: tl.con
 @triton.jit
 def lce_fwd_kernel(
     h, w, d_h, d_w, y, inv_t, part, z_cache, n_valid,
-    N, H, V, SPLIT_V, n_splits, stride_part, scale,
+    N, H, V, SPLIT_V, n_splits, stride_part, inv_t_scalar,
     HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, HAS_N_VALID: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     CACHE_COLS: tl.constexpr,
 ):
-    """part: fp32 [5, n_splits, N] = (m, s, a, zy, mn) of each split, [7, n_splits, N] with HAS_SUMS
-    (+ Σ r, Σ r² of the raw logits r); z_cache: fp32 cache (module docstring) or unused. V here is the
+    """part: fp32 [6, n_splits, N] = (m, s, a, zy, mn, mx) of each split (m tempered, mn / mx raw),
+    [8, n_splits, N] with HAS_SUMS (+ Σ r, Σ r² of the raw logits r); z_cache: fp32 cache (module docstring) or unused. V here is the
     number of valid columns; y holds local label columns (int32, -1 = not owned).
     d_h / d_w: TMA descriptors of hidden [N, H] and weight [V, H] when USE_TMA, else unused.
     n_valid: [1] int32 row count when HAS_N_VALID: a token block starting at or past it folds no tile
@@ -170,7 +172,7 @@ def lce_fwd_kernel(
     if HAS_INV_T:
         b_it = tl.load(inv_t + o_nc)
     else:
-        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + scale
+        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + inv_t_scalar
     b_c = b_it * LOG2E
 
     b_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)  # raw units
@@ -203,26 +205,29 @@ def lce_fwd_kernel(
     tl.store(p_part + stride, b_s, mask=m_n)
     tl.store(p_part + 2 * stride, b_a * LN2, mask=m_n)
     tl.store(p_part + 3 * stride, b_zy * b_it, mask=m_n)
-    tl.store(p_part + 4 * stride, b_mn * b_it, mask=m_n)
+    tl.store(p_part + 4 * stride, b_mn, mask=m_n)
+    tl.store(p_part + 5 * stride, b_m, mask=m_n)
     if HAS_SUMS:
-        tl.store(p_part + 5 * stride, b_ls, mask=m_n)
-        tl.store(p_part + 6 * stride, b_lq, mask=m_n)
+        tl.store(p_part + 6 * stride, b_ls, mask=m_n)
+        tl.store(p_part + 7 * stride, b_lq, mask=m_n)
 
 
 @triton.jit
 def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, HAS_SUMS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out: fp32 [5, N] = (m, s, a, zy, mn) over all splits, merged in split order (deterministic);
-    [7, N] with HAS_SUMS (+ Σ r, Σ r², plain sums over the splits)."""
+    """out: fp32 [6, N] = (m, s, a, zy, mn, mx) over all splits, merged in split order (deterministic);
+    [8, N] with HAS_SUMS (+ Σ r, Σ r², plain sums over the splits)."""
     i_n = tl.program_id(0).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     stride = stride_part
     b_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     b_mn = tl.full([BLOCK_N], float("inf"), dtype=tl.float32)
+    b_mx = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     for i_s in range(0, n_splits):
         p = part + i_s * N + o_n
         b_m = tl.maximum(b_m, tl.load(p, mask=m_n, other=float("-inf")))
         b_mn = tl.minimum(b_mn, tl.load(p + 4 * stride, mask=m_n, other=float("inf")))
+        b_mx = tl.maximum(b_mx, tl.load(p + 5 * stride, mask=m_n, other=float("-inf")))
     b_s = tl.zeros([BLOCK_N], dtype=tl.float32)
     b_a = tl.zeros([BLOCK_N], dtype=tl.float32)
     b_zy = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -231,8 +236,8 @@ def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, HAS_SUMS: tl.const
     for i_s in range(0, n_splits):
         p = part + i_s * N + o_n
         if HAS_SUMS:
-            b_ls += tl.load(p + 5 * stride, mask=m_n, other=0.0)
-            b_lq += tl.load(p + 6 * stride, mask=m_n, other=0.0)
+            b_ls += tl.load(p + 6 * stride, mask=m_n, other=0.0)
+            b_lq += tl.load(p + 7 * stride, mask=m_n, other=0.0)
         b_mi = tl.load(p, mask=m_n, other=0.0)
         b_si = tl.load(p + stride, mask=m_n, other=0.0)
         b_ai = tl.load(p + 2 * stride, mask=m_n, other=0.0)
@@ -245,21 +250,23 @@ def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, HAS_SUMS: tl.const
     b_nan = b_s != b_s
     b_m = tl.where(b_nan, b_s, b_m)
     b_mn = tl.where(b_nan, b_s, b_mn)
+    b_mx = tl.where(b_nan, b_s, b_mx)
     p_out = out + o_n
     tl.store(p_out, b_m, mask=m_n)
     tl.store(p_out + N, b_s, mask=m_n)
     tl.store(p_out + 2 * N, b_a, mask=m_n)
     tl.store(p_out + 3 * N, b_zy, mask=m_n)
     tl.store(p_out + 4 * N, b_mn, mask=m_n)
+    tl.store(p_out + 5 * N, b_mx, mask=m_n)
     if HAS_SUMS:
-        tl.store(p_out + 5 * N, b_ls, mask=m_n)
-        tl.store(p_out + 6 * N, b_lq, mask=m_n)
+        tl.store(p_out + 6 * N, b_ls, mask=m_n)
+        tl.store(p_out + 7 * N, b_lq, mask=m_n)
 
 
 @triton.jit
 def lce_bwd_kernel(
     h, w, d_h, d_w, inv_t, lse, ent, g_lp, g_ent, z_cache, dl, n_valid,
-    N, H, V, v_begin, width, stride_dl, tiles_per_program, scale,
+    N, H, V, v_begin, width, stride_dl, tiles_per_program, inv_t_scalar,
     HAS_INV_T: tl.constexpr, USE_CACHE: tl.constexpr, HAS_N_VALID: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
@@ -285,7 +292,7 @@ def lce_bwd_kernel(
     if HAS_INV_T:
         b_it = tl.load(inv_t + o_nc)
     else:
-        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + scale
+        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + inv_t_scalar
     b_lse = tl.load(lse + o_nc)
     b_ent = tl.load(ent + o_nc)
     b_glp = tl.load(g_lp + o_nc)
@@ -322,7 +329,7 @@ def lce_bwd_kernel(
 
 
 @triton.jit
-def lce_bwd_label_kernel(dl, y, inv_t, g_lp, N, v_begin, width, stride_dl, scale, HAS_INV_T: tl.constexpr,
+def lce_bwd_label_kernel(dl, y, inv_t, g_lp, N, v_begin, width, stride_dl, inv_t_scalar, HAS_INV_T: tl.constexpr,
                          BLOCK_N: tl.constexpr):
     """dl[n, y[n] - v_begin] += g_lp[n] * inv_t[n] where the label falls inside this chunk (runs after
     lce_bwd_kernel on the same stream; one element per row, so no write conflicts)."""
@@ -334,7 +341,7 @@ def lce_bwd_label_kernel(dl, y, inv_t, g_lp, N, v_begin, width, stride_dl, scale
     if HAS_INV_T:
         b_it = tl.load(inv_t + o_n, mask=m, other=0.0)
     else:
-        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + scale
+        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + inv_t_scalar
     b_c = tl.load(g_lp + o_n, mask=m, other=0.0) * b_it
     p = dl + o_n * stride_dl + tl.maximum(o_j, 0)
     b = tl.load(p, mask=m, other=0.0).to(tl.float32) + b_c

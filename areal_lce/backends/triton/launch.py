@@ -7,7 +7,7 @@ backward programs store zero d_logits. The cuBLAS d_hidden / d_weight GEMMs stil
 Forward (one fused pass, no [N, V] tensor unless the logits cache is on):
     lce_fwd_kernel      grid = ceil(N / BLOCK_N) x n_splits programs, each a token block x a vocab
                         split, tensor-core GEMM tiles with the online-softmax epilogue
-    lce_fwd_merge_kernel  per-split partials -> (m, s, a, zy, mn[, Σr, Σr²]), fixed split order
+    lce_fwd_merge_kernel  per-split partials -> (m, s, a, zy, mn, mx[, Σr, Σr²]), fixed split order
 Backward, per vocab chunk [c0, c1) of the shard (fixed chunk order, no atomics: bitwise deterministic):
     lce_bwd_kernel      recompute (or read cached) logits, write d_logits [N, c1 - c0] (bf16 for
                         bf16/fp16 inputs, fp32 for fp32 inputs and under the interpreter)
@@ -20,8 +20,8 @@ Backward, per vocab chunk [c0, c1) of the shard (fixed chunk order, no atomics: 
                         fp32 output via torch's out_dtype GEMMs)
 
 Extra device memory (bytes), beyond inputs and the returned gradients:
-    forward   20·N·n_splits + 24·N            (partials, merged stats, int32 labels;
-                                               28·N·n_splits + 32·N with params.logit_sums)
+    forward   24·N·n_splits + 28·N            (partials, merged stats, int32 labels;
+                                               32·N·n_splits + 36·N with params.logit_sums)
               + 4·N·ceil(shard_valid / 256)·256   only when the logits cache is kept
     backward  N·V_chunk·e  <=  max(B, 256·N·e),  B = min(WORKSPACE_BYTES, max(MIN_WORKSPACE_BYTES,
               BACKWARD_BYTES - 4·N·H)), with e = 2 (bf16/fp16) or 4 (fp32, interpreter) and
@@ -42,7 +42,7 @@ import torch
 import triton
 
 from ...types import LCEParams
-from ..base import ShardStats, scalar_inv_t
+from ..base import ShardStats, alloc
 from . import configs
 from .kernels import lce_bwd_kernel, lce_bwd_label_kernel, lce_fwd_kernel, lce_fwd_merge_kernel
 
@@ -56,8 +56,8 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _alloc(shape, dtype, device) -> torch.Tensor:
-    """Every buffer a kernel writes comes from here (tests swap in NaN-filled buffers)."""
-    return torch.empty(shape, dtype=dtype, device=device)
+    """Every buffer a kernel writes comes from here (base.alloc: NaN-filled under the tests)."""
+    return alloc(shape, dtype, device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -202,13 +202,13 @@ class TritonBackend:
         hidden, weight = hidden.contiguous(), weight.contiguous()
         y = _local_labels(labels, params)
         it = inv_t.to(torch.float32).contiguous() if inv_t is not None else None
-        scale = scalar_inv_t(params) if inv_t is None else 1.0
+        inv_t_scalar = params.inv_t if inv_t is None else 1.0
         spec = self.cache_spec(N, H, weight.shape[0], hidden.dtype, params, keep_cache)
         use_cache = spec is not None
 
         cfg = configs.tile("fwd", fp32=hidden.dtype == torch.float32, interpret=INTERPRET, H=H)
         split_v, n_splits = _split_plan(N, valid, cfg.block_n, _slots(dev), INTERPRET)
-        rows = 7 if sums else 5  # (m, s, a, zy, mn[, Σr, Σr²])
+        rows = 8 if sums else 6  # (m, s, a, zy, mn, mx[, Σr, Σr²])
         part = _alloc((rows, n_splits, N), torch.float32, dev)
         cache = _alloc(spec[0], torch.float32, dev) if use_cache else None
         out = _alloc((rows, N), torch.float32, dev)
@@ -218,7 +218,7 @@ class TritonBackend:
             lce_fwd_kernel[grid](
                 hidden, weight, d_h, d_w, y, it if it is not None else part, part, cache if use_cache else part,
                 _row_count(n_valid, y),
-                N, H, valid, split_v, n_splits, n_splits * N, scale,
+                N, H, valid, split_v, n_splits, n_splits * N, inv_t_scalar,
                 HAS_INV_T=it is not None, HAS_CACHE=use_cache, HAS_SUMS=sums, HAS_N_VALID=n_valid is not None,
                 EVEN_K=H % cfg.block_k == 0,
                 UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
@@ -228,8 +228,8 @@ class TritonBackend:
             lce_fwd_merge_kernel[(triton.cdiv(N, configs.MERGE_BLOCK_N),)](
                 part, out, N, n_splits, n_splits * N, HAS_SUMS=sums, BLOCK_N=configs.MERGE_BLOCK_N, num_warps=4,
             )
-        return ShardStats(m=out[0], s=out[1], a=out[2], zy=out[3], mn=out[4], cache=cache,
-                          lsum=out[5] if sums else None, lsq=out[6] if sums else None)
+        return ShardStats(m=out[0], s=out[1], a=out[2], zy=out[3], mn=out[4], mx=out[5], cache=cache,
+                          lsum=out[6] if sums else None, lsq=out[7] if sums else None)
 
     # ----------------------------------------------------------------------------------- backward
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,
@@ -257,7 +257,7 @@ class TritonBackend:
         hidden, weight = hidden.contiguous(), weight.contiguous()
         y = _local_labels(labels, params)
         it = inv_t.to(torch.float32).contiguous() if inv_t is not None else None
-        scale = scalar_inv_t(params) if inv_t is None else 1.0
+        inv_t_scalar = params.inv_t if inv_t is None else 1.0
         vecs = [t.to(torch.float32).contiguous() for t in (lse, ent, g_lp, g_ent)]
 
         fp32 = hidden.dtype == torch.float32
@@ -280,7 +280,7 @@ class TritonBackend:
                 lce_bwd_kernel[grid](
                     hidden, weight, d_h, d_w, it if it is not None else vecs[0], *vecs,
                     cache if cache is not None else vecs[0], dl, _row_count(n_valid, y),
-                    N, H, valid, c0, width, width, tpp, scale,
+                    N, H, valid, c0, width, width, tpp, inv_t_scalar,
                     HAS_INV_T=it is not None, USE_CACHE=cache is not None, HAS_N_VALID=n_valid is not None,
                     EVEN_K=H % cfg.block_k == 0,
                     UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
@@ -288,7 +288,7 @@ class TritonBackend:
                     CACHE_COLS=configs.CACHE_COLS, **_launch_opts(cfg),
                 )
                 lce_bwd_label_kernel[(triton.cdiv(N, configs.LABEL_FIX_BLOCK_N),)](
-                    dl, y, it if it is not None else vecs[0], vecs[2], N, c0, width, width, scale,
+                    dl, y, it if it is not None else vecs[0], vecs[2], N, c0, width, width, inv_t_scalar,
                     HAS_INV_T=it is not None, BLOCK_N=configs.LABEL_FIX_BLOCK_N, num_warps=4,
                 )
                 if dw is not None and self.backward_gemms:
@@ -324,7 +324,7 @@ def cache_logits(cache: torch.Tensor, valid: int) -> torch.Tensor:
 def _empty_stats(N: int, dev, sums: bool) -> ShardStats:
     z = torch.zeros(N, dtype=torch.float32, device=dev)
     inf = torch.full((N,), float("inf"), dtype=torch.float32, device=dev)
-    return ShardStats(m=-inf, s=z, a=z.clone(), zy=z.clone(), mn=inf.clone(), cache=None,
+    return ShardStats(m=-inf, s=z, a=z.clone(), zy=z.clone(), mn=inf.clone(), mx=-inf, cache=None,
                       lsum=z.clone() if sums else None, lsq=z.clone() if sums else None)
 
 

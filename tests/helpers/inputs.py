@@ -1,12 +1,26 @@
-"""Shared case list and input builders for the op's tests (CPU oracle: fp64 materialised reference)."""
+"""Inputs of the op's tests: the one peaked-logits builder, the API-level case list and its builder.
+
+Oracle everywhere: the fp64 materialised reference (areal_lce/backends/reference.py).
+"""
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import os
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
+
+
+def peak_logits(weight: torch.Tensor, hidden: torch.Tensor, rows: Iterable[int], cols: Iterable[int],
+                scale: float) -> torch.Tensor:
+    """Make a few softmax rows peaked: weight[cols[k]] = scale · hidden[rows[k]], so row rows[k] has the
+    logit scale·|h|² at column cols[k], far above the rest (p ≈ 1 there, entropy ≈ 0). Flat random logits
+    hide entropy-cancellation, padding and label-ownership bugs; these rows expose them. In place, pair by
+    pair (a later pair wins a column two pairs share); returns `weight`."""
+    for i, j in zip(rows, cols):
+        weight[int(j)] = scale * hidden[int(i)]
+    return weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,36 +61,48 @@ CASES = [
 ]
 
 
-def make_inputs(case: Case, seed: int = 0, device="cpu"):
+def case_by_id(case_id: str) -> Case:
+    """The case of CASES with this id (tests name the case they need, never its list position)."""
+    for c in CASES:
+        if c.id == case_id:
+            return c
+    raise KeyError(f"no case {case_id!r} in {[c.id for c in CASES]}")
+
+
+def make_inputs(c: Case, seed: int = 0, device="cpu"):
+    """(hidden, weight, labels, temperature) of a case; hidden/weight in the case dtype (fp64-drawn)."""
     g = torch.Generator().manual_seed(seed)
-    lead = case.lead or (case.n,)
+    lead = c.lead or (c.n,)
     n = 1
     for d in lead:
         n *= d
-    h = torch.randn(n, case.h, generator=g, dtype=torch.float64)
-    scale = 0.02 if case.flat else 3.0 / case.h ** 0.5
-    w = torch.randn(case.v, case.h, generator=g, dtype=torch.float64) * scale
-    vs = case.vocab_size or case.v
+    h = torch.randn(n, c.h, generator=g, dtype=torch.float64)
+    scale = 0.02 if c.flat else 3.0 / c.h ** 0.5
+    w = torch.randn(c.v, c.h, generator=g, dtype=torch.float64) * scale
+    vs = c.vocab_size or c.v
     y = torch.randint(0, vs, (n,), generator=g)
-    if case.peaked:  # label's weight row ≈ 2·hidden row: the label dominates the softmax
+    if c.peaked:  # the first rows' labels get weight rows 2·hidden row: the label dominates the softmax
         k = min(n, 8)
-        for i in range(k):
-            w[y[i]] = 2.0 * h[i]
-    if case.edge_labels:
+        peak_logits(w, h, range(k), y[:k].tolist(), 2.0)
+    if c.edge_labels:
         y[0], y[1], y[-1] = 0, vs - 1, vs - 1
-    if case.ignore_frac:
-        drop = torch.rand(n, generator=g) < case.ignore_frac
+    if c.ignore_frac:
+        drop = torch.rand(n, generator=g) < c.ignore_frac
         drop[0] = True
         y = torch.where(drop, torch.full_like(y, -100), y)
-    t = case.temperature
+    t = c.temperature
     if t == "token":
         t = (torch.rand(n, generator=g, dtype=torch.float64) * 1.5 + 0.5).reshape(lead)
-    h = h.to(case.dtype).reshape(*lead, case.h).to(device)
-    w = w.to(case.dtype).to(device)
+    h = h.to(c.dtype).reshape(*lead, c.h).to(device)
+    w = w.to(c.dtype).to(device)
     y = y.reshape(lead).to(device)
     if torch.is_tensor(t):
         t = t.to(device)
     return h, w, y, t
+
+
+def interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def available_backends():
@@ -84,11 +110,10 @@ def available_backends():
     through the interpreter (tests/conftest.py turns it on when there is no GPU). On a GPU machine the
     Triton backend's CUDA correctness run is `python -m benchmark.gpu_check`."""
     names = ["reference", "torch"]
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     for name, mod in (("triton", "areal_lce.backends.triton.launch"),
                       ("triton_ascend", "areal_lce.backends.ascend.launch")):
         if importlib.util.find_spec(mod.rsplit(".", 1)[0]) is None:
             continue
-        if importlib.util.find_spec(mod) is not None and interp:
+        if importlib.util.find_spec(mod) is not None and interpreter_on():
             names.append(name)
     return names
