@@ -129,7 +129,7 @@ def _backend_call(h, W, y, cache=False):
 
     be = TritonBackend()
     N, V = h.shape[0], W.shape[0]
-    p = LCEParams(temperature=1.0, vocab_size=V, shard_valid=V, cache_bytes=(4 * N * V + 1) if cache else 0,
+    p = LCEParams(inv_t=1.0, vocab_size=V, shard_valid=V, cache_bytes=(4 * N * V + 1) if cache else 0,
                   backend="triton")
     st = be.forward(h, W, y, None, p, cache)
     lse = st.m + st.s.log()

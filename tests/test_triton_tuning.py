@@ -36,7 +36,7 @@ def _backward(be):
     w = torch.randn(V, H, generator=g) * (3.0 / H ** 0.5)
     y = torch.randint(0, V, (N,), generator=g)
     h, w, y = h.to(DEV), w.to(DEV), y.to(DEV)
-    p = LCEParams(temperature=0.7, vocab_size=V, shard_valid=V, backend="triton")
+    p = LCEParams(inv_t=1 / 0.7, vocab_size=V, shard_valid=V, backend="triton")
     st = TritonBackend().forward(h, w, y, None, p, keep_cache=False)
     lse, ent = st.m + st.s.log(), st.s.log() - st.a / st.s
     g_lp, g_ent = -torch.ones(N, device=DEV), torch.full((N,), -0.5, device=DEV)
