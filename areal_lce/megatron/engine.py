@@ -33,7 +33,6 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from .. import checks, comms, durable
-from . import capture
 from .batch import ModelBatch, packed_length, per_token_rope
 from .batch import prepare as prepare_batch
 from . import generate as generation
@@ -42,7 +41,8 @@ from .model import build_gpt_model, load_hf_checkpoint, resolve_arch, use_te_spe
 from .microbatch import MicroBatch, check_microbatches
 from .optim import build_optimizer, grad_norm_and_clip, lr_at
 from .parallel import init_distributed, object_from_last_stage
-from .stats import TokenStats, model_output
+from .route import Route
+from .stats import TokenStats
 
 
 def _resolve_dtype(name: str) -> torch.dtype:
@@ -73,8 +73,9 @@ class MegatronEngine:
             load_hf_checkpoint(self.gpt, cfg.model.hf_checkpoint_dir, arch)
         if not trainable:
             self.gpt.requires_grad_(False)
-        self.seam = capture.resolve_seam(cfg.capture_seam)
-        capture.check_seam_config(self.gpt.config, self.seam, cfg.use_fused_linear_ce)
+        # the LM-head route, chosen once: token_stats, train_step and generate all run through it
+        self.route = Route.choose(cfg.use_fused_linear_ce, cfg.capture_seam, cfg.lce_backend, cfg.lce_cache_bytes)
+        self.route.check(self.gpt.config)
         module = self.gpt
         if self.dtype != torch.float32:
             from megatron.core.transformer.module import Float16Module
@@ -125,11 +126,9 @@ class MegatronEngine:
         """One model call through `token_stats`' route: packed stats [b, s, 4] / [1, T, 4] on the last
         pipeline stage, hidden states on the others."""
         with per_token_rope(self.gpt, mb):
-            return model_output(self.model, mb.input_ids, mb.labels, vocab_size=self.vocab_size,
-                                position_ids=mb.position_ids, attention_mask=mb.attention_mask,
-                                packed_seq_params=mb.packed_seq_params, temperature=float(temperature),
-                                fused=self.cfg.use_fused_linear_ce, backend=self.cfg.lce_backend,
-                                cache_bytes=self.cfg.lce_cache_bytes, seam=self.seam)
+            return self.route.stats(self.model, mb.input_ids, mb.labels, vocab_size=self.vocab_size,
+                                    position_ids=mb.position_ids, attention_mask=mb.attention_mask,
+                                    packed_seq_params=mb.packed_seq_params, temperature=float(temperature))
 
     def _forward_stats(self, input_ids, labels, temperature: float) -> TokenStats:
         mb = self._prepare(input_ids, labels)

@@ -45,7 +45,6 @@ from typing import Callable, List, Optional
 import torch
 
 from .. import comms
-from . import capture
 from .batch import prepare as prepare_batch
 from .sampling import sample_tokens
 
@@ -202,17 +201,17 @@ class CachedSteps:
         e, (b, sq) = self.engine, ids.shape
         start = self.ctx.sequence_len_offset
         pos = torch.arange(start, start + sq, device=e.device).unsqueeze(0).expand(b, sq)
-        last = capture.LastTokenContext(positions=torch.full((b,), -1, dtype=torch.long, device=e.device))
+        last = torch.full((b,), -1, dtype=torch.long, device=e.device)
         kw = dict(inference_context=self.ctx, runtime_gather_output=True)
         if e.dist.pp_size == 1:
-            out = capture.run_last_token(e.model, e.gpt, e.seam, last, ids, pos, mask, **kw)[:, : e.vocab_size]
+            out = e.route.last_token_logits(e.model, e.gpt, last, ids, pos, mask, **kw)[:, : e.vocab_size]
         else:
             out = pipeline_last_token(e, ids, pos, mask, last, **kw)
         self.ctx.sequence_len_offset += sq
         return out
 
 
-def pipeline_last_token(engine, ids, pos, mask, last: capture.LastTokenContext, **model_kwargs) -> torch.Tensor:
+def pipeline_last_token(engine, ids, pos, mask, last: torch.Tensor, **model_kwargs) -> torch.Tensor:
     """One forward-only microbatch through megatron's pipeline schedule: [b, vocab] fp32 logits on every
     stage (only the last stage computes them; a sum over the pipeline group shares them)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -226,7 +225,7 @@ def pipeline_last_token(engine, ids, pos, mask, last: capture.LastTokenContext, 
 
     def forward_step(data_iterator, model):
         next(data_iterator)
-        return capture.run_last_token(model, engine.gpt, engine.seam, last, ids, pos, mask, **model_kwargs), keep
+        return engine.route.last_token_logits(model, engine.gpt, last, ids, pos, mask, **model_kwargs), keep
 
     get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([0]), model=[engine.model],
                                 num_microbatches=1, seq_length=ids.shape[1], micro_batch_size=b, forward_only=True)
@@ -246,11 +245,13 @@ def recompute_next_logits(engine, seqs: List[List[int]]) -> torch.Tensor:
     ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
     for i, x in enumerate(seqs):
         ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-    ctx = capture.LastTokenContext(positions=torch.tensor(lengths, device=engine.device) - 1)
+    last = torch.tensor(lengths, device=engine.device) - 1
     mb = prepare_batch(ids, torch.full_like(ids, -100), device=engine.device, max_seq_len=engine.cfg.model.max_seq_len,
                        pack=False, seq_multiple=engine._seq_multiple(), cp_group=engine.cp_group,
                        cp_size=engine.dist.cp_size)
     ids, pos, mask = mb.input_ids, mb.position_ids, mb.attention_mask
+    cp_group = engine.cp_group if engine.dist.cp_size > 1 else None
     if engine.dist.pp_size > 1:
-        return pipeline_last_token(engine, ids, pos, mask, ctx)
-    return capture.run_last_token(engine.model, engine.gpt, engine.seam, ctx, ids, pos, mask)[:, : engine.vocab_size]
+        return pipeline_last_token(engine, ids, pos, mask, last, cp_group=cp_group)
+    return engine.route.last_token_logits(engine.model, engine.gpt, last, ids, pos, mask,
+                                          cp_group=cp_group)[:, : engine.vocab_size]
