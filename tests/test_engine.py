@@ -243,6 +243,7 @@ def test_per_token_rope_matches_megatrons_per_sequence_rope():
     """The packed-frequencies branch of megatron's THD RoPE (all tokens' own positions at once, what the
     engine uses) gives the same statistics as its per-sequence branch."""
     from areal_lce.megatron.batch import per_token_rope
+    from areal_lce.megatron.compat import cpu_shims
     from areal_lce.megatron.stats import model_output
 
     e = _engine(ModelConfig(preset="tiny", max_seq_len=64), vocab=W.VOCAB)
@@ -251,7 +252,7 @@ def test_per_token_rope_matches_megatrons_per_sequence_rope():
     assert mb.packed is not None and mb.packed.cu_seqlens.numel() >= 4  # several packed sequences
     kw = dict(vocab_size=W.VOCAB, position_ids=mb.position_ids, packed_seq_params=mb.packed_seq_params,
               backend="torch")
-    with torch.no_grad():
+    with torch.no_grad(), cpu_shims():  # the engine's model driven directly, as the engine would
         plain = model_output(e.model, mb.input_ids, mb.labels, **kw)
         with per_token_rope(e.gpt, mb):
             freqs = e.gpt.rotary_pos_emb(7, packed_seq=True)

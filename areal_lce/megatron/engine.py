@@ -36,6 +36,7 @@ from .. import checks, comms, durable
 from .batch import ModelBatch, packed_length, per_token_rope
 from .batch import prepare as prepare_batch
 from . import generate as generation
+from .compat import cpu_shims
 from .config import EngineConfig
 from .model import build_gpt_model, load_hf_checkpoint, resolve_arch, use_te_spec
 from .microbatch import MicroBatch, check_microbatches
@@ -53,8 +54,6 @@ def _resolve_dtype(name: str) -> torch.dtype:
 
 class MegatronEngine:
     def __init__(self, cfg: EngineConfig, vocab_size: Optional[int] = None, *, trainable: bool = True):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
         self.cfg = cfg
         self.trainable = trainable
         self.dist = init_distributed(cfg.parallel, cfg.seed)
@@ -68,6 +67,21 @@ class MegatronEngine:
         elif true_vocab != arch.vocab_size:
             arch = dataclasses.replace(arch, vocab_size=true_vocab)
         self.arch, self.vocab_size = arch, true_vocab
+        with cpu_shims():  # on a CPU-only host: megatron's model and grad buffers ask for a CUDA device
+            self._build_model(trainable)
+        d = self.dist
+        self.tp_group, self.mp_group, self.dp_group, self.pp_group, self.cp_group = (
+            d.tp_group, d.mp_group, d.dp_group, d.pp_group, d.cp_group)
+        self.optimizer, self.megatron_optimizer = None, False
+        if trainable:
+            self._build_optimizer()
+        self.step_count = 0
+        self._gen_calls = 0
+
+    def _build_model(self, trainable: bool) -> None:
+        cfg, arch = self.cfg, self.arch
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
         self.gpt = build_gpt_model(arch, cfg.model, cfg.parallel, self.dtype)
         if cfg.model.hf_checkpoint_dir:
             load_hf_checkpoint(self.gpt, cfg.model.hf_checkpoint_dir, arch)
@@ -87,14 +101,6 @@ class MegatronEngine:
             self.model = DistributedDataParallel(self.gpt.config, ddp_cfg, module)
         else:  # the DDP wrapper exists for its grad buffers and reduction: a frozen model needs neither
             self.model = module
-        d = self.dist
-        self.tp_group, self.mp_group, self.dp_group, self.pp_group, self.cp_group = (
-            d.tp_group, d.mp_group, d.dp_group, d.pp_group, d.cp_group)
-        self.optimizer, self.megatron_optimizer = None, False
-        if trainable:
-            self._build_optimizer()
-        self.step_count = 0
-        self._gen_calls = 0
 
     def _require_trainable(self, what: str) -> None:
         if not self.trainable:
@@ -134,6 +140,7 @@ class MegatronEngine:
         mb = self._prepare(input_ids, labels)
         return mb.stats(self._call_model(mb, temperature))
 
+    @cpu_shims()
     def token_stats(self, input_ids: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
                     grad: bool = False) -> TokenStats:
         """Per-token stats of `labels` (next-token targets aligned with input positions; -100 ignored),
@@ -219,6 +226,7 @@ class MegatronEngine:
 
 
     # ------------------------------------------------------------------------------ training
+    @cpu_shims()
     def train_step(self, microbatches: List[MicroBatch], loss_fn: Callable) -> Dict[str, float]:
         from megatron.core.distributed import finalize_model_grads
 
@@ -292,6 +300,7 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------------------ generation
     @torch.no_grad()
+    @cpu_shims()
     def generate(self, prompts: List[List[int]], max_new_tokens: int, *, temperature: float = 1.0,
                  top_p: float = 1.0, eos_id: Optional[int] = None,
                  generator: Optional[torch.Generator] = None) -> List[List[int]]:

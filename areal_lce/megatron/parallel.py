@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from .. import comms
 
-from .compat import apply_cpu_shims
 from .config import ParallelConfig
 
 
@@ -70,7 +69,6 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int = 1234) -> DistInfo
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
-    apply_cpu_shims()
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
