@@ -276,7 +276,7 @@ class MegatronEngine:
             self.optimizer.step()
         self.step_count += 1
         # Report the data-parallel mean of the per-rank numbers (every rank prints the same values).
-        keys = object_from_last_stage(sorted(sums))  # under PP only the last stage ran loss_fn
+        keys = object_from_last_stage(sorted(sums), self.dist)  # under PP only the last stage ran loss_fn
         # on the engine's device: NCCL groups reduce CUDA tensors only
         vec = torch.tensor([loss_sum, float(tokens)] + [sums.get(k, 0.0) / len(microbatches) for k in keys],
                            dtype=torch.float64, device=self.device)
