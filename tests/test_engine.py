@@ -200,6 +200,7 @@ def test_pipeline_parallel_two_stages():
     assert r["greedy_pp2_differs_from_pp1"] == 0.0
     assert r["tied_copy_mismatch_fused1"] == 0.0 and r["tied_copy_mismatch_fused0"] == 0.0, r
     assert r["rel_loss_pp2_tied_fused_vs_mat"] <= 1e-5, r
+    assert r["tokens_pp2_wrong_fused1"] == 0.0 and r["tokens_pp2_wrong_fused0"] == 0.0, r
 
 
 def test_sdpa_attention_matches_megatron_attention():

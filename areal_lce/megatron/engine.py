@@ -212,8 +212,7 @@ class MegatronEngine:
                            dtype=torch.float64, device=self.device)
         if self.dist.pp_size > 1:
             if not self.dist.is_last_stage:
-                vec[0] = 0.0
-                vec[2:] = 0.0
+                vec.zero_()  # every stage counted the same tokens; the last one alone ran loss_fn
             comms.all_reduce_sum_(vec, self.pp_group)  # SUM over stages: values live on the last one
         comms.all_reduce_sum_(vec, self.dp_group)  # SUM over data-parallel ranks
         dp = self.dist.dp_size
