@@ -13,14 +13,9 @@ one model call, on one of two seams:
     output layer's sequence-first result to batch-first, so the processor's batch-first result is
     handed back transposed.
 
-Who reduces d_hidden (exactly once): Megatron's own mappings, the same ones ColumnParallelLinear uses
-on the materialised route. Without sequence parallelism the hidden states pass through
-`copy_to_tensor_model_parallel_region` (identity forward, all-reduce of d_hidden backward); with it,
-through `gather_from_sequence_parallel_region` (all-gather forward, reduce-scatter backward). The op
-is then called with `reduce_d_hidden=False, sequence_parallel=False`: its `tp_group` only merges the
-per-shard softmax statistics in the forward. Going through Megatron's mappings keeps the fused route's
-communication identical to the materialised route's (same collectives on the same groups), and keeps
-Megatron's sequence-parallel conventions in Megatron's hands.
+Who reduces d_hidden (exactly once): Megatron's own mappings, as ColumnParallelLinear does on the
+materialised route (`_fused_packed`); the op's `tp_group` only merges the per-shard softmax statistics
+(docs/megatron.md, "Who reduces d_hidden").
 
 The LM-head weight's gradient comes out of the op's autograd Function into `weight.grad`, so Megatron
 DDP's per-parameter hook adds it to `main_grad` (grad buffer) exactly as for the materialised route
