@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv and installs areal_lce with its CPU stack (no CUDA packages on a CPU-only machine).
-# Order matters (docs/install.md): torch first, pinned, so nothing later pulls a CUDA build; then the
+# Order matters: torch first, pinned, so nothing later pulls a CUDA build; then the
 # project; then megatron-core 0.19.2 without its Python>=3.12 guard (all of it imports on 3.11).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -229,28 +229,3 @@ class AllGatherRowsReplicatedGrad(torch.autograd.Function):
 def all_gather_rows_replicated_grad(t: torch.Tensor, group: Optional[object]) -> torch.Tensor:
     return t if group_size(group) == 1 else AllGatherRowsReplicatedGrad.apply(t, group)
 
-
-def all_ranks_true(flag: bool) -> bool:
-    """True iff `flag` is true on every rank of the job (a collective when the job has several ranks)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return bool(flag)
-    t = torch.tensor([int(bool(flag))], dtype=torch.int64)
-    _all_reduce_(t, dist.ReduceOp.MIN, dist.group.WORLD)  # MIN of 0/1 flags: an AND over the ranks
-    return bool(t[0])
-
-
-def barrier_world() -> None:
-    """Wait for every rank of the job (checkpoint files on disk before one rank marks them complete)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        with _named("barrier", None):
-            dist.barrier()
-
-
-def broadcast_object(obj, src: int, group):
-    """`obj` (a small picklable value) of global rank `src` on every rank of `group`."""
-    if group_size(group) == 1:
-        return obj
-    box = [obj]
-    with _named(f"broadcast of an object from rank {src}", group):
-        dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]

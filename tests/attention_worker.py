@@ -36,13 +36,11 @@ def init_parallel(cp: int, tp: int = 1, seed: int = 1234) -> None:
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
-    from areal_lce.megatron.compat import apply_cpu_shims
     from areal_lce.megatron.config import ParallelConfig
     from areal_lce.megatron.parallel import init_distributed
 
     if not dist.is_initialized():
         init_distributed(ParallelConfig(), seed)
-    apply_cpu_shims()
     if not (mpu.model_parallel_is_initialized() and mpu.get_context_parallel_world_size() == cp
             and mpu.get_tensor_model_parallel_world_size() == tp and mpu.get_pipeline_model_parallel_world_size() == 1):
         if mpu.model_parallel_is_initialized():
@@ -268,4 +266,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from areal_lce.megatron.compat import cpu_shims
+
+    with cpu_shims():  # megatron-core on a CPU-only host
+        main()

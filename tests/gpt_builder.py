@@ -9,11 +9,22 @@ the entropy and logit extremes.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 VOCAB = 300  # true vocabulary; padded to 384 at TP=1 and to 512 at TP=2 (shards of 256)
 H = 64
+
+
+@pytest.fixture(autouse=True)
+def megatron_on_cpu():
+    """Test modules that drive a megatron model themselves import this fixture: every test runs inside
+    areal_lce's CPU shims (a no-op with CUDA), as the engine's own calls do."""
+    from areal_lce.megatron.compat import cpu_shims
+
+    with cpu_shims():
+        yield
 
 
 def padded_vocab(tp: int) -> int:

@@ -89,9 +89,6 @@ def areal_case(group, sp: bool, backend: str) -> dict:
 
 
 def main() -> int:
-    from areal_lce.megatron.compat import apply_cpu_shims
-
-    apply_cpu_shims()  # megatron's SP gather allocates on torch.cuda.current_device()
     dist.init_process_group("gloo")
     group = dist.new_group([0, 1])
     cases = {}
@@ -120,4 +117,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from areal_lce.megatron.compat import cpu_shims
+
+    with cpu_shims():  # megatron's SP gather allocates on torch.cuda.current_device()
+        sys.exit(main())

@@ -217,7 +217,11 @@ def pp_case(hf_dir: str) -> dict:
             out[f"d_logprobs_pp2_fused{int(fused)}"] = float((st.logprobs - ref["logprobs"])[mask].abs().max())
             out[f"d_entropy_pp2_fused{int(fused)}"] = float((st.entropy - ref["entropy"])[mask].abs().max())
         greedy[pp] = e.generate([[1, 2, 3], [4, 5, 6, 7, 8]], 4, temperature=0.0)
-        losses[(pp, fused)] = [e.train_step(mbs, pg_loss)["loss"] for mbs in steps]
+        reports = [e.train_step(mbs, pg_loss) for mbs in steps]
+        losses[(pp, fused)] = [r["loss"] for r in reports]
+        if pp == 2:  # DP=1: the reported tokens are this pipeline's targets, counted once over the stages
+            want = [sum(mb.target_tokens() for mb in mbs) for mbs in steps]
+            out[f"tokens_pp2_wrong_fused{int(fused)}"] = float([r["tokens"] for r in reports] != want)
     out["greedy_pp2_differs_from_pp1"] = float(greedy[1] != greedy[2])
     # Tied embeddings across stages: the last stage's LM-head copy must stay equal to the first
     # stage's embedding (Megatron all-reduces their grads) with the fused op producing the head grad.

@@ -167,9 +167,8 @@ def stall() -> dict:
 
     from megatron.core import parallel_state as mpu
 
-    from areal_lce import comms
     from areal_lce.megatron.config import ParallelConfig
-    from areal_lce.megatron.parallel import init_distributed
+    from areal_lce.megatron.parallel import barrier_world, init_distributed
 
     # Re-create the process group through the engine's own start-up, with the short timeout, on a fresh
     # rendezvous store (the torchrun agent's store still holds the destroyed groups' addresses).
@@ -178,7 +177,7 @@ def stall() -> dict:
     dist.destroy_process_group()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port[0]), TORCHELASTIC_USE_AGENT_STORE="False")
     init_distributed(ParallelConfig(tensor_parallel=2, timeout_s=STALL_TIMEOUT_S))
-    comms.barrier_world()  # both ranks are here
+    barrier_world()  # both ranks are here
     if dist.get_rank() == 1:
         time.sleep(STALL_SLEEP_S)  # the stalled rank: never joins the collectives below
         return {}
@@ -186,7 +185,7 @@ def stall() -> dict:
     out = {}
     # Both at once (separate process groups): the world group's barrier (init_process_group's timeout) in
     # a thread, the op's all-reduce over Megatron's TP group (initialize_model_parallel's timeout) here.
-    barrier = threading.Thread(target=lambda: out.update(world_barrier=_timed(comms.barrier_world)))
+    barrier = threading.Thread(target=lambda: out.update(world_barrier=_timed(barrier_world)))
     barrier.start()
     tp_group = mpu.get_tensor_model_parallel_group()
     out["op_tp_all_reduce"] = _timed(lambda: linear_logprobs_entropy(

@@ -21,6 +21,7 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import attention_worker as A  # noqa: E402
+from gpt_builder import megatron_on_cpu  # noqa: E402,F401  (autouse: megatron-core on a CPU-only host)
 
 from areal_lce.megatron import context_parallel as CP  # noqa: E402
 from areal_lce.megatron.attention import (  # noqa: E402

@@ -200,6 +200,7 @@ def test_pipeline_parallel_two_stages():
     assert r["greedy_pp2_differs_from_pp1"] == 0.0
     assert r["tied_copy_mismatch_fused1"] == 0.0 and r["tied_copy_mismatch_fused0"] == 0.0, r
     assert r["rel_loss_pp2_tied_fused_vs_mat"] <= 1e-5, r
+    assert r["tokens_pp2_wrong_fused1"] == 0.0 and r["tokens_pp2_wrong_fused0"] == 0.0, r
 
 
 def test_sdpa_attention_matches_megatron_attention():
@@ -243,6 +244,7 @@ def test_per_token_rope_matches_megatrons_per_sequence_rope():
     """The packed-frequencies branch of megatron's THD RoPE (all tokens' own positions at once, what the
     engine uses) gives the same statistics as its per-sequence branch."""
     from areal_lce.megatron.batch import per_token_rope
+    from areal_lce.megatron.compat import cpu_shims
     from areal_lce.megatron.stats import model_output
 
     e = _engine(ModelConfig(preset="tiny", max_seq_len=64), vocab=W.VOCAB)
@@ -251,7 +253,7 @@ def test_per_token_rope_matches_megatrons_per_sequence_rope():
     assert mb.packed is not None and mb.packed.cu_seqlens.numel() >= 4  # several packed sequences
     kw = dict(vocab_size=W.VOCAB, position_ids=mb.position_ids, packed_seq_params=mb.packed_seq_params,
               backend="torch")
-    with torch.no_grad():
+    with torch.no_grad(), cpu_shims():  # the engine's model driven directly, as the engine would
         plain = model_output(e.model, mb.input_ids, mb.labels, **kw)
         with per_token_rope(e.gpt, mb):
             freqs = e.gpt.rotary_pos_emb(7, packed_seq=True)

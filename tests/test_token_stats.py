@@ -25,6 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import gpt_builder as G  # noqa: E402
+from gpt_builder import megatron_on_cpu  # noqa: E402,F401  (autouse: megatron-core on a CPU-only host)
 
 from areal_lce.megatron import capture, pack_rows, packed_next_token_labels, token_stats  # noqa: E402
 from areal_lce.megatron.stats import find_gpt_model  # noqa: E402

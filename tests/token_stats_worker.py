@@ -118,4 +118,7 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    from areal_lce.megatron.compat import cpu_shims
+
+    with cpu_shims():  # megatron-core on a CPU-only host
+        main(sys.argv[1])

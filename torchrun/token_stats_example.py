@@ -108,5 +108,8 @@ def main(tp: int = 1, sequence_parallel: bool = False) -> dict:
 
 
 if __name__ == "__main__":
+    from areal_lce.megatron.compat import cpu_shims
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    main(tp=world, sequence_parallel=world > 1)
+    with cpu_shims():  # megatron-core on a CPU-only host (a no-op with CUDA)
+        main(tp=world, sequence_parallel=world > 1)

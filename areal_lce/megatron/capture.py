@@ -1,22 +1,21 @@
 """Capture seam: per-token logprobs/entropy/stats at Megatron's LM head, without building logits.
 
-Two seams, same result (a packed fp32 tensor [b, s, 4] = logprobs, entropy, max_logit, min_logit):
-  * `output_processor` (megatron-core >= 0.18): `GPTModel.forward(output_processor=fused_output_processor,
-    output_processor_context=CaptureContext)`; GPTModel hands the processor the decoder's final hidden
-    states and the output layer instead of running the logits GEMM.
-  * `output_layer` (megatron-core 0.16/0.17): `legacy_capture(output_layer, ctx)` sets a replacement
-    `forward` on the output-layer *instance* for the duration of one model call (module hooks still
-    fire) and restores the class method with `del output_layer.forward`. GPTModel then transposes our
-    [s, b, 4] result to [b, s, 4] exactly as it would transpose logits.
+Two output processors run at the LM head: `stats_output_processor` (packed fp32 [b, s, 4] = logprobs,
+entropy, max_logit, min_logit; fused op or materialised logits) and `last_token_output_processor` (the
+[b, V_pad] logits of one position per sequence, for sampling). `call_with_processor` installs either for
+one model call, on one of two seams:
+  * `output_processor` (megatron-core >= 0.18): `GPTModel.forward(output_processor=...,
+    output_processor_context=...)`; GPTModel hands the processor the decoder's final hidden states and
+    the output layer instead of running the logits GEMM.
+  * `output_layer` (megatron-core 0.16/0.17): `output_layer_seam` sets a replacement `forward` on the
+    output-layer *instance* for the duration of one model call (module hooks still fire) that runs the
+    processor, and restores the class method with `del output_layer.forward`. GPTModel transposes the
+    output layer's sequence-first result to batch-first, so the processor's batch-first result is
+    handed back transposed.
 
-Who reduces d_hidden (exactly once): Megatron's own mappings, the same ones ColumnParallelLinear uses
-on the materialised route. Without sequence parallelism the hidden states pass through
-`copy_to_tensor_model_parallel_region` (identity forward, all-reduce of d_hidden backward); with it,
-through `gather_from_sequence_parallel_region` (all-gather forward, reduce-scatter backward). The op
-is then called with `reduce_d_hidden=False, sequence_parallel=False`: its `tp_group` only merges the
-per-shard softmax statistics in the forward. Going through Megatron's mappings keeps the fused route's
-communication identical to the materialised route's (same collectives on the same groups), and keeps
-Megatron's sequence-parallel conventions in Megatron's hands.
+Who reduces d_hidden (exactly once): Megatron's own mappings, as ColumnParallelLinear does on the
+materialised route (`_fused_packed`); the op's `tp_group` only merges the per-shard softmax statistics
+(docs/megatron.md, "Who reduces d_hidden").
 
 The LM-head weight's gradient comes out of the op's autograd Function into `weight.grad`, so Megatron
 DDP's per-parameter hook adds it to `main_grad` (grad buffer) exactly as for the materialised route
@@ -110,8 +109,9 @@ def check_capture_supported(gpt_model, seam: str) -> None:
     check_seam_config(gpt_model.config, seam, fused=True)
 
 
-def _logit_multiplier(config, scale_logits) -> float:
-    """MuP's logit multiplier, checked to be a plain positive scale so it folds into the temperature."""
+def mup_multiplier(config, scale_logits) -> float:
+    """MuP's logit multiplier m (GPTModel's logits are m·h·Wᵀ; 1 without MuP), checked to be a plain
+    positive scale so that the fused route can fold it into the op's temperature (`_fused_packed`)."""
     if not getattr(config, "use_mup", False) or scale_logits is None:
         return 1.0
     probe = torch.tensor([1.0, 2.0])
@@ -124,13 +124,17 @@ def _logit_multiplier(config, scale_logits) -> float:
 
 
 def _tp(output_layer):
-    """(tp group, tp size) of the output layer (older megatron-core keeps the group in parallel_state)."""
-    from megatron.core import parallel_state as mpu
-
+    """(tp group or None, tp size) of the output layer: its own `tp_group` (megatron-core's parallel layers
+    carry one), else parallel_state's; no group without tensor parallelism."""
     group = getattr(output_layer, "tp_group", None)
     if group is None:
+        from megatron.core import parallel_state as mpu
+
+        if not mpu.model_parallel_is_initialized():
+            return None, 1
         group = mpu.get_tensor_model_parallel_group()
-    return group, mpu.get_tensor_model_parallel_world_size()
+    tp = group.size()
+    return (group if tp > 1 else None), tp
 
 
 def _seq_first(ctx: CaptureContext, s: int, b: int):
@@ -143,8 +147,11 @@ def _seq_first(ctx: CaptureContext, s: int, b: int):
 
 
 def _fused_packed(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx: CaptureContext,
-                  logit_mult: float = 1.0) -> torch.Tensor:
-    """[s_local, b, H] hidden + this rank's [V/tp, H] weight -> packed [s, b, 4] fp32 stats."""
+                  mult: float = 1.0) -> torch.Tensor:
+    """[s_local, b, H] hidden + this rank's [V/tp, H] weight -> packed [s, b, 4] fp32 stats of the model's
+    logits m·h·Wᵀ (m = `mult`, MuP's multiplier). m is folded in here and nowhere else: the op runs at
+    temperature T/m (its softmax is that of m·h·Wᵀ / T) and returns the extremes of the raw h·Wᵀ, which
+    one multiply by m puts on the model's logit scale."""
     from megatron.core import tensor_parallel
 
     from .. import linear_logprobs_entropy
@@ -164,11 +171,11 @@ def _fused_packed(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx:
         temperature = temperature.reshape(-1)
     out = linear_logprobs_entropy(
         hidden.reshape(s * b, h), weight, labels.reshape(-1).to(hidden.device),
-        temperature=temperature / logit_mult, ignore_index=ctx.ignore_index, vocab_size=ctx.vocab_size,
+        temperature=temperature / mult, ignore_index=ctx.ignore_index, vocab_size=ctx.vocab_size,
         return_stats=True, backend=ctx.backend, cache_bytes=ctx.cache_bytes,
-        tp_group=tp_group if tp > 1 else None, sequence_parallel=False, reduce_d_hidden=False,
+        tp_group=tp_group, sequence_parallel=False, reduce_d_hidden=False,
     )
-    stats = (out.logprobs, out.entropy, out.max_logit * logit_mult, out.min_logit * logit_mult)
+    stats = (out.logprobs, out.entropy, out.max_logit * mult, out.min_logit * mult)
     return torch.stack([t.view(s, b) for t in stats], dim=-1)
 
 
@@ -186,24 +193,35 @@ def _materialised_packed(logits: torch.Tensor, labels: torch.Tensor, temperature
     return torch.stack([r.logprobs, r.entropy, r.max_logit, r.min_logit], dim=-1)
 
 
+def _head_weight(output_layer, output_weight) -> torch.Tensor:
+    w = output_weight if output_weight is not None else output_layer.weight
+    if w is None:
+        raise RuntimeError("output layer has no weight and none was passed (tied embeddings need weight=)")
+    return w
+
+
 def stats_output_processor(*, hidden_states, output_layer, output_weight, context, runtime_gather_output=None,
                            scale_logits=None, config=None, input_ids=None, packed_seq_params=None,
-                           **_unused) -> torch.Tensor:
-    """GPTModel output_processor (megatron-core >= 0.18): returns packed [b, s, 4] token stats
-    (logprobs, entropy, max_logit, min_logit), fused or materialised as `context.fused` says."""
+                           seam: str = "output_processor", **_unused) -> torch.Tensor:
+    """GPTModel output_processor: packed [b, s, 4] token stats (logprobs, entropy, max_logit, min_logit),
+    fused or materialised as `context.fused` says. `seam` is "output_layer" where `output_layer_seam`
+    runs it in place of the output layer (fused route only)."""
     if not isinstance(context, CaptureContext):
         raise TypeError("stats_output_processor needs output_processor_context=CaptureContext(...), got "
                         f"{type(context).__name__}")
     config = config if config is not None else output_layer.config
-    check_seam_config(config, "output_processor", context.fused)
+    check_seam_config(config, seam, context.fused)
     if input_ids is not None and tuple(input_ids.shape) != tuple(context.labels.shape):
         raise ValueError(f"labels {tuple(context.labels.shape)} must be laid out like input_ids "
                          f"{tuple(input_ids.shape)}")
     if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "thd") != "thd":
         raise ValueError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: only 'thd' packing "
                          "is supported")
-    weight = output_weight if output_weight is not None else output_layer.weight
+    weight = _head_weight(output_layer, output_weight)
     if not context.fused:
+        if seam != "output_processor":
+            raise ValueError("the output_layer seam runs the fused route only (the materialised route calls "
+                             "the model as is)")
         logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
         if scale_logits is not None:
             logits = scale_logits(logits)
@@ -213,86 +231,11 @@ def stats_output_processor(*, hidden_states, output_layer, output_weight, contex
     if runtime_gather_output:
         raise ValueError("runtime_gather_output=True asks for gathered logits; the fused route returns "
                          "token statistics only")
-    mult = _logit_multiplier(config, scale_logits)
-    return _fused_packed(hidden_states, weight, output_layer, context, mult).transpose(0, 1).contiguous()
+    packed = _fused_packed(hidden_states, weight, output_layer, context, mup_multiplier(config, scale_logits))
+    return packed.transpose(0, 1).contiguous()
 
 
 fused_output_processor = stats_output_processor  # the name of releases <= 0.1
-
-
-@contextlib.contextmanager
-def legacy_capture(output_layer, ctx: CaptureContext):
-    """Seam for megatron-core 0.16/0.17: replace output_layer.forward on the instance for one call."""
-    if "forward" in vars(output_layer):
-        raise RuntimeError("output_layer.forward is already replaced on this instance (nested capture?)")
-    if not ctx.fused:
-        raise ValueError("legacy_capture runs the fused route only (the materialised route calls the model as is)")
-    check_seam_config(output_layer.config, "output_layer", True)
-
-    def forward(input_, weight: Optional[torch.Tensor] = None, runtime_gather_output: Optional[bool] = None):
-        if runtime_gather_output:
-            raise ValueError("runtime_gather_output=True asks for gathered logits; the fused route returns "
-                             "token statistics only")
-        w = weight if weight is not None else output_layer.weight
-        if w is None:
-            raise RuntimeError("output layer has no weight and none was passed (tied embeddings need weight=)")
-        return _fused_packed(input_, w, output_layer, ctx), None
-
-    output_layer.forward = forward
-    try:
-        yield
-    finally:
-        del output_layer.forward  # back to ColumnParallelLinear.forward
-
-
-def unpack(packed: torch.Tensor):
-    """[b, s, 4] -> (logprobs, entropy, max_logit, min_logit), each [b, s] fp32."""
-    packed = packed.float()
-    return packed[..., 0], packed[..., 1], packed[..., 2], packed[..., 3]
-
-
-def _mtp_kwargs(gpt_model, ctx: CaptureContext) -> dict:
-    """Labels and loss mask for Megatron's MTP heads (GPTModel rolls both once per MTP layer)."""
-    if not getattr(gpt_model.config, "mtp_num_layers", None):
-        return {}
-    valid = ctx.labels != ctx.ignore_index
-    return {"labels": torch.where(valid, ctx.labels, torch.zeros_like(ctx.labels)), "loss_mask": valid.float()}
-
-
-def _call_processor(model, gpt_model, ctx, input_ids, position_ids, attention_mask, packed_seq_params):
-    return model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params,
-                 output_processor=stats_output_processor, output_processor_context=ctx,
-                 **_mtp_kwargs(gpt_model, ctx))
-
-
-def run_fused(model, gpt_model, seam: str, ctx: CaptureContext, input_ids, position_ids, attention_mask,
-              packed_seq_params=None) -> Any:
-    """One model call on the fused route. `model` is what is called (DDP/Float16Module wrapped),
-    `gpt_model` the bare GPTModel. Returns packed [b, s, 4] stats on the last pipeline stage, hidden
-    states otherwise."""
-    if seam == "output_processor":
-        return _call_processor(model, gpt_model, ctx, input_ids, position_ids, attention_mask, packed_seq_params)
-    if not gpt_model.post_process:
-        return model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
-    with legacy_capture(gpt_model.output_layer, ctx):
-        return model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
-
-
-def run_materialised(model, gpt_model, seam: str, ctx: CaptureContext, input_ids, position_ids, attention_mask,
-                     packed_seq_params=None) -> Any:
-    """run_fused's twin on the materialised route: the output layer builds the logits (same outputs)."""
-    if seam == "output_processor":
-        return _call_processor(model, gpt_model, ctx, input_ids, position_ids, attention_mask, packed_seq_params)
-    out = model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
-    if not gpt_model.post_process:
-        return out
-    if tuple(out.shape[:2]) != tuple(ctx.labels.shape):
-        raise ValueError(f"labels {tuple(ctx.labels.shape)} do not match the model's logits {tuple(out.shape)}")
-    weight = gpt_model.shared_embedding_or_output_weight()  # GPTModel returned batch-first [b, s, V] logits
-    return _materialised_packed(out, ctx.labels, ctx.temperature, weight.shape[0], gpt_model.output_layer, ctx)
-
-
-# ------------------------------------------------------------------------------------ generation
 
 
 @dataclass
@@ -300,13 +243,13 @@ class LastTokenContext:
     """Positions whose next-token logits are wanted (one per sequence of the batch)."""
 
     positions: torch.Tensor  # [b] long, index into the sequence dimension
+    cp_group: Any = None  # the context-parallel group when the hidden states are this CP rank's chunks
 
 
 def _last_token_logits(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx: LastTokenContext):
     """[s_local, b, H] hidden -> full-vocabulary [b, V_pad] fp32 logits at ctx.positions (no grad),
     on every TP rank. Only b rows of logits are ever built. Under context parallelism the hidden states
     of this CP rank's zigzag chunks are gathered back into sequence order first (BSHD)."""
-    from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
     from .context_parallel import gather_from_context_parallel
@@ -314,8 +257,8 @@ def _last_token_logits(hidden: torch.Tensor, weight: torch.Tensor, output_layer,
     tp_group, tp = _tp(output_layer)
     if output_layer.sequence_parallel and tp > 1:
         hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, group=tp_group)
-    if mpu.get_context_parallel_world_size() > 1:
-        hidden = gather_from_context_parallel(hidden.transpose(0, 1), mpu.get_context_parallel_group()).transpose(0, 1)
+    if ctx.cp_group is not None:
+        hidden = gather_from_context_parallel(hidden.transpose(0, 1), ctx.cp_group).transpose(0, 1)
     rows = torch.arange(hidden.shape[1], device=hidden.device)
     picked = hidden[ctx.positions.to(hidden.device), rows]  # [b, H]
     logits = (picked.to(weight.dtype) @ weight.t()).float()  # [b, V_pad / tp]
@@ -327,37 +270,91 @@ def _last_token_logits(hidden: torch.Tensor, weight: torch.Tensor, output_layer,
 def last_token_output_processor(*, hidden_states, output_layer, output_weight, context, scale_logits=None,
                                 **_unused) -> torch.Tensor:
     """GPTModel output_processor for sampling: [b, V_pad] fp32 logits of the positions in context."""
-    weight = output_weight if output_weight is not None else output_layer.weight
-    logits = _last_token_logits(hidden_states, weight, output_layer, context)
+    logits = _last_token_logits(hidden_states, _head_weight(output_layer, output_weight), output_layer, context)
     return scale_logits(logits) if scale_logits is not None else logits
 
 
+# ------------------------------------------------------------------------------------ one seam, two processors
+
+
 @contextlib.contextmanager
-def legacy_last_token(output_layer, ctx: LastTokenContext):
-    """output_layer seam for sampling; GPTModel applies its own logit scaling and [s,b]->[b,s] transpose
-    to our [1, b, V_pad] result, giving [b, 1, V_pad]."""
+def output_layer_seam(output_layer, processor, context):
+    """The seam of megatron-core 0.16/0.17: for one model call `output_layer.forward`, set on the instance,
+    runs `processor` (as GPTModel >= 0.18 would call it, with seam="output_layer"); `del` restores the
+    class method. GPTModel transposes the output layer's sequence-first result to batch-first (applying
+    its MuP scaling first, which is why the fused route refuses MuP here), so the processor's batch-first
+    result is handed back transposed."""
     if "forward" in vars(output_layer):
         raise RuntimeError("output_layer.forward is already replaced on this instance (nested capture?)")
 
     def forward(input_, weight: Optional[torch.Tensor] = None, runtime_gather_output: Optional[bool] = None):
-        w = weight if weight is not None else output_layer.weight
-        return _last_token_logits(input_, w, output_layer, ctx).unsqueeze(0), None
+        out = processor(hidden_states=input_, output_layer=output_layer, output_weight=weight, context=context,
+                        runtime_gather_output=runtime_gather_output, config=output_layer.config, seam="output_layer")
+        return out.transpose(0, 1), None
 
     output_layer.forward = forward
     try:
         yield
     finally:
-        del output_layer.forward
+        del output_layer.forward  # back to ColumnParallelLinear.forward
+
+
+def call_with_processor(model, gpt_model, seam: str, processor, context, input_ids, position_ids, attention_mask,
+                        **model_kwargs) -> Any:
+    """`model(input_ids, position_ids, attention_mask, **model_kwargs)` with `processor` at the LM head in
+    place of the logits GEMM, on `seam`: the processor's result on the last pipeline stage, hidden
+    states on the others. `model` is what is called (DDP / Float16Module wrapped), `gpt_model` the bare
+    GPTModel."""
+    if seam == "output_processor":
+        return model(input_ids, position_ids, attention_mask, **model_kwargs, output_processor=processor,
+                     output_processor_context=context)
+    if not gpt_model.post_process:
+        return model(input_ids, position_ids, attention_mask, **model_kwargs)
+    with output_layer_seam(gpt_model.output_layer, processor, context):
+        return model(input_ids, position_ids, attention_mask, **model_kwargs)
+
+
+def unpack(packed: torch.Tensor):
+    """[b, s, 4] -> (logprobs, entropy, max_logit, min_logit), each [b, s] fp32."""
+    packed = packed.float()
+    return packed[..., 0], packed[..., 1], packed[..., 2], packed[..., 3]
+
+
+def _stats_call(model, gpt_model, seam: str, ctx: CaptureContext, input_ids, position_ids, attention_mask,
+                packed_seq_params):
+    kwargs = {"packed_seq_params": packed_seq_params}
+    if seam == "output_processor" and getattr(gpt_model.config, "mtp_num_layers", None):
+        # Megatron's MTP heads need labels and a loss mask (GPTModel rolls both once per MTP layer)
+        valid = ctx.labels != ctx.ignore_index
+        kwargs.update(labels=torch.where(valid, ctx.labels, torch.zeros_like(ctx.labels)), loss_mask=valid.float())
+    return call_with_processor(model, gpt_model, seam, stats_output_processor, ctx, input_ids, position_ids,
+                               attention_mask, **kwargs)
+
+
+def run_fused(model, gpt_model, seam: str, ctx: CaptureContext, input_ids, position_ids, attention_mask,
+              packed_seq_params=None) -> Any:
+    """One model call on the fused route: packed [b, s, 4] stats on the last pipeline stage, hidden
+    states otherwise."""
+    return _stats_call(model, gpt_model, seam, ctx, input_ids, position_ids, attention_mask, packed_seq_params)
+
+
+def run_materialised(model, gpt_model, seam: str, ctx: CaptureContext, input_ids, position_ids, attention_mask,
+                     packed_seq_params=None) -> Any:
+    """run_fused's twin on the materialised route: the output layer builds the logits (same outputs)."""
+    if seam == "output_processor":
+        return _stats_call(model, gpt_model, seam, ctx, input_ids, position_ids, attention_mask, packed_seq_params)
+    out = model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
+    if not gpt_model.post_process:
+        return out
+    if tuple(out.shape[:2]) != tuple(ctx.labels.shape):
+        raise ValueError(f"labels {tuple(ctx.labels.shape)} do not match the model's logits {tuple(out.shape)}")
+    weight = gpt_model.shared_embedding_or_output_weight()  # GPTModel returned batch-first [b, s, V] logits
+    return _materialised_packed(out, ctx.labels, ctx.temperature, weight.shape[0], gpt_model.output_layer, ctx)
 
 
 def run_last_token(model, gpt_model, seam: str, ctx: LastTokenContext, input_ids, position_ids, attention_mask,
                    **model_kwargs):
     """[b, V_pad] fp32 logits at ctx.positions on the last stage (hidden states on other stages).
     `model_kwargs` go to GPTModel.forward (e.g. inference_context= for the KV cache)."""
-    if seam == "output_processor":
-        return model(input_ids, position_ids, attention_mask, **model_kwargs,
-                     output_processor=last_token_output_processor, output_processor_context=ctx)
-    if not gpt_model.post_process:
-        return model(input_ids, position_ids, attention_mask, **model_kwargs)
-    with legacy_last_token(gpt_model.output_layer, ctx):
-        return model(input_ids, position_ids, attention_mask, **model_kwargs)[:, 0]
+    return call_with_processor(model, gpt_model, seam, last_token_output_processor, ctx, input_ids, position_ids,
+                               attention_mask, **model_kwargs)

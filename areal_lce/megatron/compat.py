@@ -3,16 +3,17 @@
 Everything that depends on *which* megatron-core is installed lives here, so the capture seam, the
 model builder and the engine ask one place: `has_output_processor()` says whether
 `GPTModel.forward(output_processor=...)` exists (megatron-core >= 0.18), `megatron_version()` gives
-the installed version. `apply_cpu_shims()` makes the few CUDA-only calls megatron-core makes during
-model construction and seeding harmless on a CPU-only host; it is idempotent and a no-op when CUDA
-is available.
+the installed version. `cpu_shims()` is a context manager that makes the CUDA-only calls megatron-core
+makes while building, running and training a model harmless on a CPU-only host, and restores
+everything on exit; it is a no-op when CUDA is available. The engine enters it around its own
+megatron calls; code that drives a megatron model itself on CPU (tests, examples) enters it too.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
-from typing import Tuple
+from typing import List, Tuple
 
 import torch
 
@@ -43,9 +44,6 @@ def has_output_processor() -> bool:
     return "output_processor" in inspect.signature(GPTModel.forward).parameters
 
 
-_SHIMS_APPLIED = False
-
-
 class _NullStream:
     """Stand-in for torch.cuda.current_stream() on CPU: nothing to wait for."""
 
@@ -73,49 +71,6 @@ class _CpuTorch:
         return attr
 
 
-def apply_cpu_shims() -> None:
-    """Let megatron-core build and seed models on a host without CUDA.
-
-    * `torch.cuda.current_device()` is called while allocating parameters and DDP buffers: answer
-      the CPU device instead of raising.
-    * `torch.cuda.current_stream()` is asked for by DDP's grad sync before it waits on CUDA-graph
-      events: answer a stream that has nothing to wait for.
-    * `torch.cuda.synchronize()` (pipeline p2p) is a no-op: CPU collectives complete on wait().
-    * megatron's pipeline schedules module gets a `torch` whose tensor factories map device="cuda"
-      to the CPU (its token counter is allocated with a hard-coded device).
-    * RoPE under context parallelism (BSHD) selects this rank's zigzag chunks of the position table
-      with a pinned-memory index moved to CUDA: the same selection without pinning or CUDA.
-    * `torch.cuda.manual_seed` / RNG state getters are harmless no-ops without CUDA already; the
-      RNG tracker is created with `inference_rng_tracker=True` by `parallel.init_distributed`, which
-      keeps it off CUDA generator states.
-    """
-    global _SHIMS_APPLIED
-    if _SHIMS_APPLIED or torch.cuda.is_available():
-        return
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-    # DDP's grad sync asks for the current stream to wait on CUDA-graph events (none exist here).
-    torch.cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
-    # Pipeline p2p guards batch_isend_irecv with a device synchronize; CPU ops are synchronous.
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
-    # The pipeline schedules allocate their token counter with device="cuda": give that module a
-    # torch whose factory functions map "cuda" to the CPU (everything else is the real torch).
-    from megatron.core.pipeline_parallel import schedules
-
-    schedules.torch = _CpuTorch()
-    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
-
-    modules = [rope_utils, rotary_pos_embedding]
-    try:
-        from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding
-
-        modules.append(yarn_rotary_pos_embedding)
-    except ImportError:
-        pass
-    for module in modules:
-        module.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank_cpu
-    _SHIMS_APPLIED = True
-
-
 def _pos_emb_on_this_cp_rank_cpu(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
     """megatron's get_pos_emb_on_this_cp_rank without pinned memory: chunks r and 2cp-1-r of 2cp."""
     if cp_group is None:
@@ -125,23 +80,67 @@ def _pos_emb_on_this_cp_rank_cpu(pos_emb: torch.Tensor, seq_dim: int, cp_group) 
     return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=seq_dim)
 
 
-def on_cpu() -> bool:
-    return not torch.cuda.is_available()
+def _shim_targets() -> List[Tuple[object, str, object]]:
+    """(owner, attribute, stand-in) of every replacement, with why each is needed on a CPU-only host:
+
+    * `torch.cuda.current_device()` is asked for the device of new tensors by megatron's DDP grad
+      buffers, RoPE's frequency table (every forward), the tensor-parallel mappings' gather /
+      reduce-scatter buffers (forward and backward), pipeline p2p receive buffers and the inference
+      context's KV buffers: answer the CPU device instead of raising.
+    * `torch.cuda.current_stream()` is asked for by DDP's grad sync (`finalize_model_grads`) before it
+      waits on CUDA-graph events: answer a stream that has nothing to wait for.
+    * `torch.cuda.synchronize()` (pipeline p2p) is a no-op: CPU collectives complete on wait().
+    * `Tensor.cuda()` returns the tensor itself: GPTModel moves the last pipeline stage's copy of tied
+      embeddings to CUDA before all-reducing it with the first stage's.
+    * megatron's pipeline schedules module gets a `torch` whose tensor factories map device="cuda" to
+      the CPU (its token counter is allocated with a hard-coded device).
+    * RoPE under context parallelism (BSHD) selects this rank's zigzag chunks of the position table
+      with a pinned-memory index moved to CUDA: the same selection without pinning or CUDA.
+    Parallel-state set-up and seeding need none (`parallel.init_distributed` creates the RNG tracker
+    with `inference_rng_tracker=True`, which keeps it off CUDA generator states).
+    """
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+    from megatron.core.pipeline_parallel import schedules
+
+    targets = [(torch.cuda, "current_device", lambda: torch.device("cpu")),
+               (torch.cuda, "current_stream", lambda *a, **k: _NullStream()),
+               (torch.cuda, "synchronize", lambda *a, **k: None),
+               (torch.Tensor, "cuda", lambda self, *a, **k: self),
+               (schedules, "torch", _CpuTorch())]
+    rope_modules = [rope_utils, rotary_pos_embedding]
+    try:
+        from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding
+
+        rope_modules.append(yarn_rotary_pos_embedding)
+    except ImportError:
+        pass
+    targets += [(m, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank_cpu) for m in rope_modules]
+    return targets
+
+
+_depth = 0  # nesting depth of cpu_shims() (the engine's train_step calls its token_stats, ...)
+_saved: List[Tuple[object, str, object]] = []
 
 
 @contextlib.contextmanager
-def tensor_cuda_is_identity():
-    """While building a model on a CPU-only host, `Tensor.cuda()` returns the tensor itself.
-
-    GPTModel moves the last pipeline stage's copy of tied embeddings to CUDA before all-reducing it
-    with the first stage's; on CPU the copy stays where it is. Restored on exit; no-op with CUDA.
-    """
+def cpu_shims():
+    """Within the block, megatron-core runs on a host without CUDA (`_shim_targets` lists what is replaced
+    and why); the originals are back on exit, also on error. Re-entrant; a no-op when CUDA is available.
+    Usable as a decorator (`@cpu_shims()`)."""
+    global _depth
     if torch.cuda.is_available():
         yield
         return
-    original = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    if _depth == 0:
+        for owner, name, stand_in in _shim_targets():
+            _saved.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, stand_in)
+    _depth += 1
     try:
         yield
     finally:
-        torch.Tensor.cuda = original  # type: ignore[method-assign]
+        _depth -= 1
+        if _depth == 0:
+            while _saved:
+                owner, name, original = _saved.pop()
+                setattr(owner, name, original)

@@ -1,6 +1,10 @@
 """Token generation for MegatronEngine: KV-cache decoding on megatron-core's static inference context,
 and the full-recompute reference.
 
+What generation needs of the engine is one narrow value, `GenerationModel` (the called model and the
+bare GPTModel, the engine's `Route`, its `DistInfo`, vocabulary and length limits), which
+`MegatronEngine.generate` builds; nothing here calls back into the engine.
+
 One sampling loop drives either route. Each step a route returns the fp32 next-token logits of the
 live sequences (in order, full vocabulary, on every rank; the LM head builds them for the last position
 only, through the capture seam's last-token processor), `sample_tokens` picks the tokens on the device
@@ -40,17 +44,38 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Callable, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
 
 import torch
 
-from .. import comms
-from . import capture
 from .batch import prepare as prepare_batch
+from .parallel import DistInfo
+from .route import Route
 from .sampling import sample_tokens
+from .schedule import from_last_stage, run_schedule
 
 # core attentions that honour the KV-cache contract (decode shapes + a per-sequence boolean mask)
 CACHE_ATTENTIONS = ("SDPAttention", "DotProductAttention")
+
+
+@dataclass(frozen=True)
+class GenerationModel:
+    """The model generation runs: `model` is what is called (DDP / Float16Module wrapped, switched to
+    eval while generating), `gpt` the bare GPTModel; every forward goes through `route`'s seam.
+    `seq_multiple`: the sequence length must be a multiple of it (TP size under sequence parallelism)."""
+
+    model: Any
+    gpt: Any
+    route: Route
+    dist: DistInfo
+    vocab_size: int
+    max_seq_len: int
+    seq_multiple: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.dist.device
 
 
 def check_request(prompts: List[List[int]], max_new_tokens: int, temperature: float, top_p: float) -> None:
@@ -60,29 +85,30 @@ def check_request(prompts: List[List[int]], max_new_tokens: int, temperature: fl
         raise ValueError("generate: max_new_tokens >= 0, temperature >= 0 and 0 < top_p <= 1 required")
 
 
-def generate_tokens(engine, prompts: List[List[int]], max_new_tokens: int, *, temperature: float, top_p: float,
-                    eos_id: Optional[int], generator: torch.Generator) -> List[List[int]]:
+def generate_tokens(gm: GenerationModel, prompts: List[List[int]], max_new_tokens: int, *, kv_cache: bool,
+                    temperature: float, top_p: float, eos_id: Optional[int],
+                    generator: torch.Generator) -> List[List[int]]:
     """New tokens per prompt (stopping after `eos_id`, at max_new_tokens, or when the longest live
-    sequence reaches model.max_seq_len), through the KV cache when engine.cfg.kv_cache allows.
+    sequence reaches gm.max_seq_len), through the KV cache when `kv_cache` and the model allow.
     The request is checked by the caller (`check_request`)."""
     prompts = [list(p) for p in prompts]
-    cached = engine.cfg.kv_cache and kv_cache_supported(engine)
-    was_training = engine.model.training
-    engine.model.eval()
-    max_seq_len = engine.cfg.model.max_seq_len
+    cached = kv_cache and kv_cache_supported(gm)
+    was_training = gm.model.training
+    gm.model.eval()
+    max_seq_len = gm.max_seq_len
 
     def recompute(live, new):
-        return recompute_next_logits(engine, [prompts[i] + new[i] for i in live])
+        return recompute_next_logits(gm, [prompts[i] + new[i] for i in live])
 
     try:
-        with sequence_parallel_off(engine.gpt) if cached else contextlib.nullcontext():
+        with sequence_parallel_off(gm.gpt) if cached else contextlib.nullcontext():
             # at most max_seq_len - shortest prompt steps: the loop stops when a live sequence reaches it
             steps = min(max_new_tokens, max_seq_len - min(len(p) for p in prompts))
-            step = CachedSteps(engine, prompts, steps) if cached else recompute
+            step = CachedSteps(gm, prompts, steps) if cached else recompute
             return sample_loop(step, prompts, max_new_tokens, max_seq_len, temperature, top_p, eos_id, generator)
     finally:
         if was_training:
-            engine.model.train()
+            gm.model.train()
 
 
 def sample_loop(next_logits: Callable, prompts, max_new_tokens: int, max_seq_len: int, temperature: float,
@@ -103,10 +129,10 @@ def sample_loop(next_logits: Callable, prompts, max_new_tokens: int, max_seq_len
     return new
 
 
-def kv_cache_supported(engine) -> bool:
-    if engine.dist.cp_size > 1:
+def kv_cache_supported(gm: GenerationModel) -> bool:
+    if gm.dist.cp_size > 1:
         warnings.warn(f"engine.kv_cache: megatron's static inference context does not run under context "
-                      f"parallelism (parallel.context_parallel={engine.dist.cp_size}); generating by full "
+                      f"parallelism (parallel.context_parallel={gm.dist.cp_size}); generating by full "
                       "recompute over the CP-split sequences", RuntimeWarning, stacklevel=3)
         return False
     try:
@@ -115,7 +141,7 @@ def kv_cache_supported(engine) -> bool:
         warnings.warn("engine.kv_cache: this megatron-core has no StaticInferenceContext; generating by full "
                       "recompute", RuntimeWarning, stacklevel=3)
         return False
-    kinds = {type(layer.self_attention.core_attention).__name__ for layer in engine.gpt.decoder.layers}
+    kinds = {type(layer.self_attention.core_attention).__name__ for layer in gm.gpt.decoder.layers}
     if not kinds <= set(CACHE_ATTENTIONS):
         warnings.warn(f"engine.kv_cache: core attention {sorted(kinds - set(CACHE_ATTENTIONS))} does not take "
                       f"the cache's padding mask (supported: {CACHE_ATTENTIONS}); generating by full recompute",
@@ -151,19 +177,19 @@ class CachedSteps:
     """Next-token logits through megatron's StaticInferenceContext: prefill on the first call, then one
     token per call; finished sequences are dropped from the cache batch."""
 
-    def __init__(self, engine, prompts: List[List[int]], max_steps: int):
+    def __init__(self, gm: GenerationModel, prompts: List[List[int]], max_steps: int):
         from megatron.core.inference.contexts import StaticInferenceContext
 
-        self.engine, self.prompts = engine, prompts
+        self.gm, self.prompts = gm, prompts
         self.width = max(len(p) for p in prompts)  # prompts are left-padded to this many slots
         # step t > 0 writes slot width + t - 1: the last of max_steps steps needs width + max_steps - 1 slots
         self.ctx = StaticInferenceContext(len(prompts), self.width + max(max_steps, 1) - 1)
         self.rows = list(range(len(prompts)))  # prompt index of each active cache row, in row order
-        self.pad = torch.tensor([self.width - len(p) for p in prompts], device=engine.device)
+        self.pad = torch.tensor([self.width - len(p) for p in prompts], device=gm.device)
         self.padded = bool(self.pad.any())
 
     def __call__(self, live: List[int], new: List[List[int]]) -> torch.Tensor:
-        dev = self.engine.device
+        dev = self.gm.device
         if self.ctx.sequence_len_offset == 0:
             return self._prefill()
         if live != self.rows:
@@ -176,7 +202,7 @@ class CachedSteps:
         return self._forward(ids, mask)
 
     def _prefill(self) -> torch.Tensor:
-        dev, w = self.engine.device, self.width
+        dev, w = self.gm.device, self.width
         ids = torch.zeros(len(self.prompts), w, dtype=torch.long)
         for i, p in enumerate(self.prompts):
             ids[i, w - len(p):] = torch.tensor(p, dtype=torch.long)
@@ -194,63 +220,54 @@ class CachedSteps:
         where = {i: r for r, i in enumerate(self.rows)}
         keep = [where[i] for i in live]
         rest = sorted(set(range(self.ctx.max_batch_size)) - set(keep))
-        self.ctx.swap_key_value_dict(torch.tensor(keep + rest, device=self.engine.device))
-        self.pad = self.pad[torch.tensor(keep, device=self.engine.device)]
+        self.ctx.swap_key_value_dict(torch.tensor(keep + rest, device=self.gm.device))
+        self.pad = self.pad[torch.tensor(keep, device=self.gm.device)]
         self.rows = list(live)
 
     def _forward(self, ids: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        e, (b, sq) = self.engine, ids.shape
+        gm, (b, sq) = self.gm, ids.shape
         start = self.ctx.sequence_len_offset
-        pos = torch.arange(start, start + sq, device=e.device).unsqueeze(0).expand(b, sq)
-        last = capture.LastTokenContext(positions=torch.full((b,), -1, dtype=torch.long, device=e.device))
-        kw = dict(inference_context=self.ctx, runtime_gather_output=True)
-        if e.dist.pp_size == 1:
-            out = capture.run_last_token(e.model, e.gpt, e.seam, last, ids, pos, mask, **kw)[:, : e.vocab_size]
-        else:
-            out = pipeline_last_token(e, ids, pos, mask, last, **kw)
+        pos = torch.arange(start, start + sq, device=gm.device).unsqueeze(0).expand(b, sq)
+        last = torch.full((b,), -1, dtype=torch.long, device=gm.device)
+        out = next_token_logits(gm, ids, pos, mask, last, inference_context=self.ctx, runtime_gather_output=True)
         self.ctx.sequence_len_offset += sq
         return out
 
 
-def pipeline_last_token(engine, ids, pos, mask, last: capture.LastTokenContext, **model_kwargs) -> torch.Tensor:
-    """One forward-only microbatch through megatron's pipeline schedule: [b, vocab] fp32 logits on every
-    stage (only the last stage computes them; a sum over the pipeline group shares them)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    b, v = ids.shape[0], engine.vocab_size
+def next_token_logits(gm: GenerationModel, ids, pos, mask, last: torch.Tensor, **model_kwargs) -> torch.Tensor:
+    """[b, vocab] fp32 logits at position `last[i]` of each row i, on every rank: one forward through the
+    route's last-token processor, under pipeline parallelism one forward-only micro-batch through
+    megatron's schedule (only the last stage computes the logits; a sum over the pipeline group shares
+    them)."""
+    b, v = ids.shape[0], gm.vocab_size
+    if gm.dist.pp_size == 1:
+        return gm.route.last_token_logits(gm.model, gm.gpt, last, ids, pos, mask, **model_kwargs)[:, :v]
     store = {}
 
-    def keep(out):
-        store["logits"] = out[:, :v].float()
-        return out.float().sum() * 0.0, {}
+    def forward(_i, _item, model):
+        def keep(out):
+            store["logits"] = out[:, :v].float()
+            return out.float().sum() * 0.0
+        return gm.route.last_token_logits(model, gm.gpt, last, ids, pos, mask, **model_kwargs), keep
 
-    def forward_step(data_iterator, model):
-        next(data_iterator)
-        return capture.run_last_token(model, engine.gpt, engine.seam, last, ids, pos, mask, **model_kwargs), keep
-
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([0]), model=[engine.model],
-                                num_microbatches=1, seq_length=ids.shape[1], micro_batch_size=b, forward_only=True)
-    t = store.get("logits", torch.zeros(b, v, device=engine.device)).contiguous()
-    comms.all_reduce_sum_(t, engine.pp_group)  # SUM over stages: only the last stage holds logits
-    return t
+    run_schedule(gm.model, [None], forward, seq_length=ids.shape[1], micro_batch_size=b, forward_only=True)
+    return from_last_stage(store["logits"] if "logits" in store else torch.zeros(b, v, device=gm.device),
+                           gm.dist.pp_group)
 
 
 # ------------------------------------------------------------------------------------ recompute
 
 
 @torch.no_grad()
-def recompute_next_logits(engine, seqs: List[List[int]]) -> torch.Tensor:
+def recompute_next_logits(gm: GenerationModel, seqs: List[List[int]]) -> torch.Tensor:
     """Reference route: full-vocabulary fp32 logits [n, vocab] of the token after each sequence, on every
     rank, re-running each whole sequence. Only the n last-position rows of logits are computed."""
     lengths = [len(x) for x in seqs]
     ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
     for i, x in enumerate(seqs):
         ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-    ctx = capture.LastTokenContext(positions=torch.tensor(lengths, device=engine.device) - 1)
-    mb = prepare_batch(ids, torch.full_like(ids, -100), device=engine.device, max_seq_len=engine.cfg.model.max_seq_len,
-                       pack=False, seq_multiple=engine._seq_multiple(), cp_group=engine.cp_group,
-                       cp_size=engine.dist.cp_size)
-    ids, pos, mask = mb.input_ids, mb.position_ids, mb.attention_mask
-    if engine.dist.pp_size > 1:
-        return pipeline_last_token(engine, ids, pos, mask, ctx)
-    return capture.run_last_token(engine.model, engine.gpt, engine.seam, ctx, ids, pos, mask)[:, : engine.vocab_size]
+    cp_group = gm.dist.cp_group if gm.dist.cp_size > 1 else None
+    mb = prepare_batch(ids, torch.full_like(ids, -100), device=gm.device, max_seq_len=gm.max_seq_len, pack=False,
+                       seq_multiple=gm.seq_multiple, cp_group=cp_group, cp_size=gm.dist.cp_size)
+    last = torch.tensor(lengths, device=gm.device) - 1
+    return next_token_logits(gm, mb.input_ids, mb.position_ids, mb.attention_mask, last, cp_group=cp_group)

@@ -17,15 +17,14 @@ Weight layout (HF -> Megatron, per tensor-parallel rank r of t):
 from __future__ import annotations
 
 import glob
-import json
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.nn.functional as F
 
-from .compat import tensor_cuda_is_identity
+from .compat import cpu_shims
 from .config import ModelConfig, ParallelConfig
 
 TINY_VOCAB = 512
@@ -226,7 +225,7 @@ def build_gpt_model(arch: ArchSpec, model_cfg: ModelConfig, parallel: ParallelCo
             layer_specs=[layer_spec] * get_num_layers_to_build(config), layer_norm=norm
         )
     vocab = padded_vocab_size(arch.vocab_size, model_cfg.make_vocab_size_divisible_by, parallel.tensor_parallel)
-    with tensor_cuda_is_identity():  # tied embeddings under PP: megatron moves the copy to CUDA
+    with cpu_shims():  # on a CPU-only host: tied embeddings under PP, megatron moves the copy to CUDA
         model = GPTModel(
             config=config, transformer_layer_spec=layer_spec, vocab_size=vocab,
             max_sequence_length=max(model_cfg.max_seq_len, 1),
@@ -338,8 +337,3 @@ def load_hf_checkpoint(model, path: str, arch: ArchSpec) -> None:
         # Last stage of a pipeline with tied embeddings keeps its own copy of the embedding matrix.
         model.output_layer.weight.copy_(_vocab_shard(hf["model.embed_tokens.weight"], padded, tp, rank))
 
-
-def write_hf_config_json(arch: ArchSpec, path: str) -> None:
-    """config.json of the architecture (so a run directory says what it trained)."""
-    with open(path, "w") as f:
-        json.dump(arch.__dict__, f, indent=2)

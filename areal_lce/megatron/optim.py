@@ -1,4 +1,4 @@
-"""The engine's optimizer, gradient clipping and learning-rate schedule.
+"""The engine's optimizer, its step, gradient clipping and learning-rate schedule.
 
 On GPU: megatron-core's `get_megatron_optimizer` (Adam; fp32 master weights under bf16) with its own
 grad clipping. On CPU megatron's optimizer wrappers allocate on CUDA, so the engine uses
@@ -63,3 +63,21 @@ def grad_norm_and_clip(model, mp_group, device, clip: float) -> float:
         for p in params:
             p.main_grad.mul_(clip / (norm + 1e-6))
     return norm
+
+
+def optimizer_step(model, optimizer, megatron_optimizer: bool, lr: float, mp_group, device, clip: float) -> float:
+    """One optimizer step at learning rate `lr` on the finalised grad buffers; returns the grad norm
+    (before clipping). Megatron's optimizer clips and steps itself; the torch one is fed main_grad."""
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    if megatron_optimizer:
+        _ok, grad_norm, _zeros = optimizer.step()
+        return float(grad_norm) if grad_norm is not None else float("nan")
+    grad_norm = grad_norm_and_clip(model, mp_group, device, clip)
+    for p in model.parameters():
+        if p.requires_grad:
+            # fp32 on CPU: a view of the grad buffer. (bf16 on CPU has no fp32 master weights; it exists to
+            # exercise the Float16Module path, not to train.)
+            p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
+    optimizer.step()
+    return grad_norm

@@ -1,8 +1,14 @@
-"""Distributed start-up for the Megatron engine: process group, Megatron's parallel state, seeds.
+"""Distributed start-up for the Megatron engine (process group, Megatron's parallel state, seeds) and
+the job-level collectives the engine and the jobs use.
 
 `init_distributed` works the same under torchrun (RANK/WORLD_SIZE/MASTER_ADDR in the environment)
 and in a plain single process (a one-rank group on a free local port). Backend: nccl with CUDA,
-gloo without. Data parallelism is whatever remains of the world after TP x PP x CP.
+gloo without. Data parallelism is whatever remains of the world after TP x PP x CP. `DistInfo`
+carries this rank's sizes, ranks and process groups, so callers never reach into parallel_state.
+
+Job-level collectives (few, small, on the host; the op's collectives live in areal_lce.comms):
+`all_ranks_true` (an AND over the job), `barrier_world`, `broadcast_object` and
+`object_from_last_stage` (a small value from the last pipeline stage to every stage).
 """
 from __future__ import annotations
 
@@ -17,7 +23,6 @@ import torch.distributed as dist
 
 from .. import comms
 
-from .compat import apply_cpu_shims
 from .config import ParallelConfig
 
 
@@ -70,7 +75,6 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int = 1234) -> DistInfo
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
-    apply_cpu_shims()
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -138,12 +142,38 @@ def destroy_distributed() -> None:
         _OWNS_PROCESS_GROUP = False
 
 
-def object_from_last_stage(obj):
-    """The last pipeline stage's `obj` (a small picklable value) on every stage of this pipeline."""
-    from megatron.core import parallel_state as mpu
+# ------------------------------------------------------------------------------------ job-level collectives
 
-    if mpu.get_pipeline_model_parallel_world_size() == 1:
+
+def all_ranks_true(flag: bool) -> bool:
+    """True iff `flag` is true on every rank of the job (a collective when the job has several ranks)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return bool(flag)
+    t = torch.tensor([int(not flag)], dtype=torch.int64)
+    comms.all_reduce_max_(t, dist.group.WORLD)  # MAX of "false" flags: 0 iff every rank's flag is true
+    return not bool(t[0])
+
+
+def barrier_world() -> None:
+    """Wait for every rank of the job (checkpoint files on disk before one rank marks them complete)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        with comms._named("barrier", None):  # a timeout raises comms.CollectiveError naming the barrier
+            dist.barrier()
+
+
+def broadcast_object(obj, src: int, group):
+    """`obj` (a small picklable value) of global rank `src` on every rank of `group`."""
+    if comms.group_size(group) == 1:
         return obj
-    # Broadcast of a tiny pickled object (metric names) from the last stage to the other stages.
-    return comms.broadcast_object(obj, mpu.get_pipeline_model_parallel_last_rank(),
-                                  mpu.get_pipeline_model_parallel_group())
+    box = [obj]
+    with comms._named(f"broadcast of an object from rank {src}", group):
+        dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def object_from_last_stage(obj, info: DistInfo):
+    """The last pipeline stage's `obj` (a small picklable value, e.g. metric names) on every stage of
+    this rank's pipeline."""
+    if info.pp_size == 1:
+        return obj
+    return broadcast_object(obj, dist.get_global_rank(info.pp_group, info.pp_size - 1), info.pp_group)

@@ -26,7 +26,8 @@ import warnings
 from pathlib import Path
 from typing import Optional, Union
 
-from .. import comms, durable
+from .. import durable
+from ..megatron.parallel import all_ranks_true, barrier_world
 
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
@@ -35,7 +36,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 def _barrier() -> None:
     # Every rank's engine files must be on disk before rank 0 marks the checkpoint complete.
-    comms.barrier_world()
+    barrier_world()
 
 
 def checkpoint_root(output_dir) -> Path:
@@ -134,7 +135,7 @@ def load_resumable(engine, output_dir, path) -> tuple[Path, dict]:
             state = load_checkpoint(engine, candidate)
         except _UNREADABLE as e:
             error = f"{type(e).__name__}: {e}"
-        if comms.all_ranks_true(not error):
+        if all_ranks_true(not error):
             return candidate, state
         why = error or "another rank could not read its files"
         failures.append(f"{candidate}: {why}")

@@ -1,0 +1,137 @@
+"""The LM-head route, chosen once: the fused op at the capture seam, or the output layer's logits.
+
+    route = Route.choose(fused=True, seam="auto", backend="auto", cache_bytes=0)
+    packed = route.stats(model, input_ids, labels, vocab_size=V)   # [b, s, 4] on the LM-head stage
+    logits = route.last_token_logits(model, gpt, positions, input_ids, position_ids, attention_mask)
+
+`token_stats` builds a Route from its arguments; `MegatronEngine` builds one at construction from
+`engine.use_fused_linear_ce`, `capture_seam`, `lce_backend` and `lce_cache_bytes` and runs training,
+logprob passes and generation through it (`engine.route`), so the flag is read in one place. Both routes
+make one model call through the same seam (capture.py) and give the same outputs and gradients;
+`name` ("fused" | "materialised") and `description` ("fused linear op" | "materialised logits") name
+the route for logs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from . import capture
+
+
+def find_gpt_model(model):
+    """The GPTModel inside `model` (itself, or reached through `.module` of DDP / Float16Module / ...)."""
+    from megatron.core.models.gpt import GPTModel
+
+    seen = model
+    for _ in range(16):
+        if isinstance(seen, GPTModel):
+            return seen
+        seen = getattr(seen, "module", None)
+        if seen is None:
+            break
+    raise TypeError(f"token_stats: found no megatron GPTModel in {type(model).__name__} (looked through "
+                    "`.module` of wrappers such as DistributedDataParallel and Float16Module)")
+
+
+def _check_inputs(gpt, input_ids, labels, position_ids, packed_seq_params, vocab_size) -> None:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 0 < vocab_size <= gpt.vocab_size:
+        raise ValueError(f"token_stats(vocab_size={vocab_size!r}): the true vocabulary, an int in "
+                         f"[1, {gpt.vocab_size}] (the model's padded vocabulary); padded rows are excluded")
+    if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise ValueError(f"input_ids must be an integer tensor [b, s] (or [1, T] packed), got "
+                         f"{capture._describe(input_ids)}")
+    if not torch.is_tensor(labels) or labels.is_floating_point() or tuple(labels.shape) != tuple(input_ids.shape):
+        raise ValueError(f"labels must be an integer tensor laid out like input_ids {tuple(input_ids.shape)} "
+                         f"(already shifted: labels[..., i] is the target after input_ids[..., i]), got "
+                         f"{capture._describe(labels)}")
+    if position_ids is not None and tuple(position_ids.shape) != tuple(input_ids.shape):
+        raise ValueError(f"position_ids {tuple(position_ids.shape)} must be shaped like input_ids "
+                         f"{tuple(input_ids.shape)}")
+    if packed_seq_params is not None:
+        fmt = getattr(packed_seq_params, "qkv_format", None)
+        if fmt != "thd":
+            raise ValueError(f"packed_seq_params.qkv_format={fmt!r}: only packed 'thd' sequences are supported")
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"packed (THD) input_ids must be [1, T] (all sequences in one row), got "
+                             f"{tuple(input_ids.shape)}")
+    cfg = gpt.config
+    tp = getattr(cfg, "tensor_model_parallel_size", 1)
+    if cfg.sequence_parallel and tp > 1 and input_ids.shape[1] % tp:
+        raise ValueError(f"sequence_parallel with tensor_model_parallel_size={tp}: the sequence length "
+                         f"{input_ids.shape[1]} must be a multiple of {tp} (pad it; padded labels = ignore_index)")
+
+
+def _temperature(temperature, labels: torch.Tensor) -> Union[float, torch.Tensor]:
+    """A float, or a per-token fp32 tensor broadcast to labels' shape."""
+    if torch.is_tensor(temperature):
+        if not temperature.is_floating_point():
+            raise TypeError(f"temperature tensor must be floating point, got {temperature.dtype}")
+        try:
+            return torch.broadcast_to(temperature.to(labels.device, torch.float32), labels.shape).contiguous()
+        except RuntimeError as e:
+            raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not broadcast to labels "
+                             f"{tuple(labels.shape)} (use [b, s], [b, 1] or [1, T])") from e
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a float or a tensor, got {type(temperature).__name__}")
+    t = float(temperature)
+    if not 0 < t < float("inf"):
+        raise ValueError(f"temperature={temperature!r} must be finite and > 0")
+    return t
+
+
+@dataclass(frozen=True)
+class Route:
+    """fused: the fused op at the LM head (no [tokens, vocab] logits) or the output layer's logits;
+    seam: "output_processor" | "output_layer" (resolved, see capture.py); backend, cache_bytes: passed
+    to `linear_logprobs_entropy` on the fused route."""
+
+    fused: bool
+    seam: str
+    backend: str = "auto"
+    cache_bytes: Union[int, str] = 0
+
+    @classmethod
+    def choose(cls, fused: bool = True, seam: str = "auto", backend: str = "auto",
+               cache_bytes: Union[int, str] = 0) -> "Route":
+        """The route of these options; seam "auto" resolves to the installed megatron-core's seam."""
+        return cls(bool(fused), capture.resolve_seam(seam), backend, cache_bytes)
+
+    @property
+    def name(self) -> str:
+        return "fused" if self.fused else "materialised"
+
+    @property
+    def description(self) -> str:
+        return "fused linear op" if self.fused else "materialised logits"
+
+    def check(self, config) -> None:
+        """Refuse, naming the option, what this route cannot reproduce on a model of `config`."""
+        capture.check_seam_config(config, self.seam, self.fused)
+
+    def stats(self, model, input_ids: torch.Tensor, labels: torch.Tensor, *, vocab_size: int, position_ids=None,
+              attention_mask=None, packed_seq_params=None, temperature=1.0, ignore_index: int = -100):
+        """One model call: packed [b, s, 4] stats (logprobs, entropy, max_logit, min_logit) on the stage
+        with the LM head, the decoder's output (what a pipeline schedule sends on) on the other stages.
+        Arguments as `token_stats`'."""
+        gpt = find_gpt_model(model)
+        _check_inputs(gpt, input_ids, labels, position_ids, packed_seq_params, vocab_size)
+        self.check(gpt.config)
+        labels = labels.to(input_ids.device)
+        ctx = capture.CaptureContext(labels=labels, temperature=_temperature(temperature, labels),
+                                     vocab_size=vocab_size, backend=self.backend, cache_bytes=self.cache_bytes,
+                                     ignore_index=ignore_index, fused=self.fused)
+        run = capture.run_fused if self.fused else capture.run_materialised
+        return run(model, gpt, self.seam, ctx, input_ids, position_ids, attention_mask, packed_seq_params)
+
+    def last_token_logits(self, model, gpt_model, positions: torch.Tensor, input_ids, position_ids, attention_mask,
+                          *, cp_group=None, **model_kwargs):
+        """One model call: [b, V_pad] fp32 logits of position `positions[i]` of each row i on the last
+        stage (only those rows are built, on either route), hidden states on the others. `cp_group`: the
+        context-parallel group when the batch is this CP rank's share; `model_kwargs` go to GPTModel
+        (e.g. inference_context= for the KV cache)."""
+        ctx = capture.LastTokenContext(positions=positions, cp_group=cp_group)
+        return capture.run_last_token(model, gpt_model, self.seam, ctx, input_ids, position_ids, attention_mask,
+                                      **model_kwargs)
