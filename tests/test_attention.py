@@ -7,9 +7,7 @@ plus one more launch on megatron-core 0.16.1 when it is installed aside.
 from __future__ import annotations
 
 import functools
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import warnings
@@ -21,6 +19,7 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import attention_worker as A  # noqa: E402
+from helpers.launch import torchrun  # noqa: E402
 
 from areal_lce.megatron import context_parallel as CP  # noqa: E402
 from areal_lce.megatron.attention import (  # noqa: E402
@@ -243,15 +242,7 @@ def test_zigzag_positions():
 
 def _launch(pythonpath: str = "") -> dict:
     out = os.path.join(tempfile.mkdtemp(prefix="areal_lce_attn_"), "worker.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           A.__file__, out]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (pythonpath, env.get("PYTHONPATH", "")) if x)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
-    if proc.returncode != 0 or not os.path.exists(out):
-        raise RuntimeError(f"worker failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    with open(out) as f:
-        return json.load(f)
+    return torchrun(A.__file__, out, timeout=400, pythonpath=pythonpath, result=out)
 
 
 @functools.lru_cache(maxsize=None)
