@@ -75,19 +75,11 @@ def make_hf_checkpoint(path: str, family: str = "qwen2", tied: bool = False, voc
 def launch(out_dir: str, hf_dir: str = "", timeout: int = 400, pythonpath: str = "") -> dict:
     """Run this worker on 2 gloo ranks and return its results (raises with the log on failure).
     `pythonpath` is prepended to PYTHONPATH (e.g. a `pip install --target` dir of another megatron-core)."""
-    import subprocess
+    from helpers.launch import torchrun
 
     out = os.path.join(out_dir, "worker.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.abspath(__file__), out] + ([hf_dir] if hf_dir else [])
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(x for x in (pythonpath, env.get("PYTHONPATH", "")) if x)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if proc.returncode != 0 or not os.path.exists(out):
-        raise RuntimeError(f"worker failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    with open(out) as f:
-        return json.load(f)
+    return torchrun(os.path.abspath(__file__), out, *([hf_dir] if hf_dir else []), timeout=timeout,
+                    pythonpath=pythonpath, result=out)
 
 
 def pg_loss(stats, mb):

@@ -2,14 +2,13 @@
 
 One-rank cases run in this process; the CP=2 cases (helpers vs megatron's own split, GPTModel at CP=2
 vs CP=1 for BSHD and THD) run in ONE torchrun launch of tests/attention_worker.py (2 gloo ranks),
-plus one more launch on megatron-core 0.16.1 when it is installed aside.
+plus one more launch on megatron-core 0.16.1 when it is installed aside. The CUDA cases (varlen_attn)
+are tests/test_gpu_attention.py.
 """
 from __future__ import annotations
 
 import functools
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import warnings
@@ -22,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import attention_worker as A  # noqa: E402
 from gpt_builder import megatron_on_cpu  # noqa: E402,F401  (autouse: megatron-core on a CPU-only host)
+from helpers.launch import torchrun  # noqa: E402
 
 from areal_lce.megatron import context_parallel as CP  # noqa: E402
 from areal_lce.megatron.attention import (  # noqa: E402
@@ -244,15 +244,7 @@ def test_zigzag_positions():
 
 def _launch(pythonpath: str = "") -> dict:
     out = os.path.join(tempfile.mkdtemp(prefix="areal_lce_attn_"), "worker.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           A.__file__, out]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (pythonpath, env.get("PYTHONPATH", "")) if x)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
-    if proc.returncode != 0 or not os.path.exists(out):
-        raise RuntimeError(f"worker failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    with open(out) as f:
-        return json.load(f)
+    return torchrun(A.__file__, out, timeout=400, pythonpath=pythonpath, result=out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -296,13 +288,3 @@ def test_context_parallel_two_ranks_legacy_megatron():
     r = worker_results(LEGACY_DIR)
     assert tuple(r["meta"]["megatron_version"][:2]) < (0, 18), r["meta"]
     _check_cp2(r)
-
-
-@pytest.mark.gpu
-def test_varlen_attn_matches_sdpa_on_cuda():
-    """CUDA only: varlen_attn (flash) vs per-segment SDPA, packed and CP segments, bf16/fp16, GQA
-    (the kernel part of `python -m benchmark.gpu_attention_check`)."""
-    from benchmark.gpu_attention_check import kernel_cases
-
-    rows = kernel_cases()
-    assert all(r["pass"] for r in rows), [r for r in rows if not r["pass"]]

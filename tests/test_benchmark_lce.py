@@ -7,10 +7,8 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from benchmark import bench_lce  # noqa: E402
-from benchmark.harness import exact_reference  # noqa: E402
+from benchmark import bench_lce
+from benchmark.harness import exact_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPE = "40x32x384"

@@ -4,7 +4,7 @@ eager gives.
 
 CPU CI compiles with the "aot_eager" backend: Dynamo (no graph break, the op one node of one graph)
 and AOTAutograd (the fake implementation, the registered autograd formula, the backward op) without
-Inductor's C++ build. `benchmark/gpu_check.py` compiles with Inductor on CUDA with the Triton backend.
+Inductor's C++ build. `tests/test_gpu_capture.py` compiles with Inductor on CUDA with the Triton backend.
 """
 import pytest
 import torch

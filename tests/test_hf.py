@@ -429,39 +429,15 @@ def test_bad_options_and_calls():
 # distributed: FSDP2 and a vocab-sharded DTensor head, 2 gloo ranks on CPU (this file is the worker)
 
 
-def test_fsdp2_and_dtensor_tp_two_ranks(tmp_path):
+def test_fsdp2_and_dtensor_tp_two_ranks():
     """Launch `_dist_worker` on 2 CPU ranks (gloo); it raises on any mismatch."""
     import os
-    import socket
-    import subprocess
-    import sys
+
+    from helpers.launch import torchrun
 
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                   LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-        log = open(tmp_path / f"rank{rank}.log", "w+")
-        procs.append((subprocess.Popen([sys.executable, os.path.abspath(__file__)], env=env, stdout=log,
-                                       stderr=subprocess.STDOUT, cwd=root), log))
-    failed = []
-    for rank, (proc, log) in enumerate(procs):
-        try:
-            rc = proc.wait(timeout=240)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = "timeout"
-        log.seek(0)
-        text = log.read()
-        if rc != 0:
-            failed.append(f"rank {rank} exit {rc}:\n{text[-4000:]}")
-    assert not failed, "\n".join(failed)
+    torchrun(os.path.abspath(__file__), timeout=240, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _dist_worker():

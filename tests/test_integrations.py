@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import functools
 import os
-import subprocess
 import sys
 import types
 
@@ -163,18 +162,12 @@ def test_areal_refusals():
 
 @functools.lru_cache(maxsize=1)
 def worker_results() -> dict:
-    import json
     import tempfile
 
+    from helpers.launch import torchrun
+
     out = os.path.join(tempfile.mkdtemp(), "integrations.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(I.ROOT, "tests", "integrations_worker.py"), out]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    if proc.returncode != 0 or not os.path.exists(out):
-        raise RuntimeError(f"worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    with open(out) as f:
-        return json.load(f)
+    return torchrun(os.path.join(I.ROOT, "tests", "integrations_worker.py"), out, timeout=300, result=out)
 
 
 @needs_verl

@@ -15,8 +15,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import types
 from pathlib import Path
@@ -31,6 +29,7 @@ from areal_lce.train.config import ConfigError, load_config
 from areal_lce.train.logging_utils import MetricsLog, read_metrics
 from areal_lce.train.tokenizer import ByteTokenizer
 
+from helpers.launch import torchrun
 from test_tp import fake_group  # noqa: F401  (fixture: a recording 2-rank TP group)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -331,14 +330,9 @@ def test_resume_past_a_torn_metrics_line_and_a_corrupt_checkpoint_is_exact(tmp_p
 def worker_results() -> dict:
     tmp = tempfile.mkdtemp(prefix="areal_lce_reliability_")
     out = os.path.join(tmp, "worker.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "tests" / "reliability_worker.py"), out, tmp]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=REPO)
-    if not os.path.exists(out):
-        raise RuntimeError(f"worker failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    with open(out) as f:
-        return json.load(f)
+    # the result file alone decides: the worker ends with os._exit over a process group left stalled
+    return torchrun(REPO / "tests" / "reliability_worker.py", out, tmp, timeout=400, cwd=REPO,
+                    env={"PYTHONWARNINGS": "ignore"}, result=out, check_returncode=False)
 
 
 def _case(name: str) -> dict:

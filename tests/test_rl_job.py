@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -129,11 +128,9 @@ def test_shipped_rl_configs_load():
 
 def test_torchrun_tp2_route_parity_and_job(tmp_path):
     out = tmp_path / "tp2"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "tests" / "rl_worker.py"), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from helpers.launch import torchrun
+
+    proc = torchrun(REPO / "tests" / "rl_worker.py", out, timeout=120, cwd=REPO, env={"PYTHONWARNINGS": "ignore"})
     assert "RL_WORKER_OK" in proc.stdout
     assert proc.stdout.count("route parity tp=2") == 2  # both ranks checked their shards
     assert "TP 2 x PP 1 x CP 1 x DP 1" in proc.stdout and "fused linear op" in proc.stdout
@@ -149,11 +146,10 @@ def test_torchrun_context_parallel_matches_single_process(tmp_path):
     common = ["trainer.steps=2", "trainer.progress=false", "trainer.log_interval=100", "trainer.save_interval=0",
               "trainer.save_final=false"]
     out = tmp_path / "cp2"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "areal_lce.train",
-           str(GRPO_TINY), "engine.parallel.context_parallel=2", f"trainer.output_dir={out}", *common]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from helpers.launch import torchrun
+
+    proc = torchrun("areal_lce.train", GRPO_TINY, "engine.parallel.context_parallel=2", f"trainer.output_dir={out}",
+                    *common, module=True, timeout=240, cwd=REPO, env={"PYTHONWARNINGS": "ignore"})
     assert "TP 1 x PP 1 x CP 2 x DP 1" in proc.stdout
     single = rl.run(_cfg(tmp_path / "cp1", *common))
     rows, ref = read_metrics(out / "metrics.jsonl"), single["records"]

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -107,11 +104,10 @@ def test_torchrun_launch(tmp_path, tp, cp):
                  "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "trainer.save_interval=0",
                  f"trainer.output_dir={out}", "trainer.progress=false", "trainer.log_interval=1",
                  "trainer.sample_prompts=2"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "areal_lce.train", str(TINY), *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from helpers.launch import torchrun
+
+    proc = torchrun("areal_lce.train", TINY, *overrides, module=True, timeout=180, cwd=REPO,
+                    env={"PYTHONWARNINGS": "ignore"})
     assert f"TP {tp} x PP 1 x CP {cp} x DP {2 // tp // cp}" in proc.stdout and "fused linear op" in proc.stdout
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

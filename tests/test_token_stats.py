@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
 import sys
 import tempfile
-import json
 import types
 import warnings
 
@@ -26,6 +24,7 @@ sys.path.insert(0, HERE)
 
 import gpt_builder as G  # noqa: E402
 from gpt_builder import megatron_on_cpu  # noqa: E402,F401  (autouse: megatron-core on a CPU-only host)
+from helpers.launch import torchrun  # noqa: E402
 
 from areal_lce.megatron import capture, pack_rows, packed_next_token_labels, token_stats  # noqa: E402
 from areal_lce.megatron.stats import find_gpt_model  # noqa: E402
@@ -181,13 +180,7 @@ def test_packed_next_token_labels():
 @functools.lru_cache(maxsize=None)
 def worker_results() -> dict:
     out = os.path.join(tempfile.mkdtemp(prefix="areal_lce_ts_"), "out.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(HERE, "token_stats_worker.py"), out]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if proc.returncode != 0 or not os.path.exists(out):
-        raise RuntimeError(f"worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    with open(out) as f:
-        return json.load(f)
+    return torchrun(os.path.join(HERE, "token_stats_worker.py"), out, timeout=600, result=out)
 
 
 def _worker_cases(prefix):

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -229,24 +226,15 @@ def test_no_group_no_collectives(fake_group):
     assert fake_group.calls == []
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_torchrun_tp2_gloo():
     """2 gloo ranks on CPU: every case of the script against the fp64 oracle, then the bad-input errors."""
     # The Triton backends run here only through the interpreter (set by conftest on machines without a GPU).
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     backends = "reference,torch" + (",triton,triton_ascend" if interpret else "")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(ROOT / "torchrun" / "run_lce_tp2.py"), "--quick", "--bad-input", "--device", "cpu",
-           "--backends", backends]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::FutureWarning"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
+    from helpers.launch import torchrun
+
+    proc = torchrun(ROOT / "torchrun" / "run_lce_tp2.py", "--quick", "--bad-input", "--device", "cpu",
+                    "--backends", backends, timeout=300, cwd=ROOT, env={"PYTHONWARNINGS": "ignore::FutureWarning"})
     rows = [line for line in proc.stdout.splitlines() if line.rstrip().endswith(("PASS", "FAIL"))]
     assert rows and all(r.rstrip().endswith("PASS") for r in rows), proc.stdout
     for b in backends.split(",") + ["materialised"]:

@@ -11,8 +11,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest.importorskip("triton")
-
 from areal_lce.backends.triton import configs, launch  # noqa: E402
 from areal_lce.backends.triton.configs import TileConfig  # noqa: E402
 from areal_lce.backends.triton.launch import TritonBackend  # noqa: E402

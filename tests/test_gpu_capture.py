@@ -1,26 +1,32 @@
-"""GPU cases of `benchmark.gpu_check` for the op's default options on CUDA (triton backend, bf16):
+"""The public op's default options on CUDA under the ways models run it (marked `gpu`: skipped without CUDA).
+Triton backend, bf16, N = 1000 (not a multiple of the 128-row blocks), a padded vocabulary, per-token
+temperatures, right padding and scattered ignored rows:
 
-  sync_debug        a default forward+backward (ignored rows, padded vocab, per-token temperature;
-                    also cache_bytes="auto", compact_ignored=False, return_logit_sums=True and a no-grad
-                    forward) runs under torch.cuda.set_sync_debug_mode("error") after one warm-up
-                    call, with results bitwise equal to the warm-up's; a bad label passes silently there, gets a NaN
-                    logprob, and `areal_lce.check_deferred()` afterwards raises naming it.
-  cuda_graph        forward+backward captured once with torch.cuda.graph and replayed on new hidden,
-                    weight, labels (a different ignore pattern) and temperatures: equal to eager.
-  compile           torch.compile(fullgraph=True) (Inductor) of a loss over the op: no graph break;
-                    the op's outputs bitwise equal to eager, the loss and gradients within 1e-5.
-  compile_cudagraphs the same with mode="reduce-overhead" (CUDA graphs through Inductor).
+  sync_debug          a default forward+backward (also cache_bytes="auto", compact_ignored=False,
+                      return_logit_sums=True and a no-grad forward) runs under
+                      torch.cuda.set_sync_debug_mode("error") after one warm-up call, with results bitwise
+                      equal to the warm-up's; a bad label passes silently there, gets a NaN logprob, and
+                      `areal_lce.check_deferred()` afterwards raises naming it.
+  cuda_graph          forward+backward captured once with torch.cuda.graph and replayed on new hidden,
+                      weight, labels (a different ignore pattern) and temperatures: equal to eager.
+  compile             torch.compile(fullgraph=True) (Inductor) of a loss over the op: no graph break; the
+                      op's outputs within 1e-4 of eager, the loss within 1e-5, the gradients within 1e-3.
+  compile_cudagraphs  the same with mode="reduce-overhead" (CUDA graphs through Inductor), no cudagraph skip.
 
-Each returns a result dict with "ok"; gpu_check prints and stores it.
+Run with tests/test_gpu.py: `python -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_capture.py`,
+or `python -m benchmark.gpu_check` for the same with a JSON summary.
 """
 from __future__ import annotations
 
+import pytest
 import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 N, H, V, VOCAB = 1000, 512, 32000, 31900  # N not a multiple of the 128-row blocks; padded vocab
 
 
-def _inputs(device, seed: int):
+def _inputs(seed: int):
     g = torch.Generator(device="cpu").manual_seed(seed)
     h = torch.randn(N, H, generator=g).to(torch.bfloat16)
     w = (torch.randn(V, H, generator=g) * (4.0 / H ** 0.5)).to(torch.bfloat16)
@@ -29,7 +35,7 @@ def _inputs(device, seed: int):
     y[torch.randint(0, 700, (40,), generator=g)] = -100  # and scattered ignored rows
     temp = 0.5 + torch.rand(N, generator=g)
     g_out = torch.randn(2, N, generator=g)
-    return [t.to(device) for t in (h, w, y, temp, g_out)]
+    return [t.cuda() for t in (h, w, y, temp, g_out)]
 
 
 def _step(h, w, y, temp, g_out, **kw):
@@ -48,10 +54,10 @@ def _same(a_list, b_list):
     return all(torch.equal(a, b) for a, b in zip(a_list, b_list))
 
 
-def sync_debug_check(device) -> dict:
+def test_no_host_sync_under_sync_debug_mode(record_property):
     import areal_lce
 
-    h, w, y, temp, g_out = _inputs(device, 0)
+    h, w, y, temp, g_out = _inputs(0)
     variants = {"defaults": {}, "cache_auto": {"cache_bytes": "auto"}, "no_compact": {"compact_ignored": False},
                 "logit_sums": {"return_logit_sums": True}}
     warm = {k: _step(h, w, y, temp, g_out, **kw) for k, kw in variants.items()}
@@ -65,20 +71,17 @@ def sync_debug_check(device) -> dict:
     except ValueError:
         pass
     torch.cuda.synchronize()
-    res = {"case": "sync_debug"}
     torch.cuda.set_sync_debug_mode("error")
     try:
         again = {k: _step(h, w, y, temp, g_out, **kw) for k, kw in variants.items()}
         with torch.no_grad():
             nograd = areal_lce.linear_logprobs_entropy(h, w, y, temperature=temp, vocab_size=VOCAB).logprobs
         bad = _step(h, w, bad_y, temp, g_out)
-        res["no_sync"] = True
     except RuntimeError as e:  # what sync-debug mode raises on a synchronizing call
-        res.update(no_sync=False, error=f"{type(e).__name__}: {e}")
-        return {**res, "ok": False}
+        pytest.fail(f"a host sync under set_sync_debug_mode('error'): {type(e).__name__}: {e}")
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    res["equal_to_warmup"] = {k: _same(warm[k], again[k]) for k in variants}
+    res = {"equal_to_warmup": {k: _same(warm[k], again[k]) for k in variants}}
     res["equal_to_warmup"]["no_grad"] = torch.equal(warm_nograd, nograd)
     res["bad_label_nan"] = bool(torch.isnan(bad[0][3])) and bool(torch.isfinite(bad[0][4:700]).all())
     try:
@@ -86,13 +89,14 @@ def sync_debug_check(device) -> dict:
         res["deferred_error"] = None
     except ValueError as e:
         res["deferred_error"] = str(e)
-    res["ok"] = bool(res["no_sync"] and all(res["equal_to_warmup"].values()) and res["bad_label_nan"]
-                     and res["deferred_error"] and f"largest: {VOCAB + 5}" in res["deferred_error"])
-    return res
+    record_property("result", res)
+    assert all(res["equal_to_warmup"].values()), res
+    assert res["bad_label_nan"], res
+    assert res["deferred_error"] and f"largest: {VOCAB + 5}" in res["deferred_error"], res
 
 
-def cuda_graph_check(device) -> dict:
-    statics = _inputs(device, 0)
+def test_cuda_graph_replay_matches_eager(record_property):
+    statics = _inputs(0)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -102,21 +106,18 @@ def cuda_graph_check(device) -> dict:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = _step(*statics)
-    res = {"case": "cuda_graph", "replays": []}
-    ok = True
+    replays = []
     for seed in (1, 2, 0):
-        for dst, src in zip(statics, _inputs(device, seed)):
+        for dst, src in zip(statics, _inputs(seed)):
             dst.copy_(src)
         graph.replay()
         eager = _step(*statics)
         torch.cuda.synchronize()
         diff = max(((a.float() - b.float()).abs().max().item() if a.numel() else 0.0) for a, b in zip(captured, eager))
-        bitwise = _same(captured, eager)
         n_valid = int((statics[2] != -100).sum())
-        res["replays"].append({"seed": seed, "n_valid": n_valid, "bitwise": bitwise, "max_abs_diff": diff})
-        ok &= bitwise or diff <= 1e-5
-    res["ok"] = bool(ok)
-    return res
+        replays.append({"seed": seed, "n_valid": n_valid, "bitwise": _same(captured, eager), "max_abs_diff": diff})
+    record_property("result", {"replays": replays})
+    assert all(r["bitwise"] or r["max_abs_diff"] <= 1e-5 for r in replays), replays
 
 
 def _loss_model(h, w, y, temp):
@@ -128,14 +129,14 @@ def _loss_model(h, w, y, temp):
     return loss, o.logprobs, o.entropy, o.lse
 
 
-def _compiled_vs_eager(device, mode, name) -> dict:
-    h, w, y, temp, _ = _inputs(device, 0)
-    torch._dynamo.reset()
-    compiled = torch.compile(_loss_model, fullgraph=True, mode=mode)
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["compile", "compile_cudagraphs"])
+def test_compile_fullgraph_matches_eager(mode, record_property):
     from torch._dynamo.utils import counters
 
+    h, w, y, temp, _ = _inputs(0)
+    torch._dynamo.reset()
+    compiled = torch.compile(_loss_model, fullgraph=True, mode=mode)
     counters.clear()
-    res = {"case": name}
 
     def run(fn):
         hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
@@ -147,28 +148,18 @@ def _compiled_vs_eager(device, mode, name) -> dict:
     for _ in range(3):  # compile, then (reduce-overhead) record and replay
         got = run(compiled)
     eager = run(_loss_model)
-    res["op_outputs_bitwise"] = _same(got[1:4], eager[1:4])
-    res["op_outputs_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(got[1:4], eager[1:4]))
-    res["loss_rel"] = ((got[0] - eager[0]).abs() / eager[0].abs()).item()
-    res["dh_rel"] = ((got[4].float() - eager[4].float()).norm() / eager[4].float().norm()).item()
-    res["dw_rel"] = ((got[5].float() - eager[5].float()).norm() / eager[5].float().norm()).item()
-    res["graph_breaks"] = sum(counters["graph_break"].values())
-    res["cudagraph_skips"] = int(counters["inductor"].get("cudagraph_skips", 0))
+    res = {"op_outputs_bitwise": _same(got[1:4], eager[1:4]),
+           "op_outputs_max_abs_diff": max((a - b).abs().max().item() for a, b in zip(got[1:4], eager[1:4])),
+           "loss_rel": ((got[0] - eager[0]).abs() / eager[0].abs()).item(),
+           "dh_rel": ((got[4].float() - eager[4].float()).norm() / eager[4].float().norm()).item(),
+           "dw_rel": ((got[5].float() - eager[5].float()).norm() / eager[5].float().norm()).item(),
+           "graph_breaks": sum(counters["graph_break"].values()),
+           "cudagraph_skips": int(counters["inductor"].get("cudagraph_skips", 0))}
+    record_property("result", res)
     # Inductor fuses and reorders the fp32 arithmetic around the opaque custom op (temperature, the stats'
     # finishing math, the loss), so compiled and eager agree to fp32 rounding, not bit for bit; the bf16
-    # gradients then to bf16 rounding of those inputs (their floor against fp64 is ~2e-3, gpu_check).
-    ok = res["op_outputs_max_abs_diff"] <= 1e-4 and res["loss_rel"] <= 1e-5 and max(res["dh_rel"], res["dw_rel"]) <= 1e-3
-    ok &= res["graph_breaks"] == 0 and (mode is None or res["cudagraph_skips"] == 0)
-    res["ok"] = bool(ok)
-    return res
-
-
-def compile_check(device) -> dict:
-    return _compiled_vs_eager(device, None, "compile")
-
-
-def compile_cudagraphs_check(device) -> dict:
-    return _compiled_vs_eager(device, "reduce-overhead", "compile_cudagraphs")
-
-
-CHECKS = (sync_debug_check, cuda_graph_check, compile_check, compile_cudagraphs_check)
+    # gradients then to bf16 rounding of those inputs (their floor against fp64 is ~2e-3, test_gpu.py).
+    assert res["graph_breaks"] == 0, res
+    assert mode is None or res["cudagraph_skips"] == 0, res
+    assert res["op_outputs_max_abs_diff"] <= 1e-4 and res["loss_rel"] <= 1e-5, res
+    assert max(res["dh_rel"], res["dw_rel"]) <= 1e-3, res
