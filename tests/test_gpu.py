@@ -27,7 +27,7 @@ from areal_lce.types import LCEParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-STATS = ("m", "s", "a", "zy", "mn")  # running max, exp-sum, Σ p·z, label logit, min of the shard's logits
+STATS = ("m", "s", "a", "zy", "mx", "mn")  # tempered max, exp-sum, Σ p·z, label logit, raw max and min of the shard's logits
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def make_inputs(c: Case, device, seed=0):
     if c.peaked:
         y[: min(c.N, c.V, 8)] = torch.arange(min(c.N, c.V, 8)) + c.vocab_start
     inv_t = (0.5 + torch.rand(c.N, generator=g)) if c.temp == "tensor" else None
-    params = LCEParams(temperature=None if inv_t is not None else 0.8, vocab_size=c.vocab_start + valid,
+    params = LCEParams(inv_t=None if inv_t is not None else 1 / 0.8, vocab_size=c.vocab_start + valid,
                        vocab_start=c.vocab_start, shard_valid=valid,
                        cache_bytes=(1 << 40) if c.cache else 0, backend="triton")
     h, w = h.to(c.dtype), w.to(c.dtype)
@@ -112,7 +112,7 @@ def make_inputs(c: Case, device, seed=0):
 def torch_lowp_grads(z32, h, w, labels, inv_t, params, lse, ent, g_lp, g_ent):
     """Torch at the input precision: fp32 d_logits rounded to the input dtype, GEMMs in that dtype."""
     dz = grad_logits(z32, labels, lse, ent, g_lp, g_ent, params)
-    dl = dz * (inv_t[:, None] if inv_t is not None else 1.0 / params.temperature)
+    dl = dz * (inv_t[:, None] if inv_t is not None else params.inv_t)
     dl = dl.to(h.dtype)
     return (dl @ w).double(), (dl.t() @ h).double()
 
