@@ -13,6 +13,7 @@ from typing import Optional, Union
 import torch
 
 from . import checks, comms, library
+from .checks import check_temperature, inv_temperature  # noqa: F401  (public here too: the adapters use it)
 from .backends import resolve_backend
 from .device import auto_cache_bytes
 from .function import LinearLogprobsEntropy
@@ -55,41 +56,6 @@ def _check_tensors(hidden, weight, labels, sequence_parallel: bool, tp: int):
     elif tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"labels shape {tuple(labels.shape)} must equal hidden's leading shape "
                          f"{tuple(hidden.shape[:-1])}")
-
-
-def check_temperature(temperature, what: str = "temperature", allow_tensor: bool = True):
-    """The one validation of a temperature's type and range (its per-token *values* on the device are
-    checked by checks.py instead): a finite float > 0 whose inverse fits fp32, or (allow_tensor) a
-    floating-point tensor. Returns it, a Python number as a float. Errors name `what`."""
-    if torch.is_tensor(temperature):
-        if not allow_tensor:
-            raise TypeError(f"{what} must be a float, got a tensor")
-        if temperature.is_complex() or not temperature.is_floating_point():
-            raise TypeError(f"{what} tensor must be floating point, got {temperature.dtype}")
-        return temperature
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"{what} must be a float{' or a tensor' if allow_tensor else ''}, got {temperature!r}")
-    t = float(temperature)
-    if not t > 0 or t == float("inf"):
-        raise ValueError(f"{what} must be a finite float > 0, got {temperature}")
-    if 1.0 / t > torch.finfo(torch.float32).max:
-        raise ValueError(f"{what}={temperature} is too small: 1/temperature overflows fp32 (the logits are "
-                         "scaled by it in fp32)")
-    return t
-
-
-def inv_temperature(temperature, labels: torch.Tensor) -> tuple[Optional[float], Optional[torch.Tensor]]:
-    """(inv_t float, None) for a scalar temperature, (None, inv_t [N] fp32) for a tensor broadcastable to
-    `labels` (N = labels.numel()). The op and the materialised route scale logits by inv_t = 1/T."""
-    temperature = check_temperature(temperature)
-    if not torch.is_tensor(temperature):
-        return 1.0 / temperature, None
-    try:
-        t = torch.broadcast_to(temperature.detach().to(labels.device, torch.float32), labels.shape)
-    except RuntimeError as e:
-        raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not broadcast to labels "
-                         f"{tuple(labels.shape)}") from e
-    return None, (1.0 / t).reshape(-1).contiguous()
 
 
 def _check_options(ignore_index, vocab_size) -> None:

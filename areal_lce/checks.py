@@ -23,6 +23,7 @@ makes every logprob of the call NaN.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -148,3 +149,38 @@ def check_deferred() -> None:
                              f"ignore_index={ignore_index}); their logprobs are NaN")
         raise ValueError(f"temperature tensor: {n_bad_t} value(s) that are not finite and > 0 were passed to "
                          f"linear_logprobs_entropy on {device} since the last check")
+
+
+def check_temperature(temperature, what: str = "temperature", allow_tensor: bool = True):
+    """The one validation of a temperature's type and range (its per-token *values* on the device are
+    checked by the deferred checks below): a finite float > 0 whose inverse fits fp32, or (allow_tensor) a
+    floating-point tensor. Returns it, a Python number as a float. Errors name `what`."""
+    if torch.is_tensor(temperature):
+        if not allow_tensor:
+            raise TypeError(f"{what} must be a float, got a tensor")
+        if temperature.is_complex() or not temperature.is_floating_point():
+            raise TypeError(f"{what} tensor must be floating point, got {temperature.dtype}")
+        return temperature
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"{what} must be a float{' or a tensor' if allow_tensor else ''}, got {temperature!r}")
+    t = float(temperature)
+    if not t > 0 or t == float("inf"):
+        raise ValueError(f"{what} must be a finite float > 0, got {temperature}")
+    if 1.0 / t > torch.finfo(torch.float32).max:
+        raise ValueError(f"{what}={temperature} is too small: 1/temperature overflows fp32 (the logits are "
+                         "scaled by it in fp32)")
+    return t
+
+
+def inv_temperature(temperature, labels: torch.Tensor) -> tuple[Optional[float], Optional[torch.Tensor]]:
+    """(inv_t float, None) for a scalar temperature, (None, inv_t [N] fp32) for a tensor broadcastable to
+    `labels` (N = labels.numel()). The op and the materialised route scale logits by inv_t = 1/T."""
+    temperature = check_temperature(temperature)
+    if not torch.is_tensor(temperature):
+        return 1.0 / temperature, None
+    try:
+        t = torch.broadcast_to(temperature.detach().to(labels.device, torch.float32), labels.shape)
+    except RuntimeError as e:
+        raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not broadcast to labels "
+                         f"{tuple(labels.shape)}") from e
+    return None, (1.0 / t).reshape(-1).contiguous()

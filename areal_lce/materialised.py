@@ -12,7 +12,7 @@ from typing import Optional, Union
 import torch
 
 from . import comms
-from .api import inv_temperature
+from .checks import inv_temperature
 from .types import LCEOutput
 
 
