@@ -30,6 +30,9 @@ from typing import Any, Optional, Union
 
 import torch
 
+from ..api import linear_logprobs_entropy
+from ..materialised import logprobs_entropy_from_logits
+from ..types import VocabParallel
 from .compat import has_output_processor
 
 SEAMS = ("output_processor", "output_layer")
@@ -154,8 +157,6 @@ def _fused_packed(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx:
     one multiply by m puts on the model's logit scale."""
     from megatron.core import tensor_parallel
 
-    from .. import linear_logprobs_entropy
-
     tp_group, tp = _tp(output_layer)
     if output_layer.sequence_parallel and tp > 1:
         # All-gather the sequence shards forward; reduce-scatter d_hidden backward (its one reduction).
@@ -173,7 +174,7 @@ def _fused_packed(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx:
         hidden.reshape(s * b, h), weight, labels.reshape(-1).to(hidden.device),
         temperature=temperature / mult, ignore_index=ctx.ignore_index, vocab_size=ctx.vocab_size,
         return_stats=True, backend=ctx.backend, cache_bytes=ctx.cache_bytes,
-        tp_group=tp_group, sequence_parallel=False, reduce_d_hidden=False,
+        vocab_parallel=VocabParallel(tp_group, d_hidden="caller"),  # Megatron's own mapping reduces d_hidden
     )
     stats = (out.logprobs, out.entropy, out.max_logit * mult, out.min_logit * mult)
     return torch.stack([t.view(s, b) for t in stats], dim=-1)
@@ -183,8 +184,6 @@ def _materialised_packed(logits: torch.Tensor, labels: torch.Tensor, temperature
                          ctx: CaptureContext) -> torch.Tensor:
     """logits [x, y, V_pad/tp] (or gathered [x, y, V_pad]) and labels / temperature [x, y] -> packed
     [x, y, 4] fp32 stats, in whichever layout they come (no copy of the logits)."""
-    from ..materialised import logprobs_entropy_from_logits
-
     tp_group, tp = _tp(output_layer)
     vocab_parallel = tp > 1 and logits.shape[-1] == weight_rows  # else parallel_output=False gathered them
     r = logprobs_entropy_from_logits(logits, labels.to(logits.device), temperature=temperature,

@@ -67,9 +67,10 @@ def sequence_multiple(cfg, dist) -> int:
     return cfg.data.pad_to_multiple_of
 
 
-def run_banner(cfg, dist, tok) -> str:
-    """The part of the start-up line that every job prints: tokenizer, parallel layout, LM-head route."""
-    route = "fused linear op" if cfg.engine.use_fused_linear_ce else "materialised logits"
+def run_banner(engine, tok) -> str:
+    """The part of the start-up line that every job prints: tokenizer, parallel layout, and the LM-head
+    route the engine chose (engine.route)."""
+    dist, route = engine.dist, engine.route.description
     return (f"tokenizer {tok.name} ({tok.vocab_size} ids), world {dist.world_size} = TP {dist.tp_size} x "
             f"PP {dist.pp_size} x CP {dist.cp_size} x DP {dist.dp_size}, LM-head route: {route}")
 

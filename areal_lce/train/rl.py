@@ -135,7 +135,7 @@ class RLJob:
         cfg = self.cfg
         reward = cfg.rl.reward_fn or self.task.default_reward
         return (f"task {cfg.rl.task} {cfg.rl.task_options or ''}, reward {reward}, advantage {self.advantage}, "
-                f"{run_banner(cfg, self.dist, self.tok)}, rollout: "
+                f"{run_banner(self.policy, self.tok)}, rollout: "
                 f"{'KV cache' if cfg.engine.kv_cache else 'full recompute'}")
 
     def finish(self, output_dir) -> None:

@@ -50,7 +50,7 @@ class SFTJob:
         self.engine = MegatronEngine(self.cfg.engine, vocab_size=self.vocab_size)
 
     def banner(self) -> str:
-        return f"{len(self.dataset)} examples, {run_banner(self.cfg, self.dist, self.tok)}"
+        return f"{len(self.dataset)} examples, {run_banner(self.engine, self.tok)}"
 
     def step(self, step: int) -> dict:
         tr, d, data = self.cfg.trainer, self.dist, self.dataset

@@ -31,7 +31,7 @@ min (mx, mn: the op's max_logit / min_logit) are stored as tracked; the tempered
 NaN. tl.max / tl.maximum ignore NaN on the GPU, so a NaN logit never reaches the running max; it does
 reach exp2(NaN - m) and therefore s, and the merge kernel turns m / mn / mx into NaN wherever s is NaN.
 
-Interpreter. bf16 tl.dot returns garbage under TRITON_INTERPRET=1 (field-notes section 5): with
+Interpreter. bf16 tl.dot returns garbage under TRITON_INTERPRET=1: with
 UPCAST every loaded tile is converted to fp32 right after the load.
 """
 import triton

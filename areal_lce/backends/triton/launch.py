@@ -101,7 +101,7 @@ def _local_labels(labels: torch.Tensor, params: LCEParams) -> torch.Tensor:
     """Shard-local label column as contiguous int32 (-1 when another shard owns the label).
 
     A fresh int32 copy also side-steps the miscompile of int64 loads from addresses that are not
-    16-byte aligned (field-notes section 5)."""
+    16-byte aligned."""
     local = labels.to(torch.int64) - params.vocab_start
     owned = (local >= 0) & (local < params.shard_valid)
     return torch.where(owned, local, torch.full_like(local, -1)).to(torch.int32).contiguous()
@@ -109,7 +109,7 @@ def _local_labels(labels: torch.Tensor, params: LCEParams) -> torch.Tensor:
 
 def _row_count(n_valid, dummy: torch.Tensor) -> torch.Tensor:
     """n_valid as a fresh int32 [1] tensor (the Function's is a view at an 8-byte offset into a cumsum:
-    int64 loads from addresses that are not 16-byte aligned miscompile, field-notes section 5), or a
+    int64 loads from addresses that are not 16-byte aligned miscompile), or a
     dummy pointer when there is none (HAS_N_VALID=False: never read)."""
     return dummy if n_valid is None else n_valid.to(torch.int32)
 
