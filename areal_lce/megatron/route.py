@@ -18,6 +18,7 @@ from typing import Union
 
 import torch
 
+from ..checks import check_temperature
 from . import capture
 
 
@@ -65,21 +66,15 @@ def _check_inputs(gpt, input_ids, labels, position_ids, packed_seq_params, vocab
 
 
 def _temperature(temperature, labels: torch.Tensor) -> Union[float, torch.Tensor]:
-    """A float, or a per-token fp32 tensor broadcast to labels' shape."""
-    if torch.is_tensor(temperature):
-        if not temperature.is_floating_point():
-            raise TypeError(f"temperature tensor must be floating point, got {temperature.dtype}")
-        try:
-            return torch.broadcast_to(temperature.to(labels.device, torch.float32), labels.shape).contiguous()
-        except RuntimeError as e:
-            raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not broadcast to labels "
-                             f"{tuple(labels.shape)} (use [b, s], [b, 1] or [1, T])") from e
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float or a tensor, got {type(temperature).__name__}")
-    t = float(temperature)
-    if not 0 < t < float("inf"):
-        raise ValueError(f"temperature={temperature!r} must be finite and > 0")
-    return t
+    """A float, or a per-token fp32 tensor broadcast to labels' shape (type and range: the op's own check)."""
+    temperature = check_temperature(temperature)
+    if not torch.is_tensor(temperature):
+        return temperature
+    try:
+        return torch.broadcast_to(temperature.to(labels.device, torch.float32), labels.shape).contiguous()
+    except RuntimeError as e:
+        raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not broadcast to labels "
+                         f"{tuple(labels.shape)} (use [b, s], [b, 1] or [1, T])") from e
 
 
 @dataclass(frozen=True)
