@@ -9,14 +9,17 @@ One policy engine (trainable) and one frozen reference engine, as the RL job bui
 random ids with lengths drawn from [prompt_len - spread, prompt_len] (each repeated `group` times), so
 the cache holds left-padded prompts of different lengths. Phases, each after a warm-up call:
   * rollout, KV cache: `--new-tokens` tokens per sequence (no EOS: every sequence runs to the end),
-    wall time, ms per new token (one decode step of the whole batch), peak memory of the rollout.
+    wall time, ms per new token (one decode step of the whole batch), peak memory of the rollout;
+    decode steps replayed from CUDA graphs (the default, `engine.decode_cuda_graphs`), and for
+    `--eager-tokens` tokens with the same steps run eagerly.
   * rollout, full recompute: too slow to run to the end. Measured twice for `--recompute-tokens`
     tokens: from the prompts, and from the prompts extended by the KV rollout's first
     new_tokens - recompute_tokens tokens (the end of the same rollout). The cost of a step grows
     with the prefix; the estimate for the whole rollout is the mean of the two per-token times times
     new_tokens (trapezoid rule: a linear-in-prefix model). It is an estimate, and says so.
   * the same step's behaviour and reference logprob passes and the PPO update on the KV rollout's
-    sequences (benchmark.bench_train.grpo_passes), for the ratio rollout / (logprob passes + update).
+    sequences (benchmark.bench_train.grpo_passes; timed on their second run, the first warms up), for
+    the ratio rollout / (logprob passes + update).
 Targets (issue 15): KV rollout of 64 x 1024 <= 15 s (~15 ms per token), and at most ~5x the rest.
 """
 from __future__ import annotations
@@ -40,8 +43,8 @@ def _prompts(args, vocab: int, g: torch.Generator):
     return out
 
 
-def _rollout(eng, prompts, n: int, kv: bool, seed: int) -> dict:
-    eng.cfg.kv_cache = kv
+def _rollout(eng, prompts, n: int, kv: bool, seed: int, graphs: bool = True) -> dict:
+    eng.cfg.kv_cache, eng.cfg.decode_cuda_graphs = kv, graphs
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
@@ -67,13 +70,15 @@ def main():
     ap.add_argument("--prompt-spread", type=int, default=64, help="prompt lengths in [len - spread, len]")
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--recompute-tokens", type=int, default=32)
+    ap.add_argument("--eager-tokens", type=int, default=32,
+                    help="tokens of a KV rollout with eager decode steps (engine.decode_cuda_graphs=false)")
     ap.add_argument("--micro-batch", type=int, default=8, help="sequences per logprob / update microbatch")
     ap.add_argument("--lce-cache-bytes", default="0", help="engine.lce_cache_bytes: bytes or auto")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
     args.seq = args.prompt_len + args.new_tokens  # engine max_seq_len (bench_train._engine reads args.seq)
-    if not 0 < args.recompute_tokens <= args.new_tokens:
-        ap.error("--recompute-tokens must be in [1, --new-tokens]")
+    if not 0 < args.recompute_tokens <= args.new_tokens or not 0 < args.eager_tokens <= args.new_tokens:
+        ap.error("--recompute-tokens and --eager-tokens must be in [1, --new-tokens]")
 
     eng = _engine(args, fused=True)
     ref = _engine(args, fused=True, trainable=False)
@@ -85,6 +90,9 @@ def main():
     print(f"[rollout] KV cache: {len(prompts)} x {args.new_tokens} tokens in {kv['s']:.2f} s "
           f"({kv['ms_per_token']:.1f} ms/token), peak {kv['peak_mem_gib']:.2f} GiB", flush=True)
     n, r = args.new_tokens, args.recompute_tokens
+    eager = _rollout(eng, prompts, args.eager_tokens, True, seed=0, graphs=False)
+    print(f"[rollout] KV cache, eager decode steps (decode_cuda_graphs=false): {eager['ms_per_token']:.1f} ms/token "
+          f"over the first {args.eager_tokens} tokens", flush=True)
     start = _rollout(eng, prompts, r, False, seed=0)
     late = [p + x[: n - r] for p, x in zip(prompts, kv["resp"])]
     end = _rollout(eng, late, r, False, seed=0)
@@ -93,6 +101,7 @@ def main():
     print(f"[rollout] full recompute: {start['ms_per_token']:.1f} ms/token from the prompts, "
           f"{end['ms_per_token']:.1f} ms/token at prefix +{n - r}: ESTIMATED {estimate:.1f} s for {n} tokens",
           flush=True)
+    grpo_passes(args, eng, ref, prompts, kv["resp"], g)  # warm-up: these shapes' first calls
     times, out = grpo_passes(args, eng, ref, prompts, kv["resp"], g)
     rest = sum(times.values())
     print("[step] " + " ".join(f"{k}={v * 1e3:.0f}ms" for k, v in times.items()), flush=True)
@@ -107,6 +116,7 @@ def main():
     drop = ("resp",)
     result = {
         "kv_cache": {**{k: v for k, v in kv.items() if k not in drop}, "cache_gib": cache_gib},
+        "kv_cache_eager_steps": {k: v for k, v in eager.items() if k not in drop},
         "recompute_from_prompts": {k: v for k, v in start.items() if k not in drop},
         "recompute_at_end": {k: v for k, v in end.items() if k not in drop},
         "recompute_estimated_s": estimate,

@@ -258,15 +258,15 @@ def kv_case() -> dict:
     """Generation through the KV cache vs full recompute (fp32): greedy and seeded sampling, prompts of
     1-8 tokens, sequences stopping at EOS, at TP=2 (sequence parallel off and on) and PP=2. Tokens must be
     identical between the routes and across ranks, and finished sequences must leave the decode batch."""
-    from areal_lce.megatron import generate as G
+    from areal_lce.megatron import decode as D
 
-    batches, real = [], G.CachedSteps._forward
+    batches, real = [], D.CachedSteps._forward
 
     def spy(self, ids, mask):
         batches.append(ids.shape[0])
         return real(self, ids, mask)
 
-    G.CachedSteps._forward = spy
+    D.CachedSteps._forward = spy
     out, bad = {}, []
     try:
         for name, kw in (("tp2", {}), ("tp2-sp", {"sp": True}), ("pp2", {"tp": 1, "pp": 2})):
@@ -290,15 +290,16 @@ def kv_case() -> dict:
                 out[f"{key}-ranks_differ"] = float(any(x != gen[True] for x in every))
                 out[f"{key}-stopped"] = float(min(lengths) < 10 <= max(lengths))
                 # prefill (all rows) then one forward per step; the batch shrinks as sequences stop
-                out[f"{key}-dropped"] = float(batches[0] == len(KV_PROMPTS) and batches[-1] == lengths.count(10)
-                                              and len(batches) == max(lengths))
+                out[f"{key}-dropped"] = float(batches[0] == len(KV_PROMPTS) and len(batches) == max(lengths)
+                                              and batches[-1] == D.decode_batch(lengths.count(10), len(KV_PROMPTS))
+                                              and batches[-1] < len(KV_PROMPTS))
                 if out[f"{key}-differs"] or out[f"{key}-ranks_differ"] or not out[f"{key}-dropped"]:
                     bad.append((key, gen[True], gen[False], batches[:]))
             # sequence parallelism (off while generating) is back: same statistics as before
             out[f"{name}-stats_changed"] = float((e.token_stats(ids, labels).logprobs - before).abs().max())
             out[f"{name}-sp_restored"] = float(e.gpt.config.sequence_parallel == (name == "tp2-sp"))
     finally:
-        G.CachedSteps._forward = real
+        D.CachedSteps._forward = real
     if bad:
         raise AssertionError(f"KV cache vs recompute: {bad}")
     return out

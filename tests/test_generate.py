@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import megatron_worker as W  # noqa: E402
 from test_megatron_capture import worker_results  # noqa: E402
 
+from areal_lce.megatron import decode as D  # noqa: E402
 from areal_lce.megatron import generate as G  # noqa: E402
 from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig  # noqa: E402
 from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
@@ -53,13 +54,13 @@ def _both(e: MegatronEngine, prompts, n: int, **kw):
 def decode_batches(monkeypatch):
     """Batch size of every KV-cache forward (prefill first), to see the cache route ran and shrank."""
     seen = []
-    real = G.CachedSteps._forward
+    real = D.CachedSteps._forward
 
     def spy(self, ids, mask):
         seen.append(ids.shape[0])
         return real(self, ids, mask)
 
-    monkeypatch.setattr(G.CachedSteps, "_forward", spy)
+    monkeypatch.setattr(D.CachedSteps, "_forward", spy)
     return seen
 
 
@@ -146,23 +147,56 @@ def test_kv_cache_matches_recompute(attention, seam, decode_batches):
     lengths = [len(x) for x in stopped[True]]
     assert stopped[True] == stopped[False] and lengths[0] <= 2 and max(lengths) == 12
     live = [sum(n > t for n in lengths) for t in range(12)]  # sequences still generating at step t
-    assert decode_batches == live and live[-1] < len(PROMPTS)
+    assert live[-1] < len(PROMPTS) and decode_batches == [D.decode_batch(k, len(PROMPTS)) for k in live]
+    assert decode_batches[-1] < len(PROMPTS)  # the decode batch shrank
     assert e.model.training
 
 
-def test_equal_prompts_need_no_padding_mask(monkeypatch):
+def test_equal_prompts_prefill_without_padding_mask(monkeypatch):
     masks = []
-    real = G.CachedSteps._forward
+    real = D.CachedSteps._forward
 
     def spy(self, ids, mask):
         masks.append(None if mask is None else tuple(mask.shape))
         return real(self, ids, mask)
 
-    monkeypatch.setattr(G.CachedSteps, "_forward", spy)
+    monkeypatch.setattr(D.CachedSteps, "_forward", spy)
     prompts = [[1, 2, 3, 4], [9, 8, 7, 6], [5, 5, 5, 5]]
     out = _both(_engine(), prompts, 5, temperature=1.0)
     assert out[True] == out[False]
-    assert masks == [(1, 1, 4, 4)] + [None] * 4  # causal prefill, then decode against every cached key
+    # causal prefill [1, 1, 4, 4] (no padding rows), then fixed-shape decode steps: one key mask per row
+    # over the 4 + 5 slots (the last one the staging slot)
+    assert masks == [(1, 1, 4, 4)] + [(3, 1, 1, 9)] * 4
+
+
+def test_decode_batch_sizes():
+    assert [D.decode_batch(k, 5) for k in range(1, 6)] == [1, 2, 4, 4, 5]
+    assert [D.decode_batch(k, 64) for k in (64, 33, 32, 17, 9, 3, 1)] == [64, 64, 32, 32, 16, 4, 1]
+    assert D.decode_batch(1, 1) == 1
+
+
+def test_kv_cache_rows_finishing_inside_a_decode_batch(decode_batches):
+    """Eight prompts, greedy, an EOS that stops sequences at different steps: rows in the middle of the
+    decode batch finish while it keeps its size (the live rows' logits are picked out of it), batch
+    sizes follow `decode_batch`, same tokens as recompute (the shrinking batch: the test above)."""
+    e = _engine()
+    prompts = [[3 + i, 40 + 2 * i, 7] for i in range(8)]
+    free = _both(e, prompts, 10, temperature=0.0)[False]
+
+    def stops(eos):  # greedy: each sequence runs as without EOS up to its first eos
+        return {x.index(eos) + 1 if eos in x else len(x) for x in free}
+
+    eos = max({t for x in free for t in x[:8]}, key=lambda t: len(stops(t)))
+    decode_batches.clear()
+    out = _both(e, prompts, 10, temperature=0.0, eos_id=eos)
+    lengths = sorted({len(x) for x in out[True]})
+    assert out[True] == out[False] and len(lengths) >= 3, (eos, out[True])
+    assert decode_batches == [D.decode_batch(sum(len(x) > t for x in out[True]), 8) for t in range(max(lengths))]
+
+
+def test_decode_cuda_graphs_option():
+    assert EngineConfig().decode_cuda_graphs is True
+    assert "CUDA graph" in EngineConfig.__dataclass_fields__["decode_cuda_graphs"].metadata["help"]
 
 
 def test_max_seq_len_stops_both_routes_alike():
@@ -226,12 +260,14 @@ def test_rollout_benchmark_smoke(tmp_path, monkeypatch):
 
     from benchmark import bench_rollout
 
-    argv = ["--preset", "tiny", "--new-tokens", "6", "--recompute-tokens", "2", "--prompt-len", "9", "--prompt-spread",
+    argv = ["--preset", "tiny", "--new-tokens", "6", "--recompute-tokens", "2", "--eager-tokens", "3", "--prompt-len", "9",
+            "--prompt-spread",
             "5", "--prompts", "2", "--group", "2", "--micro-batch", "2", "--out", str(tmp_path)]
     monkeypatch.setattr(sys, "argv", ["bench_rollout", *argv])
     bench_rollout.main()
     (path,) = tmp_path.glob("rollout_tiny_tp1.json")
     r = json.loads(path.read_text())["results"]
     assert r["kv_cache"]["new_tokens"] == 6 and r["recompute_at_end"]["new_tokens"] == 2
+    assert r["kv_cache_eager_steps"]["new_tokens"] == 3
     assert r["recompute_tokens_same_as_kv_fraction"] == 1.0  # fp32 on CPU: the routes agree
     assert set(r["step_phases_s"]) == {"behaviour_logprobs", "reference_logprobs", "update"}

@@ -202,6 +202,12 @@ class EngineConfig:
                   "prefilled once, one token per step against cached keys/values); false: re-run the "
                   "whole prefix for every new token (the reference route)"},
     )
+    decode_cuda_graphs: bool = field(
+        default=True,
+        metadata={"help": "with kv_cache on CUDA at tensor_parallel = pipeline_parallel = 1: capture each decode "
+                  "step (one per batch size) in a CUDA graph and replay it; elsewhere, or false, the same "
+                  "fixed-shape step runs eagerly"},
+    )
     seed: int = field(default=1234, metadata={"help": "seed of parameter init, dropout and sampling"})
 
     def __post_init__(self):

@@ -248,7 +248,8 @@ class MegatronEngine:
             generator = torch.Generator().manual_seed(self.cfg.seed * 1000003 + self._gen_calls)
         self._gen_calls += 1
         return generation.generate_tokens(self.generation_model(), prompts, max_new_tokens, kv_cache=self.cfg.kv_cache,
-                                          temperature=temperature, top_p=top_p, eos_id=eos_id, generator=generator)
+                                          temperature=temperature, top_p=top_p, eos_id=eos_id, generator=generator,
+                                          cuda_graphs=self.cfg.decode_cuda_graphs)
 
     # ------------------------------------------------------------------------------ state
     def parameters_named(self) -> Dict[str, torch.nn.Parameter]:

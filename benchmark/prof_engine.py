@@ -1,0 +1,106 @@
+"""Where an engine call spends host time: device syncs by call site, and the top operators by self CPU time.
+
+    python -m benchmark.prof_engine --preset qwen2.5-0.5b --out DIR        # CUDA
+    python -m benchmark.prof_engine --preset tiny --seq 64 --out DIR       # CPU smoke run (no sync report)
+
+Two calls of the fused 0.5B-shaped engine, each after two warm-up calls: a logprob pass
+(`token_stats` on `--lp-batch` sequences of `--lp-seq` tokens, as a GRPO step's behaviour pass runs it)
+and an SFT `train_step` (`--micro-batches` of `--micro-batch` x `--seq`). For each: wall time, GPU
+kernel time (profiler), kernel launches, and under `torch.cuda.set_sync_debug_mode("warn")` every
+synchronizing call with the stack that made it (counted by stack). Writes prof_engine.json and
+prof_<call>.txt (the profiler's table) under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import time
+import traceback
+import warnings
+
+import torch
+
+from .bench_train import _batches, _engine, sft_loss
+from .harness import run_meta, sync, write_json
+
+
+def _syncs(fn) -> list:
+    """[(count, stack)] of the synchronizing CUDA calls `fn` makes."""
+    if not torch.cuda.is_available():
+        fn()
+        return []
+    stacks = collections.Counter()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/warnings.py" not in f.filename]
+        stacks["".join(traceback.format_list(frames[-10:]))] += 1
+
+    old_show = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+            sync()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = old_show
+    return [(count, stack) for stack, count in stacks.most_common()]
+
+
+def _profile(name: str, fn, out_dir: str) -> dict:
+    for _ in range(2):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    wall = time.perf_counter() - t0
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                     if torch.cuda.is_available() else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        sync()
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel"))
+    gpu_ms = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3
+    table = events.table(sort_by="self_cpu_time_total", row_limit=30)
+    with open(f"{out_dir}/prof_{name}.txt", "w") as f:
+        f.write(table)
+    syncs = _syncs(fn)
+    print(f"=== {name}: wall {wall * 1e3:.1f} ms, GPU kernels {gpu_ms:.1f} ms, {launches} launches, "
+          f"{sum(c for c, _ in syncs)} syncs", flush=True)
+    for count, stack in syncs[:6]:
+        print(f"--- {count}x\n{stack}", flush=True)
+    return {"wall_ms": wall * 1e3, "gpu_kernel_ms": gpu_ms, "launches": launches,
+            "syncs": [{"count": c, "stack": s} for c, s in syncs]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen2.5-0.5b")
+    ap.add_argument("--lp-batch", type=int, default=16)
+    ap.add_argument("--lp-seq", type=int, default=272)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--out", default="bench_out")
+    args = ap.parse_args()
+    args.layers, args.vocab, args.tp, args.sp, args.lce_cache_bytes = 0, 0, 1, False, "0"
+    os.makedirs(args.out, exist_ok=True)
+    eng = _engine(args, fused=True)
+    g = torch.Generator().manual_seed(0)
+    v = eng.vocab_size
+    ids = torch.randint(0, v, (args.lp_batch, args.lp_seq), generator=g)
+    labels = torch.randint(0, v, (args.lp_batch, args.lp_seq), generator=g)
+    labels[:, : args.lp_seq // 2] = -100  # the prompt half is not scored
+    res = {"logprobs": _profile("logprobs", lambda: eng.token_stats(ids, labels), args.out)}
+    mbs = _batches(args, v, 0)
+    res["sft_step"] = _profile("sft_step", lambda: eng.train_step(mbs, sft_loss(len(mbs))), args.out)
+    write_json(args.out, "prof_engine.json", {"meta": run_meta(args=vars(args)), "results": res})
+
+
+if __name__ == "__main__":
+    main()
