@@ -58,7 +58,7 @@ def sft_loss(n_micro: int):
     def loss_fn(stats, mb):
         mask = mb.labels.to(stats.logprobs.device) != -100
         nll = -(stats.logprobs * mask).sum() / mask.sum().clamp_min(1)
-        return nll / n_micro, {"entropy": float((stats.entropy * mask).sum() / mask.sum().clamp_min(1))}
+        return nll / n_micro, {"entropy": ((stats.entropy * mask).sum() / mask.sum().clamp_min(1)).detach()}
     return loss_fn
 
 

@@ -33,6 +33,8 @@ def _syncs(fn) -> list:
     stacks = collections.Counter()
 
     def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return  # another warning (megatron's deprecations, say)
         frames = [f for f in traceback.extract_stack()[:-1] if "/warnings.py" not in f.filename]
         stacks["".join(traceback.format_list(frames[-10:]))] += 1
 

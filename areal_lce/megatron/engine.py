@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import resource
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -171,15 +171,14 @@ class MegatronEngine:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss_sum, sums = 0.0, {}
+        sums: Dict[str, Any] = {}  # loss and metrics summed over micro-batches, on the device: no host sync
         tokens = sum(mb.target_tokens() for mb in microbatches)
 
         def account(mb, stats):
-            nonlocal loss_sum
             loss, metrics = loss_fn(stats, mb)
-            loss_sum += float(loss.detach())
-            for k, v in (metrics or {}).items():
-                sums[k] = sums.get(k, 0.0) + float(v.detach() if torch.is_tensor(v) else v)
+            for k, v in (("loss", loss), *(metrics or {}).items()):
+                v = v.detach().to(self.device, torch.float64) if torch.is_tensor(v) else float(v)
+                sums[k] = sums[k] + v if k in sums else v
             return loss
 
         if self.dist.pp_size > 1:
@@ -192,32 +191,33 @@ class MegatronEngine:
                 # only its own tokens; megatron's DDP averages over data x context parallel ranks, so the
                 # loss is scaled by cp for that average to be the sum of the CP shares (as Megatron-LM does).
                 (account(mb, stats) * self.dist.cp_size).backward()
-        checks.check_deferred()  # the op's deferred label checks, read where the loss floats already synced
+        checks.check_deferred()  # the op's deferred label checks: the step's one read of the device
         # DP all-reduce of the grad buffers, SP norm grads over TP, tied embeddings across stages.
         finalize_model_grads([self.model])
         lr = lr_at(self.step_count, self.cfg.optim)
         grad_norm = optimizer_step(self.model, self.optimizer, self.megatron_optimizer, lr, self.mp_group,
                                    self.device, self.cfg.optim.clip_grad)
         self.step_count += 1
-        out = self._reduce_metrics(loss_sum, tokens, sums, len(microbatches))
+        out = self._reduce_metrics(sums.pop("loss", 0.0), tokens, sums, len(microbatches))
         out.update(grad_norm=grad_norm, lr=lr, peak_mem_gib=self.peak_mem_gib())
         return out
 
-    def _reduce_metrics(self, loss_sum: float, tokens: int, sums: Dict[str, float], n: int) -> Dict[str, float]:
+    def _reduce_metrics(self, loss_sum, tokens: int, sums: Dict[str, Any], n: int) -> Dict[str, float]:
         """The data-parallel mean of the per-rank loss and metric means, and the tokens summed over the
-        data-parallel ranks: the same numbers on every rank (under PP the last stage's)."""
+        data-parallel ranks: the same numbers on every rank (under PP the last stage's). Sums are floats
+        or 0-d device tensors; they reach the host once, after the reduction."""
         keys = object_from_last_stage(sorted(sums), self.dist)  # under PP only the last stage ran loss_fn
         # on the engine's device: NCCL groups reduce CUDA tensors only
-        vec = torch.tensor([loss_sum, float(tokens)] + [sums.get(k, 0.0) / n for k in keys],
-                           dtype=torch.float64, device=self.device)
+        vec = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(())
+                           for v in [loss_sum, float(tokens)] + [sums.get(k, 0.0) / n for k in keys]])
         if self.dist.pp_size > 1:
             if not self.dist.is_last_stage:
                 vec.zero_()  # every stage counted the same tokens; the last one alone ran loss_fn
             comms.all_reduce_sum_(vec, self.pp_group)  # SUM over stages: values live on the last one
         comms.all_reduce_sum_(vec, self.dp_group)  # SUM over data-parallel ranks
-        dp = self.dist.dp_size
-        out = {k: float(vec[2 + i]) / dp for i, k in enumerate(keys)}
-        out.update(loss=float(vec[0]) / dp, tokens=float(vec[1]))
+        dp, host = self.dist.dp_size, vec.tolist()
+        out = {k: host[2 + i] / dp for i, k in enumerate(keys)}
+        out.update(loss=host[0] / dp, tokens=host[1])
         return out
 
     @staticmethod

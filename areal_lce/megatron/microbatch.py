@@ -39,7 +39,8 @@ class MicroBatch:
         return self.input_ids.shape[0]
 
     def target_tokens(self) -> int:
-        """Positions with a target (labels != -100); one host sync."""
+        """Positions with a target (labels != -100): a host read, free for the host-built batches the
+        engine takes (a device sync where labels live on a GPU)."""
         return int((self.labels != -100).sum())
 
     def select(self, rows) -> "MicroBatch":

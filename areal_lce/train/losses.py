@@ -8,6 +8,8 @@ target token of the global batch, independent of how tokens fall into microbatch
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .data import IGNORE_INDEX
@@ -33,24 +35,38 @@ class SFTLoss:
         mask = labels != self.ignore_index
         nll_sum = -(stats.logprobs * mask).sum()
         loss = nll_sum / self.denom
-        with torch.no_grad():
-            n = int(mask.sum())
+        n = int((mb.labels != self.ignore_index).sum())  # on the host copy: no device sync
+        with torch.no_grad():  # 0-d fp64 device values, read once by sums() after the step
             rec = {
-                "nll": float(nll_sum),
-                "entropy": float((stats.entropy.detach() * mask).sum()),
+                "nll": nll_sum.detach().double(),
+                "entropy": (stats.entropy.detach() * mask).sum().double(),
                 "tokens": n,
-                "max_logit": float(stats.max_logit.detach()[mask].max()) if n else float("-inf"),
-                "min_logit": float(stats.min_logit.detach()[mask].min()) if n else float("inf"),
+                "max_logit": _masked(stats.max_logit, mask, "max", -math.inf),
+                "min_logit": _masked(stats.min_logit, mask, "min", math.inf),
             }
         self.records.append(rec)
         return loss, {"token_nll": rec["nll"] / max(n, 1)}
 
     def sums(self) -> dict:
-        out = {"nll": 0.0, "entropy": 0.0, "tokens": 0, "max_logit": float("-inf"), "min_logit": float("inf")}
+        """This rank's totals as floats (one device read for all of them)."""
+        out = {"nll": 0.0, "entropy": 0.0, "max_logit": -math.inf, "min_logit": math.inf}
         for r in self.records:
-            out["nll"] += r["nll"]
-            out["entropy"] += r["entropy"]
-            out["tokens"] += r["tokens"]
-            out["max_logit"] = max(out["max_logit"], r["max_logit"])
-            out["min_logit"] = min(out["min_logit"], r["min_logit"])
+            out["nll"] = out["nll"] + r["nll"]
+            out["entropy"] = out["entropy"] + r["entropy"]
+            out["max_logit"] = torch.maximum(r["max_logit"], torch.as_tensor(out["max_logit"], dtype=torch.float64,
+                                                                             device=r["max_logit"].device))
+            out["min_logit"] = torch.minimum(r["min_logit"], torch.as_tensor(out["min_logit"], dtype=torch.float64,
+                                                                             device=r["min_logit"].device))
+        keys = list(out)
+        if self.records:
+            dev = self.records[0]["nll"].device
+            values = torch.stack([torch.as_tensor(out[k], dtype=torch.float64, device=dev) for k in keys]).tolist()
+            out = dict(zip(keys, values))
+        out["tokens"] = sum(r["tokens"] for r in self.records)
         return out
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor, reduce: str, fill: float) -> torch.Tensor:
+    """max / min of x over the masked positions (`fill` where there are none), 0-d fp64."""
+    x = x.detach().double()
+    return getattr(torch.where(mask, x, torch.full_like(x, fill)), reduce)()

@@ -14,6 +14,8 @@ so that the microbatch losses the engine sums add up to the minibatch's aggregat
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -131,7 +133,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, *, num_tokens
     return per_seq.sum() / max(float(denom), 1.0)
 
 
-def rl_loss(stats, mb: PolicyMicroBatch, cfg) -> Tuple[torch.Tensor, Dict[str, float]]:
+def rl_loss(stats, mb: PolicyMicroBatch, cfg) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """The engine's loss_fn: PPO surrogate + kl_coef * KL(ref) - entropy_coef * H, aggregated by cfg.loss_agg.
 
     `stats` has [B, S] `logprobs`, `entropy` (and optionally `max_logit`, `min_logit`) with grad;
@@ -160,27 +162,32 @@ def rl_loss(stats, mb: PolicyMicroBatch, cfg) -> Tuple[torch.Tensor, Dict[str, f
     agg = dict(mode=cfg.loss_agg, num_tokens=mb.num_tokens, num_seqs=mb.num_seqs)
     loss = aggregate(per_token, mask, **agg)
 
-    with torch.no_grad():
+    with torch.no_grad():  # 0-d device tensors: the engine reduces them once per step (no host sync here)
         n = mask.sum().clamp_min(1).float()
+        some = mask.any()
 
         def tok_mean(x):
-            return float((x.float() * mask).sum() / n)
+            return ((x.float() * mask).sum() / n).detach()
 
-        ratio = info["ratio"][mask]
+        def masked(x, reduce, fill):  # max / min over this microbatch's response tokens; 1.0 with none
+            out = getattr(torch.where(mask, x.float(), torch.full_like(x, fill, dtype=torch.float32)), reduce)()
+            return torch.where(some, out, torch.ones_like(out))
+
+        ratio = info["ratio"]
         metrics = {
             "pg_loss": tok_mean(pg),
             "entropy": tok_mean(ent),
             "clip_frac": tok_mean(info["clipped"]),
             "dual_clip_frac": tok_mean(info["dual_clipped"]),
-            "ratio_mean": float(ratio.mean()) if ratio.numel() else 1.0,
-            "ratio_max": float(ratio.max()) if ratio.numel() else 1.0,
-            "ratio_min": float(ratio.min()) if ratio.numel() else 1.0,
+            "ratio_mean": torch.where(some, tok_mean(ratio), torch.ones_like(n)),
+            "ratio_max": masked(ratio, "max", -math.inf),
+            "ratio_min": masked(ratio, "min", math.inf),
             # k3 estimate of KL(pi || pi_behaviour): how far this update has moved off the sampler
             "approx_kl": tok_mean(kl_penalty(lp.detach(), old, "k3")),
             "kl": tok_mean(kl) if kl is not None else 0.0,
         }
         # extremes of the raw (pre-temperature) vocab logits over this microbatch's response tokens
-        if getattr(stats, "max_logit", None) is not None and bool(mask.any()):
-            metrics["max_logit"] = float(stats.max_logit[mask].max())
-            metrics["min_logit"] = float(stats.min_logit[mask].min())
+        if getattr(stats, "max_logit", None) is not None:
+            metrics["max_logit"] = masked(stats.max_logit, "max", -math.inf)
+            metrics["min_logit"] = masked(stats.min_logit, "min", math.inf)
     return loss, metrics
