@@ -109,7 +109,7 @@ def main():
         return
     meta = run_meta(args=vars(args), world=int(os.environ.get("WORLD_SIZE", "1")),
                     prompt_lengths=sorted({len(p) for p in prompts}))
-    a, slots = eng.arch, max(len(p) for p in prompts) + n - 1
+    a, slots = eng.arch, max(len(p) for p in prompts) + n  # the last slot stages each decode step
     # K and V per layer: [slots, sequences, kv_heads / tp, head_dim] in the model dtype
     cache_gib = 2 * a.num_layers * slots * len(prompts) * a.num_kv_heads // args.tp * a.head_dim \
         * torch.finfo(eng.dtype).bits // 8 / 2**30
