@@ -37,6 +37,7 @@ from megatron.core.transformer.module import MegatronModule
 from .. import comms
 from .context_parallel import gathered_to_packed, ranges, sequence_lengths, zigzag_positions
 from .kv_attention import cached_attention
+from .packing import host_to_device
 
 
 def causal_attention(q, k, v, scale: float, dropout: float = 0.0) -> torch.Tensor:
@@ -74,7 +75,7 @@ def make_segments(q_lens: torch.Tensor, k_lens: torch.Tensor, device) -> VarlenS
     q_lens, k_lens = q_lens[keep], k_lens[keep]
     bq = [0] + torch.cumsum(q_lens, 0).tolist()
     bk = [0] + torch.cumsum(k_lens, 0).tolist()
-    as_dev = lambda b: torch.tensor(b, dtype=torch.int32, device=device)  # noqa: E731
+    as_dev = lambda b: host_to_device(torch.tensor(b, dtype=torch.int32), device)  # noqa: E731
     return VarlenSegments(bq, bk, as_dev(bq), as_dev(bk), int(q_lens.max()) if len(bq) > 1 else 0,
                           int(k_lens.max()) if len(bk) > 1 else 0)
 

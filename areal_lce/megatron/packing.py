@@ -58,6 +58,14 @@ def packed_next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, 
     return labels.view_as(input_ids)
 
 
+def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without a host sync: through pinned memory on CUDA (a copy from
+    pageable memory blocks the host until the stream reaches it), a plain copy elsewhere."""
+    if torch.device(device).type != "cuda" or t.is_cuda:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class PackedRows:
     """Right-padded rows packed into one THD row (see `pack_rows`)."""
@@ -92,7 +100,7 @@ class PackedRows:
         b, s = self.padded_shape
         flat = values.reshape(values.shape[1], *values.shape[2:])[: self.index.numel()]
         out = flat.new_full((b * s, *flat.shape[1:]), fill)
-        return out.index_copy(0, self.index.to(flat.device), flat).view(b, s, *flat.shape[1:])
+        return out.index_copy(0, host_to_device(self.index, flat.device), flat).view(b, s, *flat.shape[1:])
 
 
 def pack_rows(input_ids: torch.Tensor, labels: torch.Tensor, *, pad_to_multiple: int = 1, min_length: int = 0,
