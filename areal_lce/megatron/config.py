@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from typing import Optional, Tuple, Union
 
 from ..backends import BACKENDS
+from .capture import SEAMS
 
 PRESETS = ("tiny", "tiny-llama", "qwen2.5-0.5b", "qwen2.5-7b")
 DTYPES = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine")
-CAPTURE_SEAMS = ("auto", "output_processor", "output_layer")
+CAPTURE_SEAMS = ("auto",) + SEAMS  # "auto": the installed megatron-core's seam (capture.resolve_seam)
 LCE_BACKENDS = ("auto",) + BACKENDS
 
 
