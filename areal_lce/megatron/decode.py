@@ -175,7 +175,7 @@ class CachedSteps:
             ids[i, w - len(p):] = torch.tensor(p, dtype=torch.long)
         slots = self.slots[:w]
         mask = (slots[None, :] > slots[:, None])[None, None]  # [1, 1, w, w] causal, True = masked
-        if bool((self.pad > 0).any()):  # + each row's padding keys; a padding query still sees itself
+        if any(len(p) < w for p in self.prompts):  # + each row's padding keys; a padding query sees itself
             mask = mask | (slots[None, :] < self.pad[:, None])[:, None, None, :]
             mask = mask & ~torch.eye(w, dtype=torch.bool, device=dev)
         out = self._forward(ids.to(dev), mask)

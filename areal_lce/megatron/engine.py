@@ -191,7 +191,7 @@ class MegatronEngine:
                 # only its own tokens; megatron's DDP averages over data x context parallel ranks, so the
                 # loss is scaled by cp for that average to be the sum of the CP shares (as Megatron-LM does).
                 (account(mb, stats) * self.dist.cp_size).backward()
-        checks.check_deferred()  # the op's deferred label checks: the step's one read of the device
+        checks.check_deferred()  # the op's deferred label checks, read once per step before the update
         # DP all-reduce of the grad buffers, SP norm grads over TP, tied embeddings across stages.
         finalize_model_grads([self.model])
         lr = lr_at(self.step_count, self.cfg.optim)

@@ -41,8 +41,8 @@ class SFTLoss:
                 "nll": nll_sum.detach().double(),
                 "entropy": (stats.entropy.detach() * mask).sum().double(),
                 "tokens": n,
-                "max_logit": _masked(stats.max_logit, mask, "max", -math.inf),
-                "min_logit": _masked(stats.min_logit, mask, "min", math.inf),
+                "max_logit": masked_extreme(stats.max_logit, mask, "max"),
+                "min_logit": masked_extreme(stats.min_logit, mask, "min"),
             }
         self.records.append(rec)
         return loss, {"token_nll": rec["nll"] / max(n, 1)}
@@ -50,23 +50,18 @@ class SFTLoss:
     def sums(self) -> dict:
         """This rank's totals as floats (one device read for all of them)."""
         out = {"nll": 0.0, "entropy": 0.0, "max_logit": -math.inf, "min_logit": math.inf}
-        for r in self.records:
-            out["nll"] = out["nll"] + r["nll"]
-            out["entropy"] = out["entropy"] + r["entropy"]
-            out["max_logit"] = torch.maximum(r["max_logit"], torch.as_tensor(out["max_logit"], dtype=torch.float64,
-                                                                             device=r["max_logit"].device))
-            out["min_logit"] = torch.minimum(r["min_logit"], torch.as_tensor(out["min_logit"], dtype=torch.float64,
-                                                                             device=r["min_logit"].device))
-        keys = list(out)
         if self.records:
-            dev = self.records[0]["nll"].device
-            values = torch.stack([torch.as_tensor(out[k], dtype=torch.float64, device=dev) for k in keys]).tolist()
-            out = dict(zip(keys, values))
+            recs = {k: torch.stack([r[k] for r in self.records]) for k in out}
+            totals = torch.stack([recs["nll"].sum(), recs["entropy"].sum(), recs["max_logit"].max(),
+                                  recs["min_logit"].min()])
+            out = dict(zip(out, totals.tolist()))
         out["tokens"] = sum(r["tokens"] for r in self.records)
         return out
 
 
-def _masked(x: torch.Tensor, mask: torch.Tensor, reduce: str, fill: float) -> torch.Tensor:
-    """max / min of x over the masked positions (`fill` where there are none), 0-d fp64."""
+def masked_extreme(x: torch.Tensor, mask: torch.Tensor, reduce: str) -> torch.Tensor:
+    """max or min (`reduce`) of x over the masked positions as a 0-d fp64 device value, without a host
+    sync (no boolean indexing); -inf / +inf where the mask is empty."""
+    fill = -math.inf if reduce == "max" else math.inf
     x = x.detach().double()
     return getattr(torch.where(mask, x, torch.full_like(x, fill)), reduce)()

@@ -14,14 +14,13 @@ so that the microbatch losses the engine sums add up to the minibatch's aggregat
 """
 from __future__ import annotations
 
-import math
-
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
 
 from ..megatron.microbatch import MicroBatch
+from .losses import masked_extreme
 
 # log-ratio clamp of the k3 estimator: exp(20) ~ 5e8 keeps the penalty finite in fp32 when the policy
 # has moved far from the reference on a rare token.
@@ -169,8 +168,8 @@ def rl_loss(stats, mb: PolicyMicroBatch, cfg) -> Tuple[torch.Tensor, Dict[str, t
         def tok_mean(x):
             return ((x.float() * mask).sum() / n).detach()
 
-        def masked(x, reduce, fill):  # max / min over this microbatch's response tokens; 1.0 with none
-            out = getattr(torch.where(mask, x.float(), torch.full_like(x, fill, dtype=torch.float32)), reduce)()
+        def masked(x, reduce):  # max / min over this microbatch's response tokens; 1.0 with none
+            out = masked_extreme(x.float(), mask, reduce)
             return torch.where(some, out, torch.ones_like(out))
 
         ratio = info["ratio"]
@@ -180,14 +179,14 @@ def rl_loss(stats, mb: PolicyMicroBatch, cfg) -> Tuple[torch.Tensor, Dict[str, t
             "clip_frac": tok_mean(info["clipped"]),
             "dual_clip_frac": tok_mean(info["dual_clipped"]),
             "ratio_mean": torch.where(some, tok_mean(ratio), torch.ones_like(n)),
-            "ratio_max": masked(ratio, "max", -math.inf),
-            "ratio_min": masked(ratio, "min", math.inf),
+            "ratio_max": masked(ratio, "max"),
+            "ratio_min": masked(ratio, "min"),
             # k3 estimate of KL(pi || pi_behaviour): how far this update has moved off the sampler
             "approx_kl": tok_mean(kl_penalty(lp.detach(), old, "k3")),
             "kl": tok_mean(kl) if kl is not None else 0.0,
         }
         # extremes of the raw (pre-temperature) vocab logits over this microbatch's response tokens
         if getattr(stats, "max_logit", None) is not None:
-            metrics["max_logit"] = masked(stats.max_logit, "max", -math.inf)
-            metrics["min_logit"] = masked(stats.min_logit, "min", math.inf)
+            metrics["max_logit"] = masked(stats.max_logit, "max")
+            metrics["min_logit"] = masked(stats.min_logit, "min")
     return loss, metrics
