@@ -72,7 +72,8 @@ def main():
     ap.add_argument("--recompute-tokens", type=int, default=32)
     ap.add_argument("--eager-tokens", type=int, default=32,
                     help="tokens of a KV rollout with eager decode steps (engine.decode_cuda_graphs=false)")
-    ap.add_argument("--micro-batch", type=int, default=8, help="sequences per logprob / update microbatch")
+    ap.add_argument("--micro-batch", type=int, default=8, help="sequences per update microbatch")
+    ap.add_argument("--logprob-max-tokens", default="auto", help="rl.logprob_max_tokens of the logprob passes")
     ap.add_argument("--lce-cache-bytes", default="0", help="engine.lce_cache_bytes: bytes or auto")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()

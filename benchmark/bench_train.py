@@ -82,8 +82,10 @@ def run_sft(args, fused: bool) -> dict:
 
 
 def grpo_passes(args, eng, ref, prompts, resp, g) -> tuple:
-    """The phases of one GRPO step after its rollout: behaviour and reference logprob passes and the PPO
-    update, in microbatches of args.micro_batch. Returns ({phase: seconds}, train_step's output)."""
+    """The phases of one GRPO step after its rollout: behaviour and reference logprob passes (the RL job's
+    own `batched_token_stats`, in forwards of up to --logprob-max-tokens tokens) and the PPO update, in
+    microbatches of args.micro_batch. Returns ({phase: seconds}, train_step's output)."""
+    from areal_lce.train.rl import batched_token_stats, logprob_ranges
     from areal_lce.train.rl_config import RLConfig
     from areal_lce.train.rl_losses import PolicyMicroBatch, group_advantages, rl_loss
 
@@ -95,11 +97,13 @@ def grpo_passes(args, eng, ref, prompts, resp, g) -> tuple:
     for i, (p, x) in enumerate(zip(prompts, seqs)):
         ids[i, : len(x)] = torch.tensor(x)
         labels[i, len(p) - 1: len(x) - 1] = torch.tensor(x[len(p):])
-    old = torch.cat([eng.token_stats(ids[i:i + args.micro_batch], labels[i:i + args.micro_batch]).logprobs
-                     for i in range(0, len(seqs), args.micro_batch)])
+    batch = MicroBatch(ids, labels)
+    lmt = args.logprob_max_tokens if args.logprob_max_tokens == "auto" else int(args.logprob_max_tokens)
+    budget = RLConfig(logprob_max_tokens=lmt).logprob_budget(eng.route.fused)
+    ranges = logprob_ranges(batch, budget, args.micro_batch, eng.cfg.pack_sequences)  # as the RL job runs them
+    old = batched_token_stats(eng, batch, ranges)["logprobs"]
     sync(); t2 = time.perf_counter()
-    refl = torch.cat([ref.token_stats(ids[i:i + args.micro_batch], labels[i:i + args.micro_batch]).logprobs
-                      for i in range(0, len(seqs), args.micro_batch)])
+    refl = batched_token_stats(ref, batch, ranges)["logprobs"]
     sync(); t3 = time.perf_counter()
     rewards = torch.rand(len(seqs), generator=g)
     adv = group_advantages(rewards, args.group)
@@ -107,7 +111,7 @@ def grpo_passes(args, eng, ref, prompts, resp, g) -> tuple:
     mbs = []
     for i in range(0, len(seqs), args.micro_batch):
         sl = slice(i, i + args.micro_batch)
-        mbs.append(PolicyMicroBatch(input_ids=ids[sl], labels=labels[sl], advantages=adv[sl].to(old.device),
+        mbs.append(PolicyMicroBatch(input_ids=ids[sl], labels=labels[sl], advantages=adv[sl],
                                     old_logprobs=old[sl], ref_logprobs=refl[sl], num_tokens=n_tok,
                                     num_seqs=len(seqs)))
     rl = RLConfig()
@@ -163,6 +167,9 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--routes", default="fused,materialised")
+    ap.add_argument("--logprob-max-tokens", default="auto",
+                    help="rl.logprob_max_tokens of the logprob passes: tokens per forward, or auto (the job's "
+                         "default: 16384 on the fused route, --micro-batch sequences on the materialised one)")
     ap.add_argument("--lce-cache-bytes", default="0", help="engine.lce_cache_bytes of the fused route: bytes or auto")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
@@ -183,6 +190,11 @@ def main():
         print(f"  {r['route']:>13}: step {r['step_s'] * 1e3:8.1f} ms  peak {r['peak_mem_gib']:7.2f} GiB{loss}{extra}")
     if len(results) == 2:
         f, m = results
+        if "phase_s" in f:
+            passes = [sum(r["phase_s"][k] for k in ("behaviour_logprobs", "reference_logprobs")) for r in (f, m)]
+            meta["logprob_passes_fused_over_materialised"] = passes[0] / passes[1]
+            print(f"  logprob passes (behaviour + reference) fused/materialised "
+                  f"{meta['logprob_passes_fused_over_materialised']:.3f}")
         meta["fused_over_materialised_time"] = f["step_s"] / m["step_s"]
         meta["memory_saved_gib"] = m["peak_mem_gib"] - f["peak_mem_gib"]
         print(f"  fused/materialised step time {meta['fused_over_materialised_time']:.3f} (target <= 1.0); "

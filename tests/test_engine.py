@@ -261,3 +261,27 @@ def test_per_token_rope_matches_megatrons_per_sequence_rope():
     assert freqs.shape[0] == mb.input_ids.shape[1]  # one row per packed token: the packed branch
     assert "forward" not in vars(e.gpt.rotary_pos_emb)  # restored
     assert (fast - plain).abs().max().item() <= 1e-5
+
+
+def test_device_grad_norm_replaces_only_megatrons_host_syncing_fallback(monkeypatch):
+    """compat.use_device_grad_norm: megatron's clipping gets the same L2 norm (its fallback's formula: the
+    norm of the per-tensor norms) from a device-side computation; an Apex / TE kernel is left alone."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    from areal_lce.megatron import compat
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(7, 5, generator=g) * 3, torch.randn(11, generator=g), torch.zeros(4)]
+    norm, per_tensor = compat._l2_norm_on_device(2048 * 32, None, [tensors], False)
+    expected = torch.norm(torch.stack([torch.norm(t) for t in tensors]))
+    assert per_tensor is None and norm.shape == (1,) and norm.dtype == torch.float32
+    torch.testing.assert_close(norm[0], expected, rtol=1e-6, atol=0)
+    assert abs(float(norm) - float(torch.cat([t.reshape(-1) for t in tensors]).norm())) < 1e-4
+
+    monkeypatch.setattr(clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm)
+    assert compat.use_device_grad_norm() and compat.use_device_grad_norm()  # idempotent
+    assert clip_grads.l2_norm_impl is compat._l2_norm_on_device
+    kernel = object()  # stands for amp_C / Transformer Engine's multi_tensor_l2norm
+    monkeypatch.setattr(clip_grads, "l2_norm_impl", kernel)
+    assert not compat.use_device_grad_norm() and clip_grads.l2_norm_impl is kernel

@@ -163,3 +163,29 @@ def test_compile_fullgraph_matches_eager(mode, record_property):
     assert mode is None or res["cudagraph_skips"] == 0, res
     assert res["op_outputs_max_abs_diff"] <= 1e-4 and res["loss_rel"] <= 1e-5, res
     assert max(res["dh_rel"], res["dw_rel"]) <= 1e-3, res
+
+
+def test_megatron_grad_norm_fallback_replaced_by_a_device_norm(record_property):
+    """Without Apex / Transformer Engine, megatron-core's gradient clipping takes its L2 norm from a local
+    fallback that reads each tensor's norm on the host; compat.use_device_grad_norm swaps in a device-side
+    norm (the engine does so when it builds megatron's optimizer): same value, no host sync."""
+    pytest.importorskip("megatron.core")
+    from megatron.core import utils
+
+    from areal_lce.megatron import compat
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [torch.randn(n, device="cuda", generator=g) * s for n, s in ((3, 1.0), (1000, 1e-3), (28672, 5.0))]
+    ref, _ = utils.local_multi_tensor_l2_norm(2048 * 32, None, [tensors], False)
+    got, _ = compat._l2_norm_on_device(2048 * 32, None, [tensors], False)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again, _ = compat._l2_norm_on_device(2048 * 32, None, [tensors], False)
+    except RuntimeError as e:
+        pytest.fail(f"a host sync in the device-side grad norm: {e}")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    res = {"ref": float(ref), "got": float(again), "rel": abs(float(again) - float(ref)) / float(ref)}
+    record_property("result", res)
+    assert res["rel"] < 1e-6 and torch.equal(got, again), res

@@ -8,12 +8,14 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,6 +109,63 @@ def test_packed_and_padded_rl_runs_agree(tmp_path):
     for a, b in zip(rows["true"], rows["false"]):
         for k in ("reward", "entropy", "kl", "max_logit", "min_logit", "grad_norm"):
             assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-6), (k, a[k], b[k])
+
+
+def test_token_budget_ranges_hand_checked():
+    from areal_lce.megatron.microbatch import token_budget_ranges
+
+    labels = torch.full((5, 6), -100)
+    for r, last in enumerate([2, 5, -1, 0, 3]):  # row 2 has no target (costs nothing packed)
+        if last >= 0:
+            labels[r, last] = 1
+    # packed costs (last target + 1): 3, 6, 0, 1, 4
+    assert token_budget_ranges(labels, 9, packed=True) == [slice(0, 3), slice(3, 5)]
+    assert token_budget_ranges(labels, 5, packed=True) == [slice(0, 1), slice(1, 2), slice(2, 5)]
+    assert token_budget_ranges(labels, 1, packed=True) == [slice(0, 1), slice(1, 2), slice(2, 4), slice(4, 5)]
+    assert token_budget_ranges(labels, 100, packed=True) == [slice(0, 5)]
+    # padded costs: 6 per row
+    assert token_budget_ranges(labels, 12, packed=False) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert token_budget_ranges(labels, 5, packed=False) == [slice(i, i + 1) for i in range(5)]
+    assert token_budget_ranges(labels[:0], 8, packed=True) == []
+    with pytest.raises(ValueError, match="max_tokens"):
+        token_budget_ranges(labels, 0, packed=True)
+
+
+def test_logprob_passes_by_token_budget_match_per_sequence():
+    """The behaviour/reference pass gives the same statistics whatever rows share a forward."""
+    from areal_lce.megatron.config import EngineConfig, ModelConfig
+    from areal_lce.megatron.engine import MegatronEngine
+    from areal_lce.megatron.microbatch import token_budget_ranges
+
+    vocab = 259
+    batch, _ = rl_worker.fixed_rollout(vocab, seed=3, batch=9)
+    batch = dataclasses.replace(batch, temperature=0.8)
+    for pack in (True, False):
+        eng = MegatronEngine(EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=32), pack_sequences=pack,
+                                          seed=5), vocab_size=vocab)
+        one_each = rl.batched_token_stats(eng, batch, [slice(i, i + 1) for i in range(batch.rows)])
+        budget = token_budget_ranges(batch.labels, 20 if pack else 2 * batch.labels.shape[1], packed=pack)
+        assert 2 < len(budget) < batch.rows
+        for ranges in (budget, [slice(0, batch.rows)]):
+            got = rl.batched_token_stats(eng, batch, ranges)
+            for name, ref in one_each.items():
+                assert got[name].device.type == "cpu" and got[name].shape == batch.labels.shape
+                torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-5, msg=name)
+        mask = batch.labels != -100
+        assert bool((one_each["logprobs"][mask] < 0).all()) and bool((one_each["logprobs"][~mask] == 0).all())
+    assert rl.logprob_ranges(batch, None, 4, True) == [slice(0, 4), slice(4, 8), slice(8, 12)]
+
+
+def test_logprob_max_tokens_option():
+    from areal_lce.train.config import ConfigError
+    from areal_lce.train.rl_config import AUTO_LOGPROB_TOKENS, RLConfig
+
+    assert RLConfig().logprob_budget(fused=True) == AUTO_LOGPROB_TOKENS
+    assert RLConfig().logprob_budget(fused=False) is None  # trainer.micro_batch_size sequences
+    assert RLConfig(logprob_max_tokens=512).logprob_budget(fused=False) == 512
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(ConfigError, match="rl.logprob_max_tokens"):
+            load_config(GRPO_TINY, [f"rl.logprob_max_tokens={bad}"])
 
 
 def test_bad_rl_options_name_the_option(tmp_path):

@@ -3,7 +3,8 @@
 Everything that depends on *which* megatron-core is installed lives here, so the capture seam, the
 model builder and the engine ask one place: `has_output_processor()` says whether
 `GPTModel.forward(output_processor=...)` exists (megatron-core >= 0.18), `megatron_version()` gives
-the installed version. `cpu_shims()` is a context manager that makes the CUDA-only calls megatron-core
+the installed version. `use_device_grad_norm()` replaces megatron's host-syncing fallback L2 norm
+(no Apex / Transformer Engine) in its gradient clipping with a device-side one. `cpu_shims()` is a context manager that makes the CUDA-only calls megatron-core
 makes while building, running and training a model harmless on a CPU-only host, and restores
 everything on exit; it is a no-op when CUDA is available. The engine enters it around its own
 megatron calls; code that drives a megatron model itself on CPU (tests, examples) enters it too.
@@ -42,6 +43,29 @@ def has_output_processor() -> bool:
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     return "output_processor" in inspect.signature(GPTModel.forward).parameters
+
+
+def _l2_norm_on_device(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Stand-in for megatron-core's local `multi_tensor_l2norm` (its fallback without Apex or Transformer
+    Engine), same call and result: the L2 norm of all tensors as a [1] fp32 tensor, and None. Computed on
+    the device by torch's `get_total_norm` (grouped foreach norms), where the fallback reads every
+    per-tensor norm on the host: one device sync per parameter tensor, every optimizer step."""
+    tensors = [t for group in tensor_lists for t in group]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32, device=torch.cuda.current_device()), None
+    return torch.nn.utils.get_total_norm(tensors, 2.0).float().reshape(1), None
+
+
+def use_device_grad_norm() -> bool:
+    """Point megatron-core's gradient clipping at `_l2_norm_on_device` when it fell back to its local L2
+    norm (Apex's or Transformer Engine's kernel, when installed, is left alone). Idempotent; True when the
+    device-side norm is in use."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.l2_norm_impl is getattr(utils, "local_multi_tensor_l2_norm", None):
+        clip_grads.l2_norm_impl = _l2_norm_on_device
+    return clip_grads.l2_norm_impl is _l2_norm_on_device
 
 
 class _NullStream:

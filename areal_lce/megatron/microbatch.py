@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .packing import row_lengths
+
 
 @dataclass(frozen=True)
 class MicroBatch:
@@ -64,3 +66,23 @@ def check_microbatches(microbatches) -> None:
                             "areal_lce.megatron.MicroBatch(input_ids, labels, temperature) values of "
                             "right-padded [batch, seq] rows (the engine packs them itself: "
                             "engine.pack_sequences; pre-packed cu_seqlens are not taken)")
+
+
+def token_budget_ranges(labels: torch.Tensor, max_tokens: int, *, packed: bool,
+                        ignore_index: int = -100) -> list:
+    """Contiguous row ranges (slices) of a right-padded [b, s] batch, in order, each costing at most
+    `max_tokens` tokens in one forward: the sum of the rows' kept lengths when the engine packs (THD),
+    rows x s when it right-pads. A row that alone costs more than the budget gets a range of its own."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens!r} must be an int >= 1")
+    b, s = labels.shape
+    costs = row_lengths(labels, ignore_index).tolist() if packed else [s] * b
+    ranges, start, used = [], 0, 0
+    for r, c in enumerate(costs):
+        if r > start and used + c > max_tokens:
+            ranges.append(slice(start, r))
+            start, used = r, 0
+        used += c
+    if b:
+        ranges.append(slice(start, b))
+    return ranges

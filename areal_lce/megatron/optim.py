@@ -1,7 +1,8 @@
 """The engine's optimizer, its step, gradient clipping and learning-rate schedule.
 
 On GPU: megatron-core's `get_megatron_optimizer` (Adam; fp32 master weights under bf16) with its own
-grad clipping. On CPU megatron's optimizer wrappers allocate on CUDA, so the engine uses
+grad clipping (its L2 norm computed on the device when megatron fell back to its local one:
+`compat.use_device_grad_norm`). On CPU megatron's optimizer wrappers allocate on CUDA, so the engine uses
 `torch.optim.AdamW` on the parameters (fed `param.grad = param.main_grad`) and `grad_norm_and_clip`.
 """
 from __future__ import annotations
@@ -29,6 +30,10 @@ def build_optimizer(model, o, dtype: torch.dtype) -> Tuple[object, bool]:
     """(optimizer, is megatron's) for the DDP-wrapped `model` and the OptimConfig `o`."""
     if torch.cuda.is_available():
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from .compat import use_device_grad_norm
+
+        use_device_grad_norm()  # no per-parameter host read in the grad norm without Apex / TE
 
         ocfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
                                adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps,

@@ -66,6 +66,15 @@ def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def row_lengths(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Host int64 [b]: tokens of each right-padded row up to and including its last labelled position
+    (what packing keeps of the row; 0 for a row without labels)."""
+    has = labels.detach().to("cpu") != ignore_index
+    col = torch.arange(1, labels.shape[1] + 1).expand_as(has)
+    return torch.where(has, col, torch.zeros_like(col)).amax(1) if labels.shape[1] else \
+        torch.zeros(labels.shape[0], dtype=torch.int64)
+
+
 @dataclass
 class PackedRows:
     """Right-padded rows packed into one THD row (see `pack_rows`)."""
@@ -115,10 +124,7 @@ def pack_rows(input_ids: torch.Tensor, labels: torch.Tensor, *, pad_to_multiple:
     if input_ids.dim() != 2 or tuple(labels.shape) != tuple(input_ids.shape):
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must both be [b, s]")
     b, s = input_ids.shape
-    lab_cpu = labels.detach().to("cpu")
-    has = lab_cpu != ignore_index
-    col = torch.arange(s).expand(b, s)
-    lengths = torch.where(has, col + 1, torch.zeros_like(col)).amax(1)  # last labelled position + 1
+    lengths = row_lengths(labels, ignore_index)  # last labelled position + 1
     keep = lengths > 0
     rows = torch.arange(b)[keep]
     lengths = lengths[keep]

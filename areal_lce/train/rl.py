@@ -11,7 +11,10 @@ take `prompts_per_step / dp` prompts):
 3. logprobs `policy.token_stats(..., grad=False)` gives the behaviour logprobs (and the rollout's
             entropy and vocab max/min logits); `reference.token_stats(..., grad=False)` gives the frozen
             reference's. Both at the sampling temperature, through the fused op when
-            `engine.use_fused_linear_ce` (materialised logits otherwise).
+            `engine.use_fused_linear_ce` (materialised logits otherwise), in forwards of up to
+            `rl.logprob_max_tokens` packed tokens (no grad: the fused route runs a whole step's batch in
+            a few large forwards, where the per-forward host cost of megatron's eager model no longer
+            dominates), with one device-to-host copy of the statistics at the end.
 4. adv      group-normalised (GRPO) or batch-normalised (critic-free PPO) sequence advantages.
 5. update   `ppo_epochs` passes, each split into `minibatches` optimizer steps run as microbatches of
             `trainer.micro_batch_size` sequences through `policy.train_step(mbs, rl_loss)`; every
@@ -31,7 +34,7 @@ from typing import List
 
 import torch
 
-from ..megatron.microbatch import MicroBatch
+from ..megatron.microbatch import MicroBatch, token_budget_ranges
 from . import loop
 from .config import RL_JOBS
 from .data import Example, check_token_ids, collate
@@ -64,17 +67,24 @@ def rollout_batch(prompt_ids: List[List[int]], responses: List[List[int]], pad_i
     return dataclasses.replace(collate(examples, pad_id, pad_to_multiple_of), temperature=temperature)
 
 
-def batched_token_stats(engine, batch: MicroBatch, micro_batch_size: int):
-    """No-grad TokenStats of the whole batch at its temperature, run in microbatches; returns a dict of
-    [B, S] tensors."""
-    out = {}
-    n = batch.rows
-    for start in range(0, n, micro_batch_size):
-        idx = torch.arange(start, min(start + micro_batch_size, n))
-        st = engine.token_stats(batch.input_ids[idx], batch.labels[idx], temperature=batch.temperature, grad=False)
-        for name in ("logprobs", "entropy", "max_logit", "min_logit"):
-            out.setdefault(name, []).append(getattr(st, name).detach().float().cpu())
-    return {k: torch.cat(v) for k, v in out.items()}
+def batched_token_stats(engine, batch: MicroBatch, ranges) -> dict:
+    """No-grad TokenStats of the whole batch at its temperature, one forward per row range of `ranges`;
+    returns a dict of [B, S] fp32 host tensors. The forwards are queued back to back: the statistics stay
+    on the device until one copy to the host at the end."""
+    names = ("logprobs", "entropy", "max_logit", "min_logit")
+    parts = []
+    for rows in ranges:
+        st = engine.token_stats(batch.input_ids[rows], batch.labels[rows], temperature=batch.temperature, grad=False)
+        parts.append(torch.stack([getattr(st, name).detach().float() for name in names]))
+    return dict(zip(names, torch.cat(parts, dim=1).cpu().unbind(0)))
+
+
+def logprob_ranges(batch: MicroBatch, budget, micro_batch_size: int, packed: bool) -> list:
+    """Row ranges of the logprob passes: up to `budget` tokens per forward (token_budget_ranges), or
+    `micro_batch_size` sequences per forward when `budget` is None."""
+    if budget is None:
+        return [slice(i, i + micro_batch_size) for i in range(0, batch.rows, micro_batch_size)]
+    return token_budget_ranges(batch.labels, budget, packed=packed)
 
 
 def minibatch_plan(batch: PolicyMicroBatch, order: torch.Tensor, minibatches: int,
@@ -176,8 +186,10 @@ class RLJob:
         ro = self.rollout(step)
         batch, rewards = ro["batch"], ro["rewards"]
         t_gen = time.perf_counter() - t0
-        behav = batched_token_stats(self.policy, batch, self.micro)
-        ref = batched_token_stats(self.reference, batch, self.micro)
+        ranges = logprob_ranges(batch, rl.logprob_budget(self.policy.route.fused), self.micro,
+                                self.cfg.engine.pack_sequences)
+        behav = batched_token_stats(self.policy, batch, ranges)
+        ref = batched_token_stats(self.reference, batch, ranges)
         if self.advantage == "group":
             adv = group_advantages(rewards, rl.group_size, std_norm=rl.adv_std_norm, eps=rl.adv_eps)
         else:

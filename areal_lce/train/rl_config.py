@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 LOSS_AGG_MODES = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum")
 KL_ESTIMATORS = ("k1", "k3")
 ADVANTAGES = ("auto", "group", "batch")
+AUTO_LOGPROB_TOKENS = 16384  # rl.logprob_max_tokens="auto" on the fused route
 
 
 @dataclass
@@ -47,6 +48,15 @@ class RLConfig:
     top_p: float = field(default=1.0, metadata={"help": "nucleus-sampling mass in (0, 1]"})
     stop_at_eos: bool = field(
         default=True, metadata={"help": "end a response at the tokenizer's EOS token (kept in the response)"}
+    )
+    logprob_max_tokens: Union[int, str] = field(
+        default="auto",
+        metadata={"help": "tokens per forward of the behaviour and reference logprob passes (no grad: "
+                  "nothing is kept between micro-batches): consecutive sequences are run together up to "
+                  "this many packed tokens (padded rows x width with engine.pack_sequences=false). 'auto': "
+                  f"{AUTO_LOGPROB_TOKENS} on the fused route, which holds no [tokens, vocab] logits; trainer.micro_batch_size "
+                  "sequences per forward on the materialised route (use_fused_linear_ce=false), whose "
+                  "forward holds several fp32 [tokens, vocab] tensors"},
     )
     # --- advantages --------------------------------------------------------------------------------
     advantage: str = field(
@@ -117,6 +127,9 @@ class RLConfig:
             raise ValueError(f"rl.kl_estimator={self.kl_estimator!r}: expected one of {KL_ESTIMATORS}")
         if self.loss_agg not in LOSS_AGG_MODES:
             raise ValueError(f"rl.loss_agg={self.loss_agg!r}: expected one of {LOSS_AGG_MODES}")
+        lmt = self.logprob_max_tokens
+        if lmt != "auto" and (isinstance(lmt, bool) or not isinstance(lmt, int) or lmt < 1):
+            raise ValueError(f"rl.logprob_max_tokens={lmt!r}: expected an int >= 1 or 'auto'")
         self.rank_split(dp_size=1)  # the divisibility that every data-parallel size needs
 
     def advantage_for(self, job: Optional[str]) -> str:
@@ -153,6 +166,13 @@ class RLConfig:
             raise ValueError(f"trainer.micro_batch_size={micro_batch_size} must divide the RL minibatch of "
                              f"{minibatch} sequences (rl.prompts_per_step x rl.group_size / dp / rl.minibatches)")
         return prompts, micro
+
+    def logprob_budget(self, fused: bool) -> Optional[int]:
+        """Tokens per forward of the logprob passes: rl.logprob_max_tokens with 'auto' resolved for the
+        route (None: trainer.micro_batch_size sequences per forward)."""
+        if self.logprob_max_tokens != "auto":
+            return self.logprob_max_tokens
+        return AUTO_LOGPROB_TOKENS if fused else None
 
     @property
     def clip_high(self) -> float:
