@@ -31,7 +31,7 @@ for job in "$@"; do
           --micro-batch 16 --micro-batch-padded 8 --routes fused ${STEPS:+--steps $STEPS} --out "$W" ;;
     bench_rollout) run bench_rollout 300 torchrun --nproc_per_node=1 -m benchmark.bench_rollout --preset qwen2.5-0.5b --out "$W" ;;
     bench_lce) run bench_lce 480 python3 -m benchmark.bench_lce --shapes small,qwen7b,llama8b,wide_n --out "$W" ;;
-    prof_engine) run prof_engine 200 torchrun --nproc_per_node=1 -m benchmark.prof_engine --out "$W" ;;
+    prof_engine) run prof_engine 200 torchrun --nproc_per_node=1 -m benchmark.prof_engine --materialised --out "$W" ;;
     bench_grpo) run "bench_grpo${LOGPROB_TOKENS:+_$LOGPROB_TOKENS}${ROUTES:+_$ROUTES}" 300 torchrun --nproc_per_node=1 \
           -m benchmark.bench_train --job grpo --preset qwen2.5-0.5b --prompts 16 --group 4 --micro-batch 16 \
           --prompt-len 256 --new-tokens 16 --steps 3 ${LOGPROB_TOKENS:+--logprob-max-tokens $LOGPROB_TOKENS} \

@@ -3,7 +3,7 @@
     python -m benchmark.prof_engine --preset qwen2.5-0.5b --out DIR        # CUDA
     python -m benchmark.prof_engine --preset tiny --seq 64 --out DIR       # CPU smoke run (no sync report)
 
-Two calls of the fused 0.5B-shaped engine, each after two warm-up calls: a logprob pass
+Two calls of the fused 0.5B-shaped engine (with --materialised, the logprob call on the materialised route too), each after two warm-up calls: a logprob pass
 (`token_stats` on `--lp-batch` sequences of `--lp-seq` tokens, as a GRPO step's behaviour pass runs it)
 and an SFT `train_step` (`--micro-batches` of `--micro-batch` x `--seq`). For each: wall time, GPU
 kernel time (profiler), kernel launches, and under `torch.cuda.set_sync_debug_mode("warn")` every
@@ -67,7 +67,9 @@ def _profile(name: str, fn, out_dir: str) -> dict:
         sync()
     events = prof.key_averages()
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel"))
-    gpu_ms = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3
+    device = torch.autograd.DeviceType.CUDA  # kernels only: the ops that launch them repeat their time
+    gpu_ms = sum(e.self_device_time_total for e in events
+                 if e.device_type == device and not getattr(e, "is_user_annotation", False)) / 1e3
     table = events.table(sort_by="self_cpu_time_total", row_limit=30)
     with open(f"{out_dir}/prof_{name}.txt", "w") as f:
         f.write(table)
@@ -88,6 +90,8 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--materialised", action="store_true",
+                    help="also profile the logprob call on the materialised route (use_fused_linear_ce=false)")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
     args.layers, args.vocab, args.tp, args.sp, args.lce_cache_bytes = 0, 0, 1, False, "0"
@@ -99,6 +103,11 @@ def main():
     labels = torch.randint(0, v, (args.lp_batch, args.lp_seq), generator=g)
     labels[:, : args.lp_seq // 2] = -100  # the prompt half is not scored
     res = {"logprobs": _profile("logprobs", lambda: eng.token_stats(ids, labels), args.out)}
+    if args.materialised:
+        mat = _engine(args, fused=False)
+        res["logprobs_materialised"] = _profile("logprobs_materialised", lambda: mat.token_stats(ids, labels),
+                                                args.out)
+        del mat
     mbs = _batches(args, v, 0)
     res["sft_step"] = _profile("sft_step", lambda: eng.train_step(mbs, sft_loss(len(mbs))), args.out)
     write_json(args.out, "prof_engine.json", {"meta": run_meta(args=vars(args)), "results": res})
