@@ -6,7 +6,8 @@ reading one on the host stalls the stream and breaks CUDA-graph capture, so the 
 
   "sync"      `check_now`: one reduction, one host sync, a ValueError at the call naming the first
               bad label. The default for CPU tensors (the host is the device: no stream to stall).
-  "deferred"  `record`: a few [N] kernels fold the bad labels of the call into a per-device record
+  "deferred"  `record`: one kernel (the Triton backend's `record_labels`; a dozen [N] torch ops on the
+              other backends) folds the bad labels of the call into a per-device record
               (count, smallest and largest bad value, count of bad temperatures); no host sync, so the
               call can be captured in a CUDA graph or compiled. The rows with a bad label get
               logprob = NaN, so a loss over them shows it at once. `check_deferred()` reads every
@@ -108,17 +109,22 @@ def _reset(rec: torch.Tensor) -> None:
 
 
 def record(y: torch.Tensor, inv_t: Optional[torch.Tensor], vocab_size: int, ignore_index: int,
-           votes: Optional[torch.Tensor] = None) -> torch.Tensor:
+           votes: Optional[torch.Tensor] = None, fold: Optional[Callable] = None) -> torch.Tensor:
     """Fold this call's bad labels and temperatures (and, under TP, whether the ranks' `votes` disagree)
     into the device's record, without a host sync. Returns the [N] mask of rows whose logprob the caller
-    sets to NaN: the bad labels, or every row when the ranks disagree."""
-    bad = bad_labels(y, vocab_size, ignore_index)
+    sets to NaN: the bad labels, or every row when the ranks disagree. `fold(y, inv_t, vocab_size,
+    ignore_index, rec) -> bad`: a backend's one-kernel version of the fold below (the same record)."""
     rec = _record_of(y.device)
+    if fold is not None and y.numel():
+        bad = fold(y, inv_t, vocab_size, ignore_index, rec)
+    else:
+        bad = bad_labels(y, vocab_size, ignore_index)
+        if y.numel():
+            n_bad_t = bad_temperatures(inv_t).sum() if inv_t is not None else bad.new_zeros((), dtype=torch.int64)
+            rec[0::3].add_(torch.stack([bad.sum(), n_bad_t]))  # counts (slots 0 and 3)
+            extremes = torch.stack([-torch.where(bad, y, _BIG).amin(), torch.where(bad, y, -_BIG).amax()])
+            rec[1:3].copy_(torch.maximum(rec[1:3], extremes))  # -(smallest), largest
     if y.numel():
-        n_bad_t = bad_temperatures(inv_t).sum() if inv_t is not None else bad.new_zeros((), dtype=torch.int64)
-        rec[0::3].add_(torch.stack([bad.sum(), n_bad_t]))  # counts (slots 0 and 3)
-        extremes = torch.stack([-torch.where(bad, y, _BIG).amin(), torch.where(bad, y, -_BIG).amax()])
-        rec[1:3].copy_(torch.maximum(rec[1:3], extremes))  # -(smallest), largest
         _CONTEXT[y.device] = (vocab_size, ignore_index)
     if votes is not None:
         disagree = _disagree(votes)

@@ -150,7 +150,8 @@ def _check_values(labels, inv_t, v_shard: int, params: LCEParams) -> Optional[to
     if params.tp_size > 1:
         votes = comms.agreement_votes(checks.tp_key(labels, params.ignore_index, v_shard), params.tp_group)
     if params.check_labels == "deferred":
-        return checks.record(labels, inv_t, params.vocab_size, params.ignore_index, votes=votes)
+        return checks.record(labels, inv_t, params.vocab_size, params.ignore_index, votes=votes,
+                             fold=getattr(get_backend(params.backend), "record_labels", None))
 
     def disagreement():  # collective, entered by every rank together (they all read the same votes)
         comms.raise_disagreement(

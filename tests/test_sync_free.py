@@ -168,8 +168,11 @@ def test_triton_launcher_reads_nothing_on_the_host(monkeypatch):
         pytest.skip("the triton backend runs on CPU tensors only under TRITON_INTERPRET=1")
     from areal_lce.backends.triton import launch
 
+    from areal_lce.backends.triton import value_check
+
     for name in ("lce_fwd_kernel", "lce_fwd_merge_kernel", "lce_bwd_kernel", "lce_bwd_label_kernel"):
         monkeypatch.setattr(launch, name, _StubKernel())
+    monkeypatch.setattr(value_check, "check_labels_kernel", _StubKernel())
     hidden, weight, labels, temp = _inputs()
     for kw in (dict(temperature=temp), dict(temperature=0.7, cache_bytes="auto")):
         with no_host_reads():
@@ -225,6 +228,43 @@ def test_deferred_check_names_the_bad_values():
     # the opt-in eager check raises at the call, naming the first bad value
     with pytest.raises(ValueError, match=r"labels: 3 value\(s\) outside \[0, vocab_size=300\).*first: -5"):
         areal_lce.linear_logprobs_entropy(hidden, weight, labels, backend="torch", check_labels="sync")
+
+
+def test_triton_label_check_kernel_folds_the_same_record(monkeypatch):
+    """The Triton backend's one-kernel deferred check (check_labels_kernel, 64-label programs here so the
+    atomics combine several) leaves the same record and returns the same bad-row mask as the torch ops,
+    over two calls (the record accumulates), with bad labels on both sides, ignore_index rows, and bad
+    1/T values (0, negative, NaN, inf)."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    from areal_lce.backends.triton import configs, launch
+
+    monkeypatch.setattr(configs, "CHECK_BLOCK", 64)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(3)
+    calls = []
+    for n, bad_rows, t_bad in ((300, {7: -5, 64: 1000, 65: 2**40, 299: 999}, {3: 0.0, 200: float("nan")}),
+                               (130, {0: -(2**35), 129: 1001}, {5: -1.0, 6: float("inf")}),
+                               (77, {}, {})):
+        y = torch.randint(0, 999, (n,), generator=g)
+        y[torch.randint(0, n, (n // 4,), generator=g)] = IGNORE
+        for i, v in bad_rows.items():
+            y[i] = v
+        inv_t = torch.rand(n, generator=g) + 0.5
+        for i, v in t_bad.items():
+            inv_t[i] = v
+        calls.append((y.to(dev), inv_t.to(dev)))
+    records = {}
+    for name, fold in (("torch", None), ("triton", launch.TritonBackend().record_labels)):
+        checks._RECORDS.pop(dev, None)
+        masks = [checks.record(y, t, 999, IGNORE, fold=fold) for y, t in calls]
+        masks.append(checks.record(calls[2][0], None, 999, IGNORE, fold=fold))  # without temperatures
+        records[name] = (checks._RECORDS.pop(dev).tolist(), [m.cpu() for m in masks])
+    rec, masks = records["triton"]
+    assert rec == records["torch"][0] == [6, 2**35, 2**40, 4, 0], records
+    for got, ref, (y, _) in zip(masks, records["torch"][1], calls + [calls[2]]):
+        assert got.dtype == torch.bool and torch.equal(got, ref)
+        assert torch.equal(got, checks.bad_labels(y.cpu(), 999, IGNORE))
 
 
 @pytest.mark.parametrize("cache", [False, True], ids=["recompute", "cache"])

@@ -41,6 +41,7 @@ MAX_SPLIT = 8192  # forward: cap on split width, so large N still gets a few spl
 BWD_TILES_PER_PROGRAM = 1  # backward: consecutive vocab tiles per program
 MERGE_BLOCK_N = 128
 LABEL_FIX_BLOCK_N = 256  # backward one-hot term
+CHECK_BLOCK = 1024  # deferred label / temperature check: labels per program
 CACHE_COLS = 256  # logits-cache column slab (kernels.py): one [BLOCK_N, 256] tile is contiguous
 
 # Backward d_logits workspace [N, V_chunk] budget (bytes): at most WORKSPACE_BYTES, and shrunk so that

@@ -346,3 +346,30 @@ def lce_bwd_label_kernel(dl, y, inv_t, g_lp, N, v_begin, width, stride_dl, inv_t
     p = dl + o_n * stride_dl + tl.maximum(o_j, 0)
     b = tl.load(p, mask=m, other=0.0).to(tl.float32) + b_c
     tl.store(p, b.to(dl.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def check_labels_kernel(y_ptr, inv_t_ptr, bad_ptr, rec_ptr, N, vocab_size, ignore_index,
+                        HAS_INV_T: tl.constexpr, BLOCK: tl.constexpr):
+    """The deferred value check of one call in one launch (checks.py "deferred"): bad[i] = 1 where label i
+    is outside [0, vocab_size) and not ignore_index; the block's count of them, the largest of their
+    negated values and of their values, and (HAS_INV_T) its count of 1/T outside (0, inf) are folded into
+    the int64 record rec = [bad labels, -(smallest bad), largest bad, bad temperatures, ...] by atomics
+    (integer sums and maxima: the same record in any order)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < N
+    y = tl.load(y_ptr + offs, mask=inb, other=0).to(tl.int64)
+    bad = inb & ((y < 0) | (y >= vocab_size)) & (y != ignore_index)
+    tl.store(bad_ptr + offs, bad.to(tl.int8), mask=inb)
+    n_bad = tl.sum(bad.to(tl.int64), axis=0)
+    if n_bad > 0:
+        low = -9223372036854775807
+        tl.atomic_add(rec_ptr, n_bad)
+        tl.atomic_max(rec_ptr + 1, tl.max(tl.where(bad, -y, low), axis=0))
+        tl.atomic_max(rec_ptr + 2, tl.max(tl.where(bad, y, low), axis=0))
+    if HAS_INV_T:
+        t = tl.load(inv_t_ptr + offs, mask=inb, other=1.0)
+        bad_t = inb & ~((t > 0.0) & (t <= 3.4028234663852886e38))  # NaN fails both comparisons
+        n_bad_t = tl.sum(bad_t.to(tl.int64), axis=0)
+        if n_bad_t > 0:
+            tl.atomic_add(rec_ptr + 3, n_bad_t)

@@ -44,6 +44,7 @@ import triton
 from ...types import LCEParams
 from ..base import ShardStats, alloc
 from . import configs
+from .value_check import record_labels
 from .kernels import lce_bwd_kernel, lce_bwd_label_kernel, lce_fwd_kernel, lce_fwd_merge_kernel
 
 try:  # host-side TMA descriptors (triton >= 3.4)
@@ -188,6 +189,9 @@ class TritonBackend:
         if configs.CACHE_COLS % cfg.block_v:
             return None  # the cache tiles assume BLOCK_V divides CACHE_COLS (kernels.py)
         return _cache_shape(n, params.shard_valid), torch.float32
+
+    # deferred label / temperature check in one launch (checks.record's `fold`)
+    record_labels = staticmethod(record_labels)
 
     # ------------------------------------------------------------------------------------ forward
     def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool,
