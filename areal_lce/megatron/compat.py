@@ -4,9 +4,9 @@ Everything that depends on *which* megatron-core is installed lives here, so the
 model builder and the engine ask one place: `has_output_processor()` says whether
 `GPTModel.forward(output_processor=...)` exists (megatron-core >= 0.18), `megatron_version()` gives
 the installed version. `use_device_grad_norm()` replaces megatron's host-syncing fallback L2 norm
-(no Apex / Transformer Engine) in its gradient clipping with a device-side one. `cpu_shims()` is a context manager that makes the CUDA-only calls megatron-core
-makes while building, running and training a model harmless on a CPU-only host, and restores
-everything on exit; it is a no-op when CUDA is available. The engine enters it around its own
+(no Apex / Transformer Engine) in its gradient clipping with a device-side one. `cpu_shims()` is a
+context manager that makes the CUDA-only calls megatron-core makes while building, running and
+training a model harmless on a CPU-only host, and restores everything on exit; it is a no-op when CUDA is available. The engine enters it around its own
 megatron calls; code that drives a megatron model itself on CPU (tests, examples) enters it too.
 """
 from __future__ import annotations
