@@ -63,6 +63,13 @@ class ModelConfig:
                   "flash kernels on GPU, causal) | megatron (megatron-core DotProductAttention, stores the "
                   "[b, heads, s, s] probabilities); ignored when the Transformer Engine spec is used"},
     )
+    rope_fusion: bool = field(
+        default=True,
+        metadata={"help": "on CUDA without Transformer Engine: apply RoPE with one Triton kernel per call "
+                  "(areal_lce.megatron.rope in megatron-core's apply_rope_fusion slot) instead of megatron's "
+                  "unfused torch RoPE (~11 kernels per call); false: the unfused one. Ignored on CPU "
+                  "and under Transformer Engine (its own fused RoPE)"},
+    )
     activation_recompute: bool = field(
         default=False,
         metadata={"help": "recompute every transformer layer in the backward instead of storing its "

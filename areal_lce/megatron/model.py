@@ -164,7 +164,10 @@ def use_te_spec() -> bool:
     return True
 
 
-def build_transformer_config(arch: ArchSpec, parallel: ParallelConfig, dtype: torch.dtype, recompute: bool = False):
+def build_transformer_config(arch: ArchSpec, parallel: ParallelConfig, dtype: torch.dtype, recompute: bool = False,
+                             rope_fusion: bool = False):
+    """megatron-core TransformerConfig of the architecture. `rope_fusion`: set apply_rope_fusion (the fused
+    RoPE slots must be filled first: rope.install_rope_fusion)."""
     from megatron.core.transformer import TransformerConfig
 
     cpu = not torch.cuda.is_available()
@@ -183,7 +186,7 @@ def build_transformer_config(arch: ArchSpec, parallel: ParallelConfig, dtype: to
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
         use_cpu_initialization=cpu, gradient_accumulation_fusion=False, persist_layer_norm=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, cross_entropy_loss_fusion=False,
+        apply_rope_fusion=rope_fusion, cross_entropy_loss_fusion=False,
         attention_softmax_in_fp32=True,
         recompute_granularity="full" if recompute else None, recompute_method="uniform" if recompute else None,
         recompute_num_layers=1 if recompute else None,
@@ -202,14 +205,20 @@ def build_gpt_model(arch: ArchSpec, model_cfg: ModelConfig, parallel: ParallelCo
     )
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+    from . import rope
+
     if arch.num_heads % parallel.tensor_parallel or arch.num_kv_heads % parallel.tensor_parallel:
         raise ValueError(f"parallel.tensor_parallel={parallel.tensor_parallel} must divide the attention "
                          f"heads ({arch.num_heads}) and key/value heads ({arch.num_kv_heads})")
     if arch.num_layers % parallel.pipeline_parallel:
         raise ValueError(f"parallel.pipeline_parallel={parallel.pipeline_parallel} must divide the "
                          f"number of layers ({arch.num_layers})")
-    config = build_transformer_config(arch, parallel, dtype, recompute=model_cfg.activation_recompute)
-    if use_te_spec():
+    te = use_te_spec()
+    # megatron's fused-RoPE slots hold Transformer Engine's kernels when it is installed; else ours
+    fuse_rope = model_cfg.rope_fusion and not te and rope.fusion_usable() and rope.install_rope_fusion()
+    config = build_transformer_config(arch, parallel, dtype, recompute=model_cfg.activation_recompute,
+                                      rope_fusion=fuse_rope)
+    if te:
         layer_spec = get_gpt_layer_with_transformer_engine_spec()
     else:
         if model_cfg.attention != "sdpa" and config.context_parallel_size > 1:

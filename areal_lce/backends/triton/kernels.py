@@ -16,6 +16,7 @@ No allocation or host logic here (launch.py owns both):
                         writes d_logits = dz / T without the one-hot term into a [N, V_chunk] workspace.
   lce_bwd_label_kernel  adds the one-hot term g_lp / T at each row's label column of the chunk;
                         cuBLAS does the rest.
+  check_labels_kernel   the deferred label / temperature check of one call (value_check.py).
 
 Cache layout. The fp32 logits cache is column-slab major, [ceil(V / CACHE_COLS), N, CACHE_COLS], and
 BLOCK_V divides CACHE_COLS: a tile's addresses are a slab base plus row * CACHE_COLS plus a column
@@ -373,3 +374,4 @@ def check_labels_kernel(y_ptr, inv_t_ptr, bad_ptr, rec_ptr, N, vocab_size, ignor
         n_bad_t = tl.sum(bad_t.to(tl.int64), axis=0)
         if n_bad_t > 0:
             tl.atomic_add(rec_ptr + 3, n_bad_t)
+
