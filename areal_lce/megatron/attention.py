@@ -175,20 +175,25 @@ def thd_plan(psp, local_tokens: int, cp_size: int, cp_rank: int, device) -> ThdP
                          f"sequence, {max(lengths)} (megatron sizes RoPE by it; equal to the packed length "
                          f"{sum(lengths)} it reads positions as continuing across sequences)")
     L, R = torch.tensor(lengths), torch.tensor(real)
-    starts = torch.cumsum(L, 0) - L
     if cp_size == 1:
-        positions, k_index = torch.arange(int(L.sum())), None
+        positions, k_index = None, None
         segments = make_segments(L, L, device)
     else:
         positions = zigzag_positions(lengths, cp_size, cp_rank)  # global packed position of each local token
+        starts = torch.cumsum(L, 0) - L
         c = L // (2 * cp_size)
         q_lens = torch.stack([c, c], 1).reshape(-1)  # per sequence: chunk r, then chunk 2cp-1-r
         k_lens = torch.stack([(cp_rank + 1) * c, (2 * cp_size - cp_rank) * c], 1).reshape(-1)  # key prefixes
         k_pos = ranges(starts.repeat_interleave(2), k_lens)
         k_index = gathered_to_packed(lengths, cp_size)[k_pos].to(device)
         segments = make_segments(q_lens, k_lens, device)
-    seq = torch.searchsorted(torch.cumsum(L, 0), positions, right=True)
-    is_real = positions - starts[seq] < R[seq]
+    if real == lengths:  # no padding slots (what packing builds without CP): no mask, no per-token host work
+        return ThdPlan(segments, k_index, None)
+    # over the whole packed row: each sequence's real tokens, then its padding slots
+    is_real = torch.repeat_interleave(torch.tensor([True, False]).repeat(len(lengths)),
+                                      torch.stack([R, L - R], 1).reshape(-1))
+    if positions is not None:
+        is_real = is_real[positions]
     return ThdPlan(segments, k_index, None if bool(is_real.all()) else is_real.to(device))
 
 
