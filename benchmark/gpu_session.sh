@@ -38,7 +38,7 @@ for job in "$@"; do
           --prompt-len 256 --new-tokens 16 --steps 3 ${LOGPROB_TOKENS:+--logprob-max-tokens $LOGPROB_TOKENS} \
           ${ROUTES:+--routes $ROUTES} ${ROPE:+--rope-fusion $ROPE} --out "$W" ;;
     bench_sft) run "bench_sft${ROPE:+_rope_$ROPE}" 300 torchrun --nproc_per_node=1 -m benchmark.bench_train --job sft \
-          --preset qwen2.5-0.5b --seq 2048 --micro-batch 4 --micro-batches 2 --steps 5 ${ROPE:+--rope-fusion $ROPE} \
+          --preset qwen2.5-0.5b --seq 2048 --micro-batch 4 --micro-batches 2 --steps ${STEPS:-5} ${ROPE:+--rope-fusion $ROPE} \
           --out "$W" ;;
     cp_*) set -- ${job//_/ }; seq=$3; route=$2
           run "cp_${route}_${seq}" 200 torchrun --nproc_per_node=2 -m benchmark.bench_cp --seq "$seq" --route "$route" \
