@@ -108,8 +108,8 @@ def thd_rows(cu_seqlens, freq_rows: int, cp_size: int, cp_rank: int, tokens: int
         if freq_rows == total:  # angles of every packed token: the row is the global packed position
             rows = None if cp_size == 1 else packed
         else:  # a table by position within the sequence
-            starts = torch.cumsum(lens, 0) - lens
-            rows = packed - starts[torch.searchsorted(torch.cumsum(lens, 0), packed, right=True)]
+            seq = torch.repeat_interleave(torch.arange(len(lengths)), lens)  # sequence of each packed token
+            rows = packed - (torch.cumsum(lens, 0) - lens)[seq[packed]]
             if len(rows) and int(rows.max()) >= freq_rows:
                 raise ValueError(f"rotary table has {freq_rows} rows but a packed sequence is "
                                  f"{max(lengths)} tokens long")

@@ -8,18 +8,14 @@ an autograd node. The kernel takes cos / sin once per row for all heads and writ
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 
+from .. import interpreter_on
 from .rope_kernel import rope_kernel
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def why_unsupported(t: torch.Tensor, freqs: torch.Tensor) -> str:
@@ -31,7 +27,7 @@ def why_unsupported(t: torch.Tensor, freqs: torch.Tensor) -> str:
         return f"t {tuple(t.shape)} and freqs {tuple(freqs.shape)} must both be 4-D"
     s, b, _, d = t.shape
     r = freqs.shape[-1]
-    if t.device != freqs.device or not (t.is_cuda or (t.device.type == "cpu" and _interpreted())):
+    if t.device != freqs.device or not (t.is_cuda or (t.device.type == "cpu" and interpreter_on())):
         return f"t on {t.device}, freqs on {freqs.device}: both on one CUDA device"
     if t.dtype not in _DTYPES or freqs.dtype != torch.float32 or freqs.requires_grad:
         return f"t {t.dtype} (bf16/fp16/fp32), freqs {freqs.dtype} (fp32, no grad)"
