@@ -40,6 +40,7 @@ def _engine(args, fused: bool, trainable: bool = True):
                           rope_fusion=getattr(args, "rope_fusion", "on") == "on"),
         parallel=ParallelConfig(tensor_parallel=args.tp, sequence_parallel=args.sp),
         optim=OptimConfig(lr=1e-5, clip_grad=1.0), use_fused_linear_ce=fused, seed=1234,
+        model_cuda_graphs=getattr(args, "model_graphs", "on") == "on",
         lce_cache_bytes=args.lce_cache_bytes if args.lce_cache_bytes == "auto" else int(args.lce_cache_bytes))
     return MegatronEngine(cfg, trainable=trainable)
 
@@ -174,6 +175,9 @@ def main():
     ap.add_argument("--lce-cache-bytes", default="0", help="engine.lce_cache_bytes of the fused route: bytes or auto")
     ap.add_argument("--rope-fusion", choices=["on", "off"], default="on",
                     help="model.rope_fusion of both routes (on: the fused RoPE kernel, the default)")
+    ap.add_argument("--model-graphs", choices=["on", "off"], default="on",
+                    help="engine.model_cuda_graphs of both routes (on: packed model calls replayed from CUDA "
+                         "graphs where they apply, the default)")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
     runner = run_sft if args.job == "sft" else run_grpo
@@ -186,7 +190,7 @@ def main():
     n_tok = args.micro_batch * seq
     from areal_lce.megatron.model import padded_vocab_size  # noqa: F401  (documented padding rule)
     print(f"\n{args.job} {args.preset} tp={args.tp} sp={args.sp} seq={args.seq} micro_batch={args.micro_batch} "
-          f"x{args.micro_batches} rope_fusion={args.rope_fusion} on {meta['device']} (git {meta['git_sha']})")
+          f"x{args.micro_batches} rope_fusion={args.rope_fusion} model_graphs={args.model_graphs} on {meta['device']} (git {meta['git_sha']})")
     for r in results:
         extra = ("  " + "  ".join(f"{k}={v * 1e3:.0f}ms" for k, v in r["phase_s"].items())) if "phase_s" in r else ""
         loss = f" loss[0]={r['loss'][0]:.6f}" if "loss" in r else ""
@@ -209,6 +213,7 @@ def main():
             print(f"  first-step loss relative difference {rel:.2e}")
     routes = "" if len(results) == 2 else "_" + results[0]["route"]
     routes += "" if args.rope_fusion == "on" else "_unfused_rope"
+    routes += "" if args.model_graphs == "on" else "_eager"
     write_json(args.out, f"train_{args.job}_{args.preset}_tp{args.tp}{routes}.json", {"meta": meta, "results": results})
 
 

@@ -5,7 +5,7 @@
 #   bash benchmark/gpu_session.sh gpu_check gpu_attention_check bench_packing bench_rollout
 # Engine figures (issue 12, item 6): prof_engine bench_grpo bench_sft; LOGPROB_TOKENS=N ROUTES=materialised
 # bench_grpo runs one route at a given rl.logprob_max_tokens; ROPE=off runs bench_sft / bench_grpo with
-# model.rope_fusion off (megatron's unfused RoPE).
+# model.rope_fusion off (megatron's unfused RoPE); GRAPHS=off runs them with engine.model_cuda_graphs off.
 set -u
 OUT=${OUT:-bench_out}
 W=$OUT/work
@@ -33,13 +33,13 @@ for job in "$@"; do
     bench_rollout) run bench_rollout 300 torchrun --nproc_per_node=1 -m benchmark.bench_rollout --preset qwen2.5-0.5b --out "$W" ;;
     bench_lce) run bench_lce 480 python3 -m benchmark.bench_lce --shapes small,qwen7b,llama8b,wide_n --out "$W" ;;
     prof_engine) run prof_engine 200 torchrun --nproc_per_node=1 -m benchmark.prof_engine --materialised --out "$W" ;;
-    bench_grpo) run "bench_grpo${LOGPROB_TOKENS:+_$LOGPROB_TOKENS}${ROUTES:+_$ROUTES}${ROPE:+_rope_$ROPE}" 300 torchrun --nproc_per_node=1 \
+    bench_grpo) run "bench_grpo${LOGPROB_TOKENS:+_$LOGPROB_TOKENS}${ROUTES:+_$ROUTES}${ROPE:+_rope_$ROPE}${GRAPHS:+_graphs_$GRAPHS}" 300 torchrun --nproc_per_node=1 \
           -m benchmark.bench_train --job grpo --preset qwen2.5-0.5b --prompts 16 --group 4 --micro-batch 16 \
           --prompt-len 256 --new-tokens 16 --steps 3 ${LOGPROB_TOKENS:+--logprob-max-tokens $LOGPROB_TOKENS} \
-          ${ROUTES:+--routes $ROUTES} ${ROPE:+--rope-fusion $ROPE} --out "$W" ;;
-    bench_sft) run "bench_sft${ROPE:+_rope_$ROPE}" 300 torchrun --nproc_per_node=1 -m benchmark.bench_train --job sft \
+          ${ROUTES:+--routes $ROUTES} ${ROPE:+--rope-fusion $ROPE} ${GRAPHS:+--model-graphs $GRAPHS} --out "$W" ;;
+    bench_sft) run "bench_sft${ROPE:+_rope_$ROPE}${GRAPHS:+_graphs_$GRAPHS}" 300 torchrun --nproc_per_node=1 -m benchmark.bench_train --job sft \
           --preset qwen2.5-0.5b --seq 2048 --micro-batch 4 --micro-batches 2 --steps ${STEPS:-5} ${ROPE:+--rope-fusion $ROPE} \
-          --out "$W" ;;
+          ${GRAPHS:+--model-graphs $GRAPHS} --out "$W" ;;
     cp_*) set -- ${job//_/ }; seq=$3; route=$2
           run "cp_${route}_${seq}" 200 torchrun --nproc_per_node=2 -m benchmark.bench_cp --seq "$seq" --route "$route" \
               ${RECOMPUTE:+--recompute} ${STEPS:+--steps $STEPS} --out "$W" ;;

@@ -113,6 +113,10 @@ def causal_varlen_attention(q, k, v, segs: VarlenSegments, scale: float, dropout
     if impl not in ("auto", "varlen", "sdpa"):
         raise ValueError(f"impl={impl!r}: expected auto, varlen or sdpa")
     use_varlen = impl == "varlen" or (impl == "auto" and varlen_usable(q, scale, dropout))
+    if not use_varlen and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("THD attention under CUDA-graph capture runs only through varlen_attn (CUDA bf16/fp16, "
+                           f"head dim % 8 == 0 and <= 256, no dropout); got {q.dtype}, d={q.shape[-1]}, "
+                           f"dropout={dropout}")
     if use_varlen:
         if not varlen_usable(q, scale, dropout):
             raise RuntimeError("impl='varlen' needs torch >= 2.10 varlen_attn on CUDA in bf16/fp16, head dim "
@@ -147,10 +151,39 @@ def _host(t, name: str) -> List[int]:
     return sequence_lengths(t, f"packed_seq_params.{name}")
 
 
+def captured_plan(psp, local_tokens: int, cp_size: int) -> ThdPlan:
+    """The plan while a CUDA graph is being captured: nothing is read on the host, so what a replay
+    gets is what its inputs hold then. cu_seqlens_q (= cu_seqlens_kv, no padded variants) must be a
+    CUDA int32 tensor whose segments (zero-length ones allowed) cover the `local_tokens` packed tokens,
+    and max_seqlen_q an upper bound of every segment for every replay (the packed length is one); the
+    varlen kernel takes them as they are. One CP rank, self-attention over the same sequences."""
+    cu, cu_k = psp.cu_seqlens_q, psp.cu_seqlens_kv
+    if cp_size != 1:
+        raise ValueError("SDPAttention THD under CUDA-graph capture: context parallelism reads the "
+                         "sequence lengths on the host; capture with one CP rank")
+    if not (torch.is_tensor(cu) and cu.is_cuda and cu.dtype == torch.int32 and cu.dim() == 1):
+        raise ValueError("SDPAttention THD under CUDA-graph capture: packed_seq_params.cu_seqlens_q must be a "
+                         f"1-D int32 CUDA tensor (the graph's input), got {getattr(cu, 'dtype', type(cu))} on "
+                         f"{getattr(cu, 'device', '?')}")
+    if cu_k is not cu or any(getattr(psp, n, None) not in (None, cu)
+                             for n in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded")):
+        raise ValueError("SDPAttention THD under CUDA-graph capture: packed_seq_params.cu_seqlens_kv(_padded) "
+                         "and cu_seqlens_q_padded must be None or the cu_seqlens_q tensor itself")
+    longest = psp.max_seqlen_q
+    if not isinstance(longest, int) or longest < 1 or psp.max_seqlen_kv != longest:
+        raise ValueError(f"SDPAttention THD under CUDA-graph capture: max_seqlen_q = max_seqlen_kv must be a "
+                         f"positive int bounding every segment of every replay, got {psp.max_seqlen_q} / "
+                         f"{psp.max_seqlen_kv}")
+    bounds = [0, local_tokens]  # only the token count is checked against the tensors
+    return ThdPlan(VarlenSegments(bounds, bounds, cu, cu, longest, longest), None, None)
+
+
 def thd_plan(psp, local_tokens: int, cp_size: int, cp_rank: int, device) -> ThdPlan:
     """Segments, CP key index and padding mask of `psp` (megatron PackedSeqParams, qkv_format "thd")."""
     if psp.cu_seqlens_q is None:
         raise ValueError("packed_seq_params.cu_seqlens_q is required for qkv_format='thd'")
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return captured_plan(psp, local_tokens, cp_size)
     padded_name = "cu_seqlens_q_padded" if psp.cu_seqlens_q_padded is not None else "cu_seqlens_q"
     lengths, real = _host(getattr(psp, padded_name), padded_name), _host(psp.cu_seqlens_q, "cu_seqlens_q")
     if psp.cu_seqlens_kv is None:

@@ -216,6 +216,18 @@ class EngineConfig:
                   "step (one per batch size) in a CUDA graph and replay it; elsewhere, or false, the same "
                   "fixed-shape step runs eagerly"},
     )
+    model_cuda_graphs: bool = field(
+        default=True,
+        metadata={"help": "on CUDA at tensor/pipeline/context parallel = 1 with packed sequences, local layers and "
+                  "no dropout, MoE or MTP: the second time a packed shape is seen, capture its model call "
+                  "(forward + backward in train_step, forward in token_stats) in CUDA graphs and replay them "
+                  "from then on; elsewhere, or false, every call runs eagerly"},
+    )
+    cuda_graph_token_multiple: int = field(
+        default=512,
+        metadata={"help": "with model_cuda_graphs in use: packed rows are padded (ignored tokens) to a multiple "
+                  "of this many tokens, so that graphed shapes repeat across batches"},
+    )
     seed: int = field(default=1234, metadata={"help": "seed of parameter init, dropout and sampling"})
 
     def __post_init__(self):
@@ -229,6 +241,9 @@ class EngineConfig:
         if self.pack_sequences and self.model.attention != "sdpa":
             raise ValueError(f"pack_sequences=true needs model.attention='sdpa' (megatron's local "
                              f"DotProductAttention refuses packed sequences), got {self.model.attention!r}")
+        if isinstance(self.cuda_graph_token_multiple, bool) or not isinstance(self.cuda_graph_token_multiple, int) \
+                or self.cuda_graph_token_multiple < 1:
+            raise ValueError(f"engine.cuda_graph_token_multiple={self.cuda_graph_token_multiple!r}: expected an int >= 1")
         if isinstance(self.lce_cache_bytes, str) and self.lce_cache_bytes != "auto":
             raise ValueError(f"engine.lce_cache_bytes={self.lce_cache_bytes!r}: expected an int >= 0 or 'auto'")
         if isinstance(self.lce_cache_bytes, int) and self.lce_cache_bytes < 0:

@@ -20,6 +20,9 @@ through it. Callers pass right-padded [b, s] batches; with `pack_sequences` the 
 one THD row per micro-batch (batch.py) and returns stats in the padded layout. Pipeline parallelism
 runs Megatron's 1F1B schedule (schedule.py; the capture seam only runs on the last stage, whose
 statistics and logits are shared with the other stages by a sum over the pipeline group).
+With `model_cuda_graphs` (default; CUDA, one rank of each model-parallel kind, packed sequences) a
+packed shape's model call is captured in CUDA graphs the second time it is seen and replayed from then
+on (graphs.py): forward + backward of `train_step`'s micro-batches, forward of `token_stats`.
 `generate` samples on the engine's device through a KV cache by default (generate.py, given a
 `GenerationModel` view of the engine); `save` / `load` write and read one file per rank (state.py).
 The engine's collectives use the process groups of its `DistInfo` (`self.dist`).
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import resource
 from typing import Any, Callable, Dict, List, Optional
 
@@ -39,6 +43,7 @@ from . import generate as generation
 from . import schedule
 from . import state as engine_state
 from .batch import ModelBatch, per_token_rope
+from .graphs import ModelCallGraphs, why_not_graphed
 from .batch import prepare as prepare_batch
 from .compat import cpu_shims
 from .config import EngineConfig
@@ -79,6 +84,12 @@ class MegatronEngine:
         with cpu_shims():  # on a CPU-only host: megatron's model and grad buffers ask for a CUDA device
             self.gpt, self.model = self._build_model()
         self.route.check(self.gpt.config)
+        self.graphs: Optional[ModelCallGraphs] = None  # CUDA graphs of the packed model calls (graphs.py)
+        if cfg.model_cuda_graphs:
+            why = why_not_graphed(device=self.device, dtype=self.dtype, tp=d.tp_size, pp=d.pp_size, cp=d.cp_size,
+                                  packed=cfg.pack_sequences, te=use_te_spec(), config=self.gpt.config)
+            if not why:
+                self.graphs = ModelCallGraphs(self._call_model, self.device)
         self.optimizer, self.megatron_optimizer = None, False
         if trainable:
             self.optimizer, self.megatron_optimizer = build_optimizer(self.model, cfg.optim, self.dtype)
@@ -117,8 +128,11 @@ class MegatronEngine:
         return self.dist.tp_size if self.cfg.parallel.sequence_parallel else 1
 
     def _prepare(self, input_ids: torch.Tensor, labels: torch.Tensor, min_packed_length: int = 0) -> ModelBatch:
+        multiple = self._seq_multiple()
+        if self.graphs is not None:  # packed lengths on a grid, so that graphed shapes repeat
+            multiple = math.lcm(multiple, self.cfg.cuda_graph_token_multiple)
         return prepare_batch(input_ids, labels, device=self.device, max_seq_len=self.cfg.model.max_seq_len,
-                             pack=self.cfg.pack_sequences, seq_multiple=self._seq_multiple(),
+                             pack=self.cfg.pack_sequences, seq_multiple=multiple,
                              min_packed_length=min_packed_length, cp_group=self.cp_group, cp_size=self.dist.cp_size,
                              cu_seqlens_on_host=not use_te_spec())
 
@@ -153,14 +167,25 @@ class MegatronEngine:
             return TokenStats.unpack(packed)
         with contextlib.nullcontext() if grad else torch.no_grad():
             mb = self._prepare(input_ids, labels)
+            if self.graphs is not None and not grad:
+                return mb.stats(self.graphs(mb, float(temperature), grad=False))
             return mb.stats(self._call_model(mb, temperature))
+
+    def _train_stats(self, mb: MicroBatch) -> TokenStats:
+        """token_stats(grad=True) of one train_step micro-batch, through the graphs where they apply: the
+        step runs this micro-batch's backward before the next forward (graphs.py, "Order")."""
+        if self.graphs is None:
+            return self.token_stats(mb.input_ids, mb.labels, temperature=float(mb.temperature), grad=True)
+        batch = self._prepare(mb.input_ids, mb.labels)
+        return batch.stats(self.graphs(batch, float(mb.temperature), grad=True))
 
     # ------------------------------------------------------------------------------ training
     @cpu_shims()
     def train_step(self, microbatches: List[MicroBatch], loss_fn: Callable) -> Dict[str, float]:
         """One optimizer step over `microbatches`: `loss_fn(stats, mb)` -> (loss, metrics) per micro-batch
         (the engine sums the losses: normalise them in loss_fn), backward, gradient reduction, clipping
-        and the step. Returns the data-parallel mean of loss and metrics, grad_norm, lr, tokens and
+        and the step. `loss_fn` receives each micro-batch with its tensor fields on the engine's device
+        (`MicroBatch.to`). Returns the data-parallel mean of loss and metrics, grad_norm, lr, tokens and
         peak_mem_gib (the same on every rank)."""
         from megatron.core.distributed import finalize_model_grads
 
@@ -173,6 +198,9 @@ class MegatronEngine:
         self.optimizer.zero_grad()
         sums: Dict[str, Any] = {}  # loss and metrics summed over micro-batches, on the device: no host sync
         tokens = sum(mb.target_tokens() for mb in microbatches)
+        # loss_fn gets each micro-batch on the device, copied without a sync: a `.to(device)` of a host tensor
+        # there would make the host wait for the forward before it can issue the backward
+        staged = [mb.to(self.device) for mb in microbatches]
 
         def account(mb, stats):
             loss, metrics = loss_fn(stats, mb)
@@ -182,15 +210,15 @@ class MegatronEngine:
             return loss
 
         if self.dist.pp_size > 1:
-            schedule.stats_schedule(self.model, microbatches, on_stats=lambda i, st: account(microbatches[i], st),
+            schedule.stats_schedule(self.model, microbatches, on_stats=lambda i, st: account(staged[i], st),
                                     forward_only=False, **self._schedule_kwargs())
         else:
-            for mb in microbatches:
-                stats = self.token_stats(mb.input_ids, mb.labels, temperature=float(mb.temperature), grad=True)
+            for mb, on_device in zip(microbatches, staged):
+                stats = self._train_stats(mb)
                 # Under CP every rank holds the full statistics and the same loss, and its backward reaches
                 # only its own tokens; megatron's DDP averages over data x context parallel ranks, so the
                 # loss is scaled by cp for that average to be the sum of the CP shares (as Megatron-LM does).
-                (account(mb, stats) * self.dist.cp_size).backward()
+                (account(on_device, stats) * self.dist.cp_size).backward()
         checks.check_deferred()  # the op's deferred label checks, read once per step before the update
         # DP all-reduce of the grad buffers, SP norm grads over TP, tied embeddings across stages.
         finalize_model_grads([self.model])

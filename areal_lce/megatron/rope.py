@@ -96,7 +96,12 @@ def thd_rows(cu_seqlens, freq_rows: int, cp_size: int, cp_rank: int, tokens: int
              device) -> Optional[torch.Tensor]:
     """Row of `freqs` for each of this rank's `tokens` packed tokens (None: row i for token i), as
     megatron's `_apply_rotary_pos_emb_thd` picks them. Host reads of cu_seqlens (a device tensor costs
-    one sync, as in megatron's own THD RoPE); cached per layout, so the layers of one forward share it."""
+    one sync, as in megatron's own THD RoPE); cached per layout, so the layers of one forward share it.
+    Without CP, angles with one row per packed token need no index and cu_seqlens is not read (megatron
+    takes its per-token branch when freqs has cu_seqlens[-1] rows, which is then the token count): the
+    call is then free of host reads, as CUDA-graph capture needs."""
+    if cp_size == 1 and freq_rows == tokens:  # angles of every packed token, in order: nothing to read
+        return None
     lengths = sequence_lengths(cu_seqlens, "packed_seq_params.cu_seqlens")
     total = sum(lengths)
     key = (tuple(lengths), freq_rows == total, cp_size, cp_rank, str(device))

@@ -1,0 +1,96 @@
+"""The engine's packed model calls replayed from CUDA graphs (marked `gpu`: skipped without CUDA).
+
+Two bf16 engines built alike (same seed, so the same weights), one with `engine.model_cuda_graphs`
+(default) and one without; packed rows padded to a multiple of 64 tokens, so micro-batches of three
+rows of different lengths share one graphed shape (128 tokens, four sequences with the padding one)
+while their layouts differ. What must hold:
+  graphs_train      three train_step calls of two micro-batches, each a different layout: the graphed
+                    engine replays from the second micro-batch on, and its per-step loss, grad norm and
+                    every parameter's finalised gradient equal the eager engine's (lr 0, so the weights
+                    stay equal; the loss to 1e-6, gradients within flash-attention's non-deterministic
+                    backward: rel-L2 <= 1e-2 per parameter). A graph that kept the captured layout would
+                    miss by O(1): the layouts put sequence boundaries at different tokens.
+  graphs_logprobs   token_stats(grad=False) of four layouts of the same shape: replayed from the second
+                    on, equal to the eager engine's statistics.
+Untied (Qwen2-shaped) and tied (Llama-shaped) tiny presets.
+
+Run: `python -m pytest -q -m gpu tests/test_gpu_graphs.py`, or through `python -m benchmark.gpu_check`.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+LAYOUTS = ([40, 25, 30], [12, 40, 33], [38, 38, 20], [5, 40, 40])  # kept tokens per row: 85-96, padded to 128
+
+
+def _engines(preset: str):
+    pytest.importorskip("megatron.core")
+    from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig
+    from areal_lce.megatron.engine import MegatronEngine
+
+    out = {}
+    for graphs in (True, False):
+        cfg = EngineConfig(model=ModelConfig(preset=preset, dtype="bf16", max_seq_len=64, attention="sdpa"),
+                           optim=OptimConfig(lr=0.0, clip_grad=0.0), pack_sequences=True, seed=7,
+                           model_cuda_graphs=graphs, cuda_graph_token_multiple=64)
+        out[graphs] = MegatronEngine(cfg, vocab_size=500)
+    assert out[True].graphs is not None and out[False].graphs is None
+    return out
+
+
+def _batch(lengths, seed: int):
+    from areal_lce.megatron import MicroBatch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 500, (len(lengths), 40), generator=g)
+    labels = torch.full_like(ids, -100)
+    for r, n in enumerate(lengths):
+        labels[r, : n - 1] = ids[r, 1:n]
+    return MicroBatch(ids, labels)
+
+
+def _loss(stats, mb):
+    mask = mb.labels != -100
+    assert mask.is_cuda  # train_step hands loss_fn the micro-batch on the device
+    lp = (stats.logprobs * mask).sum() / mask.sum()
+    return -lp, {"entropy": ((stats.entropy * mask).sum() / mask.sum()).detach()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_graphs_train(preset, record_property):
+    eng = _engines(preset)
+    res, worst = [], 0.0
+    for step in range(3):
+        mbs = [_batch(LAYOUTS[(step + i) % 4], 100 * step + i) for i in range(2)]
+        out = {g: e.train_step(mbs, _loss) for g, e in eng.items()}
+        grads = {g: e.grads() for g, e in eng.items()}
+        rels = {n: _rel(grads[True][n], grads[False][n]) for n in grads[False]}
+        worst = max(worst, max(rels.values()))
+        res.append({"loss": (out[True]["loss"], out[False]["loss"]), "grad_norm": (out[True]["grad_norm"],
+                    out[False]["grad_norm"]), "worst_grad_rel": max(rels.values())})
+        assert abs(out[True]["loss"] - out[False]["loss"]) <= 1e-6 * abs(out[False]["loss"]), res
+        assert abs(out[True]["grad_norm"] - out[False]["grad_norm"]) <= 1e-2 * out[False]["grad_norm"], res
+        assert max(rels.values()) <= 1e-2, (step, sorted(rels.items(), key=lambda kv: -kv[1])[:3])
+    record_property("result", {"steps": res, "replays": eng[True].graphs.replays, "worst_grad_rel": worst})
+    assert eng[True].graphs.replays == 5, eng[True].graphs.replays  # step 1's first micro-batch runs eagerly
+
+
+@pytest.mark.parametrize("preset", ["tiny"])
+def test_graphs_logprobs(preset, record_property):
+    eng = _engines(preset)
+    worst = 0.0
+    for i, lengths in enumerate(LAYOUTS):
+        mb = _batch(lengths, 7 + i)
+        st = {g: e.token_stats(mb.input_ids, mb.labels) for g, e in eng.items()}
+        for a, b in zip(st[True], st[False]):
+            worst = max(worst, float((a - b).abs().max()))
+    record_property("result", {"replays": eng[True].graphs.replays, "max_abs_diff": worst})
+    assert eng[True].graphs.replays == 3
+    assert worst <= 1e-5, worst
