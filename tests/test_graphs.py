@@ -74,12 +74,12 @@ def _packed(lengths, multiple=16):
     return prepare(ids, labels, device=torch.device("cpu"), max_seq_len=32, pack=True, seq_multiple=multiple)
 
 
-def test_graph_keys_eager_first_then_capture_and_fallback(monkeypatch):
-    """First sighting of a key runs eagerly, the second captures; a capture that fails warns once and
-    leaves the key eager; keys beyond MAX_GRAPHS drop the least recently used."""
+def test_graph_keys_eager_first_then_capture_and_failure(monkeypatch):
+    """First sighting of a key runs eagerly, the second captures; a capture that fails raises naming the
+    option that turns graphs off; keys beyond MAX_GRAPHS drop the least recently used."""
     calls = []
     graphs = G.ModelCallGraphs(lambda mb, t: calls.append(mb) or torch.zeros(1, mb.input_ids.shape[1], 4),
-                               torch.device("cpu"))
+                               [torch.nn.Parameter(torch.zeros(2))], torch.device("cpu"))
 
     class NoCapture:
         def __init__(self):
@@ -90,13 +90,12 @@ def test_graph_keys_eager_first_then_capture_and_fallback(monkeypatch):
     a, b = _packed([5, 7]), _packed([9, 3])  # same packed length (16) and sequence count: one key
     graphs(a, 1.0, grad=False)
     assert calls == [a] and list(graphs.entries.values()) == [G._SEEN]
-    with pytest.warns(RuntimeWarning, match="could not be captured.*capture refused"):
+    with pytest.raises(RuntimeError, match=r"packed length 16 \(3 sequences.*capture refused.*"
+                                           r"engine.model_cuda_graphs: false"):
         graphs(b, 1.0, grad=False)
-    assert calls[-1] is b and list(graphs.entries.values()) == [G._EAGER]
-    graphs(a, 1.0, grad=False)  # eager from now on, no second warning
-    assert len(calls) == 3 and graphs.replays == 0
-    graphs(a, 0.5, grad=False)  # another temperature: another key
-    assert len(graphs.entries) == 2
+    assert calls == [a] and graphs.replays == 0
+    graphs(a, 0.5, grad=False)  # another temperature: another key, eager at first sight
+    assert len(graphs.entries) == 2 and len(calls) == 2
     monkeypatch.setattr(G, "MAX_GRAPHS", 2)
     graphs(_packed([5, 7], multiple=32), 1.0, grad=False)
     assert len(graphs.entries) == 2 and (16, 4, 1.0, False) not in graphs.entries

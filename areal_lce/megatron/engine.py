@@ -89,7 +89,7 @@ class MegatronEngine:
             why = why_not_graphed(device=self.device, dtype=self.dtype, tp=d.tp_size, pp=d.pp_size, cp=d.cp_size,
                                   packed=cfg.pack_sequences, te=use_te_spec(), config=self.gpt.config)
             if not why:
-                self.graphs = ModelCallGraphs(self._call_model, self.device)
+                self.graphs = ModelCallGraphs(self._call_model, self.gpt.parameters(), self.device)
         self.optimizer, self.megatron_optimizer = None, False
         if trainable:
             self.optimizer, self.megatron_optimizer = build_optimizer(self.model, cfg.optim, self.dtype)

@@ -8,10 +8,13 @@ same kernels in one call.
 What is captured, per key (packed length T, number of sequences, temperature, with or without grad):
   * the first call at a key runs eagerly (Triton compiles, cuBLAS handles, megatron's lazy state);
   * the second records the model call (`call_model`: the whole GPTModel with the engine's LM-head
-    route) into a forward graph and, with grad, `torch.autograd.backward` from a static output gradient
-    into a backward graph. Megatron DDP's per-parameter grad hooks run while the backward is recorded,
-    so the add of every parameter gradient into its `main_grad` is part of the graph, as it is of the
-    eager backward;
+    route) into a forward graph and, with grad, its backward from a static output gradient into a
+    backward graph: `torch.autograd.grad` of the parameters, then each gradient added to the parameter's
+    `main_grad`, which is what megatron DDP's per-parameter hook does in the eager backward (without
+    overlapped reduction). The hooks themselves cannot be recorded: autograd runs them, and the grad
+    accumulation, on the stream each parameter was created on -- the legacy default stream, which a
+    capture may not touch. Cost: the backward graph holds every parameter's gradient (2 bytes per
+    bf16 parameter) until the adds, where the eager backward frees each one after its add;
   * every call from then on copies the micro-batch's ids, labels, positions and cu_seqlens into the
     graph's static inputs and replays the forward graph; the stats come back (cloned) through an autograd
     Function whose backward copies the incoming gradient into the static output gradient and replays
@@ -28,7 +31,6 @@ At most MAX_GRAPHS keys are kept (least recently used dropped first); `clear()` 
 """
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 from typing import Callable, Optional
 
@@ -39,7 +41,6 @@ from .packing import PackedRows, host_to_device
 
 MAX_GRAPHS = 16
 _SEEN = "seen"  # a key met once (ran eagerly)
-_EAGER = "eager"  # a key whose capture failed: always eager
 
 
 def why_not_graphed(*, device: torch.device, dtype: torch.dtype, tp: int, pp: int, cp: int, packed: bool,
@@ -107,8 +108,9 @@ class _Replay(torch.autograd.Function):
 class ModelCallGraphs:
     """CUDA graphs of `call_model(model_batch, temperature)` -> packed stats [1, T, 4] (module doc)."""
 
-    def __init__(self, call_model: Callable, device: torch.device):
+    def __init__(self, call_model: Callable, params, device: torch.device):
         self.call_model = call_model
+        self.params = [p for p in params if p.requires_grad]
         self.device = device
         self.entries: "OrderedDict[tuple, object]" = OrderedDict()
         self.pools: dict = {}  # grad -> memory pool: a forward-only replay never reuses a training graph's memory
@@ -126,12 +128,8 @@ class ModelCallGraphs:
             self._remember(key, _SEEN)
             return self.call_model(mb, temperature)
         self.entries.move_to_end(key)
-        if entry == _EAGER:
-            return self.call_model(mb, temperature)
         if entry == _SEEN:
             entry = self._capture(key, mb, temperature, grad)
-            if entry is None:
-                return self.call_model(mb, temperature)
         entry.load(mb)
         self.replays += 1
         if not grad:
@@ -145,7 +143,9 @@ class ModelCallGraphs:
         while len(self.entries) > MAX_GRAPHS:
             self.entries.popitem(last=False)
 
-    def _capture(self, key, mb: ModelBatch, temperature: float, grad: bool) -> Optional[_Entry]:
+    def _capture(self, key, mb: ModelBatch, temperature: float, grad: bool) -> _Entry:
+        """Record the key's graphs. A failed capture raises: it leaves torch's CUDA generator registered
+        to the broken graph, so carrying on eagerly would fail later with a less clear error."""
         entry = _Entry(mb)
         try:
             if grad not in self.pools:
@@ -159,12 +159,15 @@ class ModelCallGraphs:
                 entry.grad_out = torch.zeros_like(out)
                 entry.bwd = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(entry.bwd, pool=pool):
-                    torch.autograd.backward(out, entry.grad_out)
+                    grads = torch.autograd.grad(out, self.params, entry.grad_out, allow_unused=True)
+                    for p, g in zip(self.params, grads):
+                        if g is not None:  # megatron DDP's hook: main_grad += grad (fp32 buffer)
+                            p.main_grad.add_(g)
+                    del grads
             entry.out = out.detach()
-        except (RuntimeError, ValueError, NotImplementedError) as e:
-            warnings.warn(f"areal_lce: the model call at packed length {key[0]} could not be captured in a CUDA "
-                          f"graph and runs eagerly ({type(e).__name__}: {e})", RuntimeWarning, stacklevel=3)
-            self._remember(key, _EAGER)
-            return None
+        except Exception as e:
+            raise RuntimeError(f"engine.model_cuda_graphs: capturing the model call at packed length {key[0]} "
+                               f"({key[1] - 1} sequences, grad={grad}) in a CUDA graph failed: {type(e).__name__}: "
+                               f"{e}. Set engine.model_cuda_graphs: false to run every call eagerly") from e
         self._remember(key, entry)
         return entry
