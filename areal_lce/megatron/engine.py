@@ -116,7 +116,16 @@ class MegatronEngine:
             return gpt, module
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=False)
-        return gpt, DistributedDataParallel(gpt.config, ddp_cfg, module)
+        if self.device.type != "cuda":
+            return gpt, DistributedDataParallel(gpt.config, ddp_cfg, module)
+        # DDP creates every parameter's grad accumulator here, and autograd runs the accumulation (and DDP's
+        # hook) on the stream that was current at creation. On a side stream, a backward recorded in a CUDA
+        # graph (graphs.py) never makes the legacy default stream wait on the capturing stream, which CUDA
+        # refuses; eager backward passes join that stream back to the caller's at their end.
+        with torch.cuda.stream(torch.cuda.Stream(self.device)):
+            ddp = DistributedDataParallel(gpt.config, ddp_cfg, module)
+        torch.cuda.synchronize(self.device)  # the grad buffers DDP zeroed on that stream
+        return gpt, ddp
 
     def _require_trainable(self, what: str) -> None:
         if not self.trainable:
