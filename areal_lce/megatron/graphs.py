@@ -166,8 +166,13 @@ class ModelCallGraphs:
                     del grads
             entry.out = out.detach()
         except Exception as e:
+            first = e  # a failure inside the capture surfaces again when the capture ends: name the first
+            while first.__context__ is not None:
+                first = first.__context__
+            cause = str(first).strip().splitlines()[0] if str(first).strip() else ""
             raise RuntimeError(f"engine.model_cuda_graphs: capturing the model call at packed length {key[0]} "
-                               f"({key[1] - 1} sequences, grad={grad}) in a CUDA graph failed: {type(e).__name__}: "
-                               f"{e}. Set engine.model_cuda_graphs: false to run every call eagerly") from e
+                               f"({key[1] - 1} sequences, grad={grad}) in a CUDA graph failed: "
+                               f"{type(first).__name__}: {cause}. Set engine.model_cuda_graphs: false to run "
+                               "every call eagerly") from e
         self._remember(key, entry)
         return entry
