@@ -66,7 +66,7 @@ def sft_loss(n_micro: int):
 
 def run_sft(args, fused: bool) -> dict:
     eng = _engine(args, fused)
-    times, losses, peaks = [], [], []
+    times, losses, peaks, reserved = [], [], [], []
     for step in range(args.steps):
         mbs = _batches(args, eng.vocab_size, step)
         sync()
@@ -76,11 +76,13 @@ def run_sft(args, fused: bool) -> dict:
         times.append(time.perf_counter() - t0)
         losses.append(out["loss"])
         peaks.append(out["peak_mem_gib"])
+        reserved.append(out["peak_reserved_gib"])
     tokens = args.micro_batch * args.seq * args.micro_batches
     med = statistics.median(times[1:] if len(times) > 1 else times)
     del eng
     return {"route": "fused" if fused else "materialised", "step_s": med, "step_s_all": times,
-            "tokens_per_s": tokens / med, "peak_mem_gib": max(peaks[1:] or peaks), "loss": losses}
+            "tokens_per_s": tokens / med, "peak_mem_gib": max(peaks[1:] or peaks),
+            "peak_reserved_gib": max(reserved[1:] or reserved), "loss": losses}
 
 
 def grpo_passes(args, eng, ref, prompts, resp, g) -> tuple:
@@ -127,7 +129,7 @@ def run_grpo(args, fused: bool) -> dict:
     ref = _engine(args, fused, trainable=False)  # frozen reference policy, as the RL job builds it
     print(f"[grpo] engines built ({'fused' if fused else 'materialised'})", flush=True)
     phases = {"rollout": [], "behaviour_logprobs": [], "reference_logprobs": [], "update": []}
-    peaks = []
+    peaks, reserved = [], []
     g = torch.Generator().manual_seed(7)
     for step in range(args.steps):
         prompts = [torch.randint(0, eng.vocab_size, (args.prompt_len,), generator=g).tolist()
@@ -146,10 +148,12 @@ def run_grpo(args, fused: bool) -> dict:
         print(f"[grpo {'fused' if fused else 'materialised'} step {step}] " +
               " ".join(f"{k}={v[-1] * 1e3:.0f}ms" for k, v in phases.items()), flush=True)
         peaks.append(out["peak_mem_gib"] if not torch.cuda.is_available() else torch.cuda.max_memory_allocated() / 2**30)
+        reserved.append(out["peak_reserved_gib"] if not torch.cuda.is_available() else torch.cuda.max_memory_reserved() / 2**30)
     med = {k: statistics.median(v[1:] if len(v) > 1 else v) for k, v in phases.items()}
     del eng, ref
     return {"route": "fused" if fused else "materialised", "phase_s": med, "phase_s_all": phases,
-            "step_s": sum(med.values()), "peak_mem_gib": max(peaks[1:] or peaks)}
+            "step_s": sum(med.values()), "peak_mem_gib": max(peaks[1:] or peaks),
+            "peak_reserved_gib": max(reserved[1:] or reserved)}
 
 
 def main():
@@ -194,7 +198,8 @@ def main():
     for r in results:
         extra = ("  " + "  ".join(f"{k}={v * 1e3:.0f}ms" for k, v in r["phase_s"].items())) if "phase_s" in r else ""
         loss = f" loss[0]={r['loss'][0]:.6f}" if "loss" in r else ""
-        print(f"  {r['route']:>13}: step {r['step_s'] * 1e3:8.1f} ms  peak {r['peak_mem_gib']:7.2f} GiB{loss}{extra}")
+        print(f"  {r['route']:>13}: step {r['step_s'] * 1e3:8.1f} ms  peak {r['peak_mem_gib']:7.2f} GiB allocated, "
+              f"{r['peak_reserved_gib']:7.2f} GiB reserved{loss}{extra}")
     if len(results) == 2:
         f, m = results
         if "phase_s" in f:
@@ -204,8 +209,9 @@ def main():
                   f"{meta['logprob_passes_fused_over_materialised']:.3f}")
         meta["fused_over_materialised_time"] = f["step_s"] / m["step_s"]
         meta["memory_saved_gib"] = m["peak_mem_gib"] - f["peak_mem_gib"]
+        meta["reserved_saved_gib"] = m["peak_reserved_gib"] - f["peak_reserved_gib"]
         print(f"  fused/materialised step time {meta['fused_over_materialised_time']:.3f} (target <= 1.0); "
-              f"memory saved {meta['memory_saved_gib']:.2f} GiB; fp32 logits of one microbatch "
+              f"memory saved {meta['memory_saved_gib']:.2f} GiB allocated, {meta['reserved_saved_gib']:.2f} GiB reserved; fp32 logits of one microbatch "
               f"(4·N·V/tp) = {4 * n_tok * 151936 / args.tp / 2**30:.2f} GiB for a 151936 vocab")
         if "loss" in f:
             rel = abs(f["loss"][0] - m["loss"][0]) / max(abs(m["loss"][0]), 1e-12)

@@ -194,8 +194,8 @@ class MegatronEngine:
         """One optimizer step over `microbatches`: `loss_fn(stats, mb)` -> (loss, metrics) per micro-batch
         (the engine sums the losses: normalise them in loss_fn), backward, gradient reduction, clipping
         and the step. `loss_fn` receives each micro-batch with its tensor fields on the engine's device
-        (`MicroBatch.to`). Returns the data-parallel mean of loss and metrics, grad_norm, lr, tokens and
-        peak_mem_gib (the same on every rank)."""
+        (`MicroBatch.to`). Returns the data-parallel mean of loss and metrics, grad_norm, lr, tokens,
+        peak_mem_gib and peak_reserved_gib (the same on every rank)."""
         from megatron.core.distributed import finalize_model_grads
 
         self._require_trainable("train_step")
@@ -236,7 +236,8 @@ class MegatronEngine:
                                    self.device, self.cfg.optim.clip_grad)
         self.step_count += 1
         out = self._reduce_metrics(sums.pop("loss", 0.0), tokens, sums, len(microbatches))
-        out.update(grad_norm=grad_norm, lr=lr, peak_mem_gib=self.peak_mem_gib())
+        out.update(grad_norm=grad_norm, lr=lr, peak_mem_gib=self.peak_mem_gib(),
+                   peak_reserved_gib=self.peak_reserved_gib())
         return out
 
     def _reduce_metrics(self, loss_sum, tokens: int, sums: Dict[str, Any], n: int) -> Dict[str, float]:
@@ -259,9 +260,20 @@ class MegatronEngine:
 
     @staticmethod
     def peak_mem_gib() -> float:
+        """Peak of the tensors allocated since the step began. Memory that CUDA graphs keep for their
+        replays (activations of graphed calls) was allocated when they were captured and is not in it:
+        peak_reserved_gib is."""
         if torch.cuda.is_available():
             return torch.cuda.max_memory_allocated() / 2**30
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+    @staticmethod
+    def peak_reserved_gib() -> float:
+        """Peak memory the CUDA caching allocator held since the step began: the tensors, the memory pools of
+        CUDA graphs, and cached free blocks (on CPU: as peak_mem_gib)."""
+        if torch.cuda.is_available():
+            return torch.cuda.max_memory_reserved() / 2**30
+        return MegatronEngine.peak_mem_gib()
 
     # ------------------------------------------------------------------------------ generation
     def generation_model(self) -> generation.GenerationModel:
