@@ -40,7 +40,7 @@ def _engine(args, fused: bool, trainable: bool = True):
                           rope_fusion=getattr(args, "rope_fusion", "on") == "on"),
         parallel=ParallelConfig(tensor_parallel=args.tp, sequence_parallel=args.sp),
         optim=OptimConfig(lr=1e-5, clip_grad=1.0), use_fused_linear_ce=fused, seed=1234,
-        model_cuda_graphs=getattr(args, "model_graphs", "on") == "on",
+        model_cuda_graphs={"auto": "auto", "on": True, "off": False}[getattr(args, "model_graphs", "auto")],
         lce_cache_bytes=args.lce_cache_bytes if args.lce_cache_bytes == "auto" else int(args.lce_cache_bytes))
     return MegatronEngine(cfg, trainable=trainable)
 
@@ -179,9 +179,9 @@ def main():
     ap.add_argument("--lce-cache-bytes", default="0", help="engine.lce_cache_bytes of the fused route: bytes or auto")
     ap.add_argument("--rope-fusion", choices=["on", "off"], default="on",
                     help="model.rope_fusion of both routes (on: the fused RoPE kernel, the default)")
-    ap.add_argument("--model-graphs", choices=["on", "off"], default="on",
-                    help="engine.model_cuda_graphs of both routes (on: packed model calls replayed from CUDA "
-                         "graphs where they apply, the default)")
+    ap.add_argument("--model-graphs", choices=["auto", "on", "off"], default="auto",
+                    help="engine.model_cuda_graphs of both routes: auto (the default: the fused route's packed "
+                         "model calls replayed from CUDA graphs), on (both routes), off")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
     runner = run_sft if args.job == "sft" else run_grpo
@@ -219,7 +219,7 @@ def main():
             print(f"  first-step loss relative difference {rel:.2e}")
     routes = "" if len(results) == 2 else "_" + results[0]["route"]
     routes += "" if args.rope_fusion == "on" else "_unfused_rope"
-    routes += "" if args.model_graphs == "on" else "_eager"
+    routes += "" if args.model_graphs == "auto" else f"_graphs_{args.model_graphs}"
     write_json(args.out, f"train_{args.job}_{args.preset}_tp{args.tp}{routes}.json", {"meta": meta, "results": results})
 
 

@@ -5,7 +5,7 @@
 #   bash benchmark/gpu_session.sh gpu_check gpu_attention_check bench_packing bench_rollout
 # Engine figures (issue 12, item 6): prof_engine bench_grpo bench_sft; LOGPROB_TOKENS=N ROUTES=materialised
 # bench_grpo runs one route at a given rl.logprob_max_tokens; ROPE=off runs bench_sft / bench_grpo with
-# model.rope_fusion off (megatron's unfused RoPE); GRAPHS=off runs them with engine.model_cuda_graphs off.
+# model.rope_fusion off (megatron's unfused RoPE); GRAPHS=on|off runs them with engine.model_cuda_graphs on both routes / off (default auto).
 set -u
 OUT=${OUT:-bench_out}
 W=$OUT/work

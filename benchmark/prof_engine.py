@@ -92,8 +92,9 @@ def main():
     ap.add_argument("--micro-batches", type=int, default=2)
     ap.add_argument("--materialised", action="store_true",
                     help="also profile the logprob call on the materialised route (use_fused_linear_ce=false)")
-    ap.add_argument("--model-graphs", choices=["on", "off"], default="on",
-                    help="engine.model_cuda_graphs (on: the calls after the warm-ups replay CUDA graphs)")
+    ap.add_argument("--model-graphs", choices=["auto", "on", "off"], default="auto",
+                    help="engine.model_cuda_graphs (auto, the default: the fused engine's calls after the "
+                         "warm-ups replay CUDA graphs)")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
     args.layers, args.vocab, args.tp, args.sp, args.lce_cache_bytes = 0, 0, 1, False, "0"

@@ -1,7 +1,7 @@
 """The engine's packed model calls replayed from CUDA graphs (marked `gpu`: skipped without CUDA).
 
-Two bf16 engines built alike (same seed, so the same weights), one with `engine.model_cuda_graphs`
-(default) and one without; packed rows padded to a multiple of 64 tokens, so micro-batches of three
+Two bf16 engines built alike (same seed, so the same weights), one with `engine.model_cuda_graphs: true`
+and one without; packed rows padded to a multiple of 64 tokens, so micro-batches of three
 rows of different lengths share one graphed shape (128 tokens, four sequences with the padding one)
 while their layouts differ. What must hold:
   graphs_train      three train_step calls of two micro-batches, each a different layout: the graphed

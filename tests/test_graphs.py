@@ -40,8 +40,12 @@ def test_why_not_graphed(change, reason):
     assert (why == "") if not reason else (reason in why), why
 
 
-def test_config_token_multiple():
-    assert EngineConfig().model_cuda_graphs is True and EngineConfig().cuda_graph_token_multiple == 512
+def test_config_options():
+    assert EngineConfig().model_cuda_graphs == "auto" and EngineConfig().cuda_graph_token_multiple == 512
+    for ok in (True, False, "auto"):
+        assert EngineConfig(model_cuda_graphs=ok).model_cuda_graphs == ok
+    with pytest.raises(ValueError, match="model_cuda_graphs"):
+        EngineConfig(model_cuda_graphs="on")
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="cuda_graph_token_multiple"):
             EngineConfig(cuda_graph_token_multiple=bad)

@@ -216,12 +216,14 @@ class EngineConfig:
                   "step (one per batch size) in a CUDA graph and replay it; elsewhere, or false, the same "
                   "fixed-shape step runs eagerly"},
     )
-    model_cuda_graphs: bool = field(
-        default=True,
-        metadata={"help": "on CUDA at tensor/pipeline/context parallel = 1 with packed sequences, local layers and "
-                  "no dropout, MoE or MTP: the second time a packed shape is seen, capture its model call "
-                  "(forward + backward in train_step, forward in token_stats) in CUDA graphs and replay them "
-                  "from then on; elsewhere, or false, every call runs eagerly"},
+    model_cuda_graphs: Union[bool, str] = field(
+        default="auto",
+        metadata={"help": "on CUDA at tensor/pipeline/context parallel = 1 with packed sequences, local layers, "
+                  "bf16 and no dropout, MoE or MTP: the second time a packed shape is seen, capture its model "
+                  "call (forward + backward in train_step, forward in token_stats) in CUDA graphs and replay "
+                  "them from then on. auto: on the fused route only (the materialised route's graph pools "
+                  "would hold its logits beside the eager allocator's cache); true: both routes; false, or "
+                  "where graphs do not apply: every call runs eagerly"},
     )
     cuda_graph_token_multiple: int = field(
         default=512,
@@ -241,6 +243,8 @@ class EngineConfig:
         if self.pack_sequences and self.model.attention != "sdpa":
             raise ValueError(f"pack_sequences=true needs model.attention='sdpa' (megatron's local "
                              f"DotProductAttention refuses packed sequences), got {self.model.attention!r}")
+        if not isinstance(self.model_cuda_graphs, bool) and self.model_cuda_graphs != "auto":
+            raise ValueError(f"engine.model_cuda_graphs={self.model_cuda_graphs!r}: expected true, false or 'auto'")
         if isinstance(self.cuda_graph_token_multiple, bool) or not isinstance(self.cuda_graph_token_multiple, int) \
                 or self.cuda_graph_token_multiple < 1:
             raise ValueError(f"engine.cuda_graph_token_multiple={self.cuda_graph_token_multiple!r}: expected an int >= 1")

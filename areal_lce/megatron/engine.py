@@ -20,8 +20,8 @@ through it. Callers pass right-padded [b, s] batches; with `pack_sequences` the 
 one THD row per micro-batch (batch.py) and returns stats in the padded layout. Pipeline parallelism
 runs Megatron's 1F1B schedule (schedule.py; the capture seam only runs on the last stage, whose
 statistics and logits are shared with the other stages by a sum over the pipeline group).
-With `model_cuda_graphs` (default; CUDA, one rank of each model-parallel kind, packed sequences) a
-packed shape's model call is captured in CUDA graphs the second time it is seen and replayed from then
+With `model_cuda_graphs` (default "auto": on the fused route; CUDA, one rank of each model-parallel kind,
+packed bf16 sequences) a packed shape's model call is captured in CUDA graphs the second time it is seen and replayed from then
 on (graphs.py): forward + backward of `train_step`'s micro-batches, forward of `token_stats`.
 `generate` samples on the engine's device through a KV cache by default (generate.py, given a
 `GenerationModel` view of the engine); `save` / `load` write and read one file per rank (state.py).
@@ -85,7 +85,7 @@ class MegatronEngine:
             self.gpt, self.model = self._build_model()
         self.route.check(self.gpt.config)
         self.graphs: Optional[ModelCallGraphs] = None  # CUDA graphs of the packed model calls (graphs.py)
-        if cfg.model_cuda_graphs:
+        if cfg.model_cuda_graphs is True or (cfg.model_cuda_graphs == "auto" and self.route.fused):
             why = why_not_graphed(device=self.device, dtype=self.dtype, tp=d.tp_size, pp=d.pp_size, cp=d.cp_size,
                                   packed=cfg.pack_sequences, te=use_te_spec(), config=self.gpt.config)
             if not why:
