@@ -5,7 +5,9 @@
 #   bash benchmark/gpu_session.sh gpu_check gpu_attention_check bench_packing bench_rollout
 # Engine figures (issue 12, item 6): prof_engine bench_grpo bench_sft; LOGPROB_TOKENS=N ROUTES=materialised
 # bench_grpo runs one route at a given rl.logprob_max_tokens; ROPE=off runs bench_sft / bench_grpo with
-# model.rope_fusion off (megatron's unfused RoPE); GRAPHS=on|off runs them with engine.model_cuda_graphs on both routes / off (default auto).
+# model.rope_fusion off (megatron's unfused RoPE); GRAPHS=on|off: engine.model_cuda_graphs on both routes / off
+# (default auto); STEPS=N: steps of bench_sft / bench_grpo (their first step and a graph capture step are
+# included in step_s_all, the medians skip step 0).
 set -u
 OUT=${OUT:-bench_out}
 W=$OUT/work
@@ -35,7 +37,7 @@ for job in "$@"; do
     prof_engine) run prof_engine 200 torchrun --nproc_per_node=1 -m benchmark.prof_engine --materialised --out "$W" ;;
     bench_grpo) run "bench_grpo${LOGPROB_TOKENS:+_$LOGPROB_TOKENS}${ROUTES:+_$ROUTES}${ROPE:+_rope_$ROPE}${GRAPHS:+_graphs_$GRAPHS}" 300 torchrun --nproc_per_node=1 \
           -m benchmark.bench_train --job grpo --preset qwen2.5-0.5b --prompts 16 --group 4 --micro-batch 16 \
-          --prompt-len 256 --new-tokens 16 --steps 3 ${LOGPROB_TOKENS:+--logprob-max-tokens $LOGPROB_TOKENS} \
+          --prompt-len 256 --new-tokens 16 --steps ${STEPS:-3} ${LOGPROB_TOKENS:+--logprob-max-tokens $LOGPROB_TOKENS} \
           ${ROUTES:+--routes $ROUTES} ${ROPE:+--rope-fusion $ROPE} ${GRAPHS:+--model-graphs $GRAPHS} --out "$W" ;;
     bench_sft) run "bench_sft${ROPE:+_rope_$ROPE}${GRAPHS:+_graphs_$GRAPHS}" 300 torchrun --nproc_per_node=1 -m benchmark.bench_train --job sft \
           --preset qwen2.5-0.5b --seq 2048 --micro-batch 4 --micro-batches 2 --steps ${STEPS:-5} ${ROPE:+--rope-fusion $ROPE} \
