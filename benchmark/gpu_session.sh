@@ -42,6 +42,12 @@ for job in "$@"; do
     bench_sft) run "bench_sft${ROPE:+_rope_$ROPE}${GRAPHS:+_graphs_$GRAPHS}" 300 torchrun --nproc_per_node=1 -m benchmark.bench_train --job sft \
           --preset qwen2.5-0.5b --seq 2048 --micro-batch 4 --micro-batches 2 --steps ${STEPS:-5} ${ROPE:+--rope-fusion $ROPE} \
           ${GRAPHS:+--model-graphs $GRAPHS} --out "$W" ;;
+    job_sft|job_grpo)  # the job itself (checkpoints under /tmp, metrics kept); GRAPHS=on|off sets model_cuda_graphs
+          cfg=configs/${job#job_}_qwen2.5_0.5b.yaml; name="$job${GRAPHS:+_graphs_$GRAPHS}"; dir=/tmp/$name
+          run "$name" 400 torchrun --nproc_per_node=1 -m areal_lce.train "$cfg" trainer.steps=${STEPS:-12} \
+              trainer.log_interval=1 trainer.output_dir="$dir" \
+              ${GRAPHS:+engine.model_cuda_graphs=$([ "$GRAPHS" = on ] && echo true || echo false)}
+          cp "$dir/metrics.jsonl" "$W/$name.metrics.jsonl" ;;
     cp_*) set -- ${job//_/ }; seq=$3; route=$2
           run "cp_${route}_${seq}" 200 torchrun --nproc_per_node=2 -m benchmark.bench_cp --seq "$seq" --route "$route" \
               ${RECOMPUTE:+--recompute} ${STEPS:+--steps $STEPS} --out "$W" ;;
