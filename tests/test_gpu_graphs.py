@@ -4,8 +4,9 @@ Two bf16 engines built alike (same seed, so the same weights), one with `engine.
 and one without; packed rows padded to a multiple of 64 tokens, so micro-batches of three
 rows of different lengths share one graphed shape (128 tokens, four sequences with the padding one)
 while their layouts differ. What must hold:
-  graphs_train      three train_step calls of two micro-batches, each a different layout: the graphed
-                    engine replays from the second micro-batch on, and its per-step loss, grad norm and
+  graphs_train      four train_step calls of two micro-batches, each a different layout, of two shapes
+                    (128 and 64 tokens; steps 2-4 mix them): each shape replays from its second
+                    micro-batch on, and the graphed engine's per-step loss, grad norm and
                     every parameter's finalised gradient equal the eager engine's (lr 0, so the weights
                     stay equal; the loss to 1e-6, gradients within flash-attention's non-deterministic
                     backward: rel-L2 <= 1e-2 per parameter). A graph that kept the captured layout would
@@ -23,7 +24,10 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-LAYOUTS = ([40, 25, 30], [12, 40, 33], [38, 38, 20], [5, 40, 40])  # kept tokens per row: 85-96, padded to 128
+LAYOUTS = ([40, 25, 30], [12, 40, 33], [38, 38, 20], [5, 40, 40])  # kept tokens per row: 82-93, padded to 128
+SHORT = ([10, 20, 15], [20, 8, 19], [15, 15, 15])  # 42-44 tokens, padded to 64: a second graphed shape
+# per step, the two micro-batches: one shape, then the two shapes mixed (two graphs share one memory pool)
+STEPS = ((LAYOUTS[0], LAYOUTS[1]), (LAYOUTS[2], SHORT[0]), (SHORT[1], LAYOUTS[3]), (SHORT[2], LAYOUTS[0]))
 
 
 def _engines(preset: str):
@@ -67,8 +71,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_graphs_train(preset, record_property):
     eng = _engines(preset)
     res, worst = [], 0.0
-    for step in range(3):
-        mbs = [_batch(LAYOUTS[(step + i) % 4], 100 * step + i) for i in range(2)]
+    for step, layouts in enumerate(STEPS):
+        mbs = [_batch(lengths, 100 * step + i) for i, lengths in enumerate(layouts)]
         out = {g: e.train_step(mbs, _loss) for g, e in eng.items()}
         grads = {g: e.grads() for g, e in eng.items()}
         rels = {n: _rel(grads[True][n], grads[False][n]) for n in grads[False]}
@@ -79,7 +83,8 @@ def test_graphs_train(preset, record_property):
         assert abs(out[True]["grad_norm"] - out[False]["grad_norm"]) <= 1e-2 * out[False]["grad_norm"], res
         assert max(rels.values()) <= 1e-2, (step, sorted(rels.items(), key=lambda kv: -kv[1])[:3])
     record_property("result", {"steps": res, "replays": eng[True].graphs.replays, "worst_grad_rel": worst})
-    assert eng[True].graphs.replays == 5, eng[True].graphs.replays  # step 1's first micro-batch runs eagerly
+    # each shape's first micro-batch runs eagerly: 128 tokens at step 1, 64 tokens at step 2
+    assert eng[True].graphs.replays == 6, eng[True].graphs.replays
 
 
 @pytest.mark.parametrize("preset", ["tiny"])
