@@ -310,3 +310,34 @@ def test_triton_skips_rows_past_n_valid(cache):
     assert torch.isfinite(dw).all() and torch.equal(dh[nv:], torch.zeros_like(dh[nv:]))
     assert torch.allclose(dh.double(), rh, rtol=1e-4, atol=1e-5) and torch.allclose(dw.double(), rw, rtol=1e-4,
                                                                                      atol=1e-5)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "sequence-mean-token-mean"])
+def test_job_losses_read_nothing_on_the_host(agg):
+    """The SFT and RL jobs' loss_fn, on a micro-batch already on the device (train_step stages it there),
+    read no device value on the host: the engine's step issues the backward without waiting for the
+    forward. Their records reach the host later, once per step (SFTLoss.sums)."""
+    from areal_lce.megatron.stats import TokenStats
+    from areal_lce.train.losses import SFTLoss
+    from areal_lce.train.rl_config import RLConfig
+    from areal_lce.train.rl_losses import PolicyMicroBatch, rl_loss
+
+    g = torch.Generator().manual_seed(3)
+    labels = torch.randint(0, 50, (3, 7), generator=g)
+    labels[0, 4:] = IGNORE
+    labels[2] = IGNORE  # a row without targets
+    lp = (-torch.rand(3, 7, generator=g)).requires_grad_()
+    stats = TokenStats(lp, torch.rand(3, 7, generator=g), torch.rand(3, 7, generator=g), -torch.rand(3, 7, generator=g))
+    mb = PolicyMicroBatch(labels, labels, old_logprobs=lp.detach() - 0.1, advantages=torch.randn(3, generator=g),
+                          ref_logprobs=lp.detach() + 0.05)
+    sft = SFTLoss(denom=9.0)
+    cfg = RLConfig(kl_coef=0.1, entropy_coef=0.01, loss_agg=agg)
+    with no_host_reads():
+        loss_sft, _ = sft(stats, mb)
+        loss_rl, metrics = rl_loss(stats, mb, cfg)
+        (loss_sft + loss_rl).backward()
+    mask = labels != IGNORE
+    totals = sft.sums()
+    assert totals["tokens"] == int(mask.sum()) and isinstance(totals["tokens"], int)
+    assert totals["nll"] == pytest.approx(float(-(lp.detach() * mask).sum()))
+    assert torch.isfinite(lp.grad).all() and all(torch.isfinite(torch.as_tensor(v)).all() for v in metrics.values())

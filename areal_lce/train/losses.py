@@ -31,31 +31,30 @@ class SFTLoss:
         self.records: list[dict] = []
 
     def __call__(self, stats, mb):
-        labels = mb.labels.to(stats.logprobs.device)  # batches are built on the host
+        labels = mb.labels.to(stats.logprobs.device)  # a no-op under train_step (it stages mb on the device)
         mask = labels != self.ignore_index
         nll_sum = -(stats.logprobs * mask).sum()
         loss = nll_sum / self.denom
-        n = int((mb.labels != self.ignore_index).sum())  # on the host copy: no device sync
         with torch.no_grad():  # 0-d fp64 device values, read once by sums() after the step
             rec = {
                 "nll": nll_sum.detach().double(),
                 "entropy": (stats.entropy.detach() * mask).sum().double(),
-                "tokens": n,
+                "tokens": mask.sum().double(),
                 "max_logit": masked_extreme(stats.max_logit, mask, "max"),
                 "min_logit": masked_extreme(stats.min_logit, mask, "min"),
             }
         self.records.append(rec)
-        return loss, {"token_nll": rec["nll"] / max(n, 1)}
+        return loss, {"token_nll": rec["nll"] / rec["tokens"].clamp_min(1)}
 
     def sums(self) -> dict:
         """This rank's totals as floats (one device read for all of them)."""
-        out = {"nll": 0.0, "entropy": 0.0, "max_logit": -math.inf, "min_logit": math.inf}
+        out = {"nll": 0.0, "entropy": 0.0, "tokens": 0.0, "max_logit": -math.inf, "min_logit": math.inf}
         if self.records:
             recs = {k: torch.stack([r[k] for r in self.records]) for k in out}
-            totals = torch.stack([recs["nll"].sum(), recs["entropy"].sum(), recs["max_logit"].max(),
-                                  recs["min_logit"].min()])
+            totals = torch.stack([recs["nll"].sum(), recs["entropy"].sum(), recs["tokens"].sum(),
+                                  recs["max_logit"].max(), recs["min_logit"].min()])
             out = dict(zip(out, totals.tolist()))
-        out["tokens"] = sum(r["tokens"] for r in self.records)
+        out["tokens"] = int(out["tokens"])
         return out
 
 

@@ -120,8 +120,9 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, *, num_tokens
     mask = mask.to(values.dtype)
     masked = values * mask
     if mode == "token-mean":
-        denom = mask.sum() if num_tokens is None else num_tokens
-        return masked.sum() / max(float(denom), 1.0)
+        if num_tokens is None:  # this batch's count, kept on the device (no host read)
+            return masked.sum() / mask.sum().clamp_min(1.0)
+        return masked.sum() / max(float(num_tokens), 1.0)
     denom = values.shape[0] if num_seqs is None else num_seqs
     per_seq = masked.sum(dim=-1)
     if mode == "sequence-mean-token-mean":
