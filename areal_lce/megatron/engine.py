@@ -175,18 +175,16 @@ class MegatronEngine:
                 device=self.device, **self._schedule_kwargs())[0]
             return TokenStats.unpack(packed)
         with contextlib.nullcontext() if grad else torch.no_grad():
-            mb = self._prepare(input_ids, labels)
-            if self.graphs is not None and not grad:
-                return mb.stats(self.graphs(mb, float(temperature), grad=False))
-            return mb.stats(self._call_model(mb, temperature))
+            return self._stats(input_ids, labels, temperature, graphed=not grad)
 
-    def _train_stats(self, mb: MicroBatch) -> TokenStats:
-        """token_stats(grad=True) of one train_step micro-batch, through the graphs where they apply: the
-        step runs this micro-batch's backward before the next forward (graphs.py, "Order")."""
-        if self.graphs is None:
-            return self.token_stats(mb.input_ids, mb.labels, temperature=float(mb.temperature), grad=True)
-        batch = self._prepare(mb.input_ids, mb.labels)
-        return batch.stats(self.graphs(batch, float(mb.temperature), grad=True))
+    def _stats(self, input_ids: torch.Tensor, labels: torch.Tensor, temperature, *, graphed: bool) -> TokenStats:
+        """One model call on one stage, through the graphs when `graphed` and they apply. Calls with grad
+        are graphed only from train_step, which runs each backward before the next forward (graphs.py,
+        "Order")."""
+        mb = self._prepare(input_ids, labels)
+        if graphed and self.graphs is not None:
+            return mb.stats(self.graphs(mb, float(temperature), grad=torch.is_grad_enabled()))
+        return mb.stats(self._call_model(mb, temperature))
 
     # ------------------------------------------------------------------------------ training
     @cpu_shims()
@@ -223,7 +221,7 @@ class MegatronEngine:
                                     forward_only=False, **self._schedule_kwargs())
         else:
             for mb, on_device in zip(microbatches, staged):
-                stats = self._train_stats(mb)
+                stats = self._stats(mb.input_ids, mb.labels, mb.temperature, graphed=True)
                 # Under CP every rank holds the full statistics and the same loss, and its backward reaches
                 # only its own tokens; megatron's DDP averages over data x context parallel ranks, so the
                 # loss is scaled by cp for that average to be the sum of the CP shares (as Megatron-LM does).

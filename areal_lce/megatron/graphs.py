@@ -27,7 +27,7 @@ Order: a key's backward replay must follow its forward replay before any other f
 (those graphs share one memory pool, so a forward reuses the saved activations' memory). `train_step`
 runs each micro-batch's forward, loss and backward in that order, and graphed calls with grad are only
 made there. Forward-only graphs have a pool of their own and return copies, so they may run anywhere.
-At most MAX_GRAPHS keys are kept (least recently used dropped first); `clear()` drops them all.
+At most MAX_GRAPHS keys are kept (least recently used dropped first).
 """
 from __future__ import annotations
 
@@ -111,14 +111,10 @@ class ModelCallGraphs:
     def __init__(self, call_model: Callable, params, device: torch.device):
         self.call_model = call_model
         self.params = [p for p in params if p.requires_grad]
-        self.device = device
         self.entries: "OrderedDict[tuple, object]" = OrderedDict()
         self.pools: dict = {}  # grad -> memory pool: a forward-only replay never reuses a training graph's memory
         self.anchor = torch.zeros((), device=device, requires_grad=True)
         self.replays = 0  # graph replays so far (tests and benchmarks read it)
-
-    def clear(self) -> None:
-        self.entries.clear()
 
     def __call__(self, mb: ModelBatch, temperature: float, grad: bool) -> torch.Tensor:
         rows = mb.packed
