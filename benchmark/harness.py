@@ -3,7 +3,8 @@ cuBLAS floors and exact fp32 reference of the fused op.
 
 Timing
     bench(fn)        triton.testing.do_bench: median with p20/p80 in ms (warm-up 50 ms, then `rep` ms of
-                     timed calls; L2 flushed between calls); without CUDA (smoke runs) a host timer
+                     timed calls, at least MIN_TIMED_CALLS of them; L2 flushed between calls); without
+                     CUDA (smoke runs) a host timer
     percentiles(xs)  the same three numbers for host-timed repetitions (bench_tp times ranks this way)
 Memory
     PeakMemory       CUDA high-water mark of a block: absolute and above what was allocated at entry
@@ -53,12 +54,24 @@ def clean():
         torch.cuda.empty_cache()
 
 
+MIN_TIMED_CALLS = 10
+
+
 def bench(fn, rep=400, grad_to_none=None) -> dict:
-    """do_bench of fn: {'ms': median, 'p20', 'p80'}."""
+    """do_bench of fn: {'ms': median, 'p20', 'p80'}. `rep` is raised to MIN_TIMED_CALLS times one call,
+    so a call that takes longer than rep / MIN_TIMED_CALLS ms still gets a median of several calls
+    (do_bench sizes its loop as rep / estimated time: a 130 ms call under rep=200 was timed once)."""
     if not torch.cuda.is_available():
         return _host_bench(fn, rep, grad_to_none)
     from triton.testing import do_bench
 
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    rep = max(rep, MIN_TIMED_CALLS * start.elapsed_time(end))
     q = do_bench(fn, warmup=50, rep=rep, quantiles=[0.5, 0.2, 0.8], grad_to_none=grad_to_none)
     return {"ms": q[0], "p20": q[1], "p80": q[2]}
 

@@ -158,7 +158,7 @@ def sweep(shapes, args) -> list:
     from areal_lce.backends.triton.configs import TileConfig as T
     from areal_lce.backends.triton.launch import TritonBackend
 
-    cands = [  # (tile, TMA loads, backward tiles per program)
+    cands = [  # (tile, TMA loads, persistent backward programs per SM)
         (T(128, 256, 64, 16, 8, 3), True, 1), (T(128, 256, 64, 16, 8, 3), False, 1),
         (T(128, 128, 64, 16, 8, 4), True, 1), (T(128, 256, 64, 16, 8, 3), True, 2),
     ]
@@ -168,18 +168,18 @@ def sweep(shapes, args) -> list:
         fl = gemm_floors(h, W)
         be, p, _, lse, ent, gg = _backend_call(h, W, y)
         kernels = TritonBackend(backward_gemms=False)
-        for c, tma, tpp in cands:
+        for c, tma, pps in cands:
             for kind in ("fwd", "bwd"):
-                if kind == "fwd" and tpp != 1:
+                if kind == "fwd" and pps != 1:
                     continue
                 try:
-                    with configs.tuning(**{kind: c}, use_tma=tma, bwd_tiles_per_program=tpp):
+                    with configs.tuning(**{kind: c}, use_tma=tma, bwd_programs_per_sm=pps):
                         if kind == "fwd":
                             ms = bench(lambda: be.forward(h, W, y, None, p, False), rep=200)["ms"]
                         else:
                             ms = bench(lambda: kernels.backward(h, W, y, None, p, None, lse, ent, gg, gg, True, True),
                                        rep=200)["ms"]
-                    rows.append({"shape": name, "kind": kind, "tile": str(c), "tma": tma, "tpp": tpp, "ms": ms,
+                    rows.append({"shape": name, "kind": kind, "tile": str(c), "tma": tma, "pps": pps, "ms": ms,
                                  "x_gemm": ms / fl["fwd_gemm"]})
                 except Exception as e:  # noqa: BLE001
                     rows.append({"shape": name, "kind": kind, "tile": str(c), "tma": tma,

@@ -67,4 +67,4 @@ def test_sweep_runs_every_candidate(tmp_path):
     assert bench_lce.main(["--device", DEVICE, "--sweep", "--shapes", SHAPE, "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
     assert len(rows) == 7 and not [r for r in rows if "error" in r], rows
-    assert {(r["kind"], r["tma"], r["tpp"]) for r in rows} >= {("fwd", False, 1), ("bwd", True, 2)}
+    assert {(r["kind"], r["tma"], r["pps"]) for r in rows} >= {("fwd", False, 1), ("bwd", True, 2)}

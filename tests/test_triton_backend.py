@@ -33,15 +33,16 @@ def rel(x, ref):
     return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
-@pytest.mark.parametrize("knob", ["pointer_loads", "tiles_per_program"])
+@pytest.mark.parametrize("knob", ["pointer_loads", "programs_per_sm"])
 def test_launch_knobs(knob, monkeypatch):
-    """The non-TMA load path on an aligned layout; backward programs looping over 3 vocab tiles (ragged
-    last group). Same harness and pass rule as every backend."""
+    """The non-TMA load path on an aligned layout; 3 persistent backward programs striding over the
+    chunk's tiles (the interpreter has one SM slot, so by default one program walks them all). Same
+    harness and pass rule as every backend."""
     if knob == "pointer_loads":
         monkeypatch.setattr(configs, "USE_TMA", False)
         run_case(case_by_id("pad_shard"), TritonBackend(), DEV)
     else:
-        monkeypatch.setattr(configs, "BWD_TILES_PER_PROGRAM", 3)
+        monkeypatch.setattr(configs, "BWD_PROGRAMS_PER_SM", 3)
         run_case(case_by_id("bf16_cache_tensor_temp"), TritonBackend(), DEV)
 
 

@@ -25,7 +25,7 @@ SMALL = TileConfig(block_n=16, block_v=64, block_k=16, group_n=2, num_warps=4, n
 def _state():
     tiles = [configs.tile(k, fp32=f, interpret=i, H=h) for k in ("fwd", "bwd") for f in (False, True)
              for i in (False, True) for h in (16, 4096)]
-    return tiles, configs.USE_TMA, configs.BWD_TILES_PER_PROGRAM
+    return tiles, configs.USE_TMA, configs.BWD_PROGRAMS_PER_SM
 
 
 def _backward(be):
@@ -44,15 +44,15 @@ def _backward(be):
 def test_tuning_sets_the_options_inside_the_block_and_restores_them():
     before = _state()
     fwd0 = configs.tile("fwd", fp32=False, interpret=False, H=4096)
-    with configs.tuning(bwd=SMALL, use_tma=not configs.USE_TMA, bwd_tiles_per_program=3):
+    with configs.tuning(bwd=SMALL, use_tma=not configs.USE_TMA, bwd_programs_per_sm=3):
         assert configs.tile("bwd", fp32=True, interpret=False, H=4096) is SMALL  # whatever dtype and H
         assert configs.tile("bwd", fp32=False, interpret=True, H=16) is SMALL
         assert configs.tile("fwd", fp32=False, interpret=False, H=4096) == fwd0  # not named: kept
-        assert configs.USE_TMA is (not before[1]) and configs.BWD_TILES_PER_PROGRAM == 3
+        assert configs.USE_TMA is (not before[1]) and configs.BWD_PROGRAMS_PER_SM == 3
         with configs.tuning(fwd=SMALL):  # nested blocks add to the outer one
             assert configs.tile("fwd", fp32=False, interpret=False, H=4096) is SMALL
             assert configs.tile("bwd", fp32=False, interpret=False, H=4096) is SMALL
-            assert configs.BWD_TILES_PER_PROGRAM == 3
+            assert configs.BWD_PROGRAMS_PER_SM == 3
         assert configs.tile("fwd", fp32=False, interpret=False, H=4096) == fwd0
         assert configs.tile("bwd", fp32=False, interpret=False, H=4096) is SMALL
     assert _state() == before
@@ -65,9 +65,9 @@ def test_tuning_sets_the_options_inside_the_block_and_restores_them():
 @pytest.mark.parametrize("kw, named", [
     (dict(fwd=(128, 256, 64)), "fwd must be a TileConfig"),
     (dict(bwd="128x256"), "bwd must be a TileConfig"),
-    (dict(bwd_tiles_per_program=0), "bwd_tiles_per_program"),
-    (dict(bwd_tiles_per_program=2.0), "bwd_tiles_per_program"),
-    (dict(bwd_tiles_per_program=True), "bwd_tiles_per_program"),
+    (dict(bwd_programs_per_sm=0), "bwd_programs_per_sm"),
+    (dict(bwd_programs_per_sm=2.0), "bwd_programs_per_sm"),
+    (dict(bwd_programs_per_sm=True), "bwd_programs_per_sm"),
 ])
 def test_tuning_rejects_bad_values_naming_them(kw, named):
     before = _state()
@@ -81,7 +81,7 @@ def test_swept_options_give_the_same_gradients():
     """A sweep point (other tiles, pointer loads, 3 vocab tiles per backward program) computes the same
     gradients as the defaults, up to fp32 summation order."""
     dh, dw = _backward(TritonBackend())
-    with configs.tuning(fwd=SMALL, bwd=SMALL, use_tma=False, bwd_tiles_per_program=3):
+    with configs.tuning(fwd=SMALL, bwd=SMALL, use_tma=False, bwd_programs_per_sm=3):
         dh2, dw2 = _backward(TritonBackend())
     torch.testing.assert_close(dh2, dh, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dw2, dw, rtol=1e-5, atol=1e-6)

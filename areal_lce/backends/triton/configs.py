@@ -38,7 +38,8 @@ INTERPRET = TileConfig(block_n=32, block_v=128, block_k=32, group_n=4, num_warps
 SPLIT_UNIT = 256  # vocab split widths are multiples of this (every block_v divides it)
 MIN_PROGRAMS_PER_SM = 4  # forward: split the vocabulary until the grid has this many programs per SM
 MAX_SPLIT = 8192  # forward: cap on split width, so large N still gets a few splits (tail balance)
-BWD_TILES_PER_PROGRAM = 1  # backward: consecutive vocab tiles per program
+BWD_PROGRAMS_PER_SM = 1  # backward: resident programs per SM of the persistent recompute kernel (one
+#                          128x256x64 program fills an SM's shared memory)
 MERGE_BLOCK_N = 128
 LABEL_FIX_BLOCK_N = 256  # backward one-hot term
 CHECK_BLOCK = 1024  # deferred label / temperature check: labels per program
@@ -59,34 +60,34 @@ _OVERRIDES: dict = {}  # 'fwd' / 'bwd' -> TileConfig, set only inside tuning()
 
 @contextlib.contextmanager
 def tuning(*, fwd: Optional[TileConfig] = None, bwd: Optional[TileConfig] = None, use_tma: Optional[bool] = None,
-           bwd_tiles_per_program: Optional[int] = None) -> Iterator[None]:
+           bwd_programs_per_sm: Optional[int] = None) -> Iterator[None]:
     """Tile and load options of the launcher for the calls inside the block, restored on exit.
 
-        with configs.tuning(bwd=TileConfig(128, 128, 64), use_tma=False, bwd_tiles_per_program=2):
+        with configs.tuning(bwd=TileConfig(128, 128, 64), use_tma=False, bwd_programs_per_sm=2):
             TritonBackend().backward(...)
 
     fwd / bwd replace the forward / backward tile whatever the dtype and H; use_tma and
-    bwd_tiles_per_program replace USE_TMA and BWD_TILES_PER_PROGRAM; None keeps the current value.
+    bwd_programs_per_sm replace USE_TMA and BWD_PROGRAMS_PER_SM; None keeps the current value.
     The settings are process-wide (not per thread): meant for tuning sweeps (`python -m
     benchmark.bench_lce --sweep`), not for training.
     """
     for name, cfg in (("fwd", fwd), ("bwd", bwd)):
         if cfg is not None and not isinstance(cfg, TileConfig):
             raise TypeError(f"configs.tuning: {name} must be a TileConfig, got {type(cfg).__name__}")
-    tpp = bwd_tiles_per_program
-    if tpp is not None and (type(tpp) is not int or tpp < 1):
-        raise ValueError(f"configs.tuning: bwd_tiles_per_program must be an int >= 1, got {tpp!r}")
-    global USE_TMA, BWD_TILES_PER_PROGRAM
-    saved = dict(_OVERRIDES), USE_TMA, BWD_TILES_PER_PROGRAM
+    pps = bwd_programs_per_sm
+    if pps is not None and (type(pps) is not int or pps < 1):
+        raise ValueError(f"configs.tuning: bwd_programs_per_sm must be an int >= 1, got {pps!r}")
+    global USE_TMA, BWD_PROGRAMS_PER_SM
+    saved = dict(_OVERRIDES), USE_TMA, BWD_PROGRAMS_PER_SM
     _OVERRIDES.update({k: v for k, v in (("fwd", fwd), ("bwd", bwd)) if v is not None})
     USE_TMA = USE_TMA if use_tma is None else bool(use_tma)
-    BWD_TILES_PER_PROGRAM = BWD_TILES_PER_PROGRAM if tpp is None else tpp
+    BWD_PROGRAMS_PER_SM = BWD_PROGRAMS_PER_SM if pps is None else pps
     try:
         yield
     finally:
         _OVERRIDES.clear()
         _OVERRIDES.update(saved[0])
-        USE_TMA, BWD_TILES_PER_PROGRAM = saved[1], saved[2]
+        USE_TMA, BWD_PROGRAMS_PER_SM = saved[1], saved[2]
 
 
 def tile(kind: str, *, fp32: bool, interpret: bool, H: int) -> TileConfig:

@@ -12,8 +12,9 @@ No allocation or host logic here (launch.py owns both):
                         z_label - lse keeps their rounding correlated (a separate row dot gave 7-20x
                         worse max |dlogp| on an H100, benchmark/notes.md run7).
   lce_fwd_merge_kernel  merges the per-split partials of each token in a fixed split order.
-  lce_bwd_kernel        recomputes (or reads from the cache) one logits tile in fp32 registers and
-                        writes d_logits = dz / T without the one-hot term into a [N, V_chunk] workspace.
+  lce_bwd_kernel        persistent over one vocab chunk's tiles: recomputes (or reads from the cache)
+                        each logits tile in fp32 registers and writes d_logits = dz / T without the
+                        one-hot term into a [N, V_chunk] workspace.
   lce_bwd_label_kernel  adds the one-hot term g_lp / T at each row's label column of the chunk;
                         cuBLAS does the rest.
   check_labels_kernel   the deferred label / temperature check of one call (value_check.py).
@@ -267,7 +268,7 @@ def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, HAS_SUMS: tl.const
 @triton.jit
 def lce_bwd_kernel(
     h, w, d_h, d_w, inv_t, lse, ent, g_lp, g_ent, z_cache, dl, n_valid,
-    N, H, V, v_begin, width, stride_dl, tiles_per_program, inv_t_scalar,
+    N, H, V, v_begin, width, stride_dl, n_programs, inv_t_scalar,
     HAS_INV_T: tl.constexpr, USE_CACHE: tl.constexpr, HAS_N_VALID: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
@@ -279,54 +280,56 @@ def lce_bwd_kernel(
     dz_j = g_lp (1[j = y] - p_j) - g_ent p_j (log p_j + ent), p_j = exp(z_j - lse). In base 2 with
     x = log2(e) (z_j - lse): d_logits = -p (A + B x) + C 1[j = y], A = (g_lp + g_ent ent) / T,
     B = ln2 g_ent / T, C = g_lp / T. This kernel writes -p (A + B x); lce_bwd_label_kernel adds C.
-    V is the number of valid columns of the shard. With HAS_N_VALID, a token block starting at or past
-    n_valid stores zeros without loading or multiplying anything (cuBLAS reads every row of dl)."""
+    V is the number of valid columns of the shard.
+
+    Persistent: n_programs programs (one per SM slot) walk the chunk's [BLOCK_N, BLOCK_V] tiles in grouped
+    order, program i taking tiles i, i + n_programs, ... One resident program per SM thus starts its next
+    tile's loads without a block launch, and the ragged last wave is a few tiles, not a few blocks. Each
+    tile is computed exactly as a one-tile program would (same K order): the result does not depend on
+    n_programs. With HAS_N_VALID, the token blocks at or past n_valid are walked in a second loop that
+    only stores zeros (cuBLAS reads every row of dl)."""
     i_pid = tl.program_id(0)
     n_blocks_n = tl.cdiv(N, BLOCK_N)
     n_blocks_v = tl.cdiv(width, BLOCK_V)
-    n_groups = tl.cdiv(n_blocks_v, tiles_per_program)
-    i_n, i_g = _tile_coords(i_pid, n_blocks_n, n_groups, GROUP_N)
-    row0 = i_n * BLOCK_N
-    o_n = row0.to(tl.int64) + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    o_nc = tl.minimum(o_n, N - 1)
-    if HAS_INV_T:
-        b_it = tl.load(inv_t + o_nc)
-    else:
-        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + inv_t_scalar
-    b_lse = tl.load(lse + o_nc)
-    b_ent = tl.load(ent + o_nc)
-    b_glp = tl.load(g_lp + o_nc)
-    b_gent = tl.load(g_ent + o_nc)
-    b_A = (b_glp + b_gent * b_ent) * b_it
-    b_B = b_gent * b_it * LN2
-    b_live = True
+    n_live = n_blocks_n
     if HAS_N_VALID:
-        b_live = row0 < tl.load(n_valid)
-
-    # consecutive vocab tiles of one token block: the next tile's loads start while this one's
-    # d_logits stores drain
-    for i_v in range(i_g * tiles_per_program, tl.minimum(i_g * tiles_per_program + tiles_per_program, n_blocks_v)):
-        o_j = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # int32: column inside the chunk
-        m_j = o_j < width
-        o_v = v_begin + o_j  # int32: column inside the shard
-        if b_live:
-            if USE_CACHE:
-                # unmasked: clamped rows, and a slab is allocated CACHE_COLS wide, so the columns past the
-                # shard's end are readable (their values are never stored); no mask keeps the loads vectorised
-                b_z = tl.load(_cache_tile(z_cache, o_nc, v_begin + i_v * BLOCK_V, N, BLOCK_V, CACHE_COLS))
-                b_x = (b_z - b_lse[:, None]) * LOG2E
-            else:
-                o_vc = tl.minimum(o_v, V - 1).to(tl.int64)
-                b_r = _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, v_begin + i_v * BLOCK_V, H, BLOCK_N,
-                                   BLOCK_V, BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA)
-                b_x = b_r * (b_it * LOG2E)[:, None] - (b_lse * LOG2E)[:, None]
-            b_p = tl.exp2(b_x)
-            b_dl = -b_p * (b_A[:, None] + b_B[:, None] * b_x)
+        n_live = tl.cdiv(tl.load(n_valid), BLOCK_N)
+    for i_tile in tl.range(i_pid, n_live * n_blocks_v, n_programs):
+        i_n, i_v = _tile_coords(i_tile, n_live, n_blocks_v, GROUP_N)
+        row0 = i_n * BLOCK_N
+        o_n = row0.to(tl.int64) + tl.arange(0, BLOCK_N)
+        m_n = o_n < N
+        o_nc = tl.minimum(o_n, N - 1)
+        if HAS_INV_T:
+            b_it = tl.load(inv_t + o_nc)
         else:
-            b_dl = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+            b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + inv_t_scalar
+        b_lse = tl.load(lse + o_nc)
+        b_gent = tl.load(g_ent + o_nc)
+        b_A = (tl.load(g_lp + o_nc) + b_gent * tl.load(ent + o_nc)) * b_it
+        b_B = b_gent * b_it * LN2
+        o_j = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # int32: column inside the chunk
+        if USE_CACHE:
+            # unmasked: clamped rows, and a slab is allocated CACHE_COLS wide, so the columns past the
+            # shard's end are readable (their values are never stored); no mask keeps the loads vectorised
+            b_z = tl.load(_cache_tile(z_cache, o_nc, v_begin + i_v * BLOCK_V, N, BLOCK_V, CACHE_COLS))
+            b_x = (b_z - b_lse[:, None]) * LOG2E
+        else:
+            o_vc = tl.minimum(v_begin + o_j, V - 1).to(tl.int64)
+            b_r = _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, v_begin + i_v * BLOCK_V, H, BLOCK_N,
+                               BLOCK_V, BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA)
+            b_x = b_r * (b_it * LOG2E)[:, None] - (b_lse * LOG2E)[:, None]
+        b_p = tl.exp2(b_x)
+        b_dl = -b_p * (b_A[:, None] + b_B[:, None] * b_x)
         p_dl = dl + o_n[:, None] * stride_dl + o_j[None, :]
-        tl.store(p_dl, b_dl.to(dl.dtype.element_ty), mask=m_n[:, None] & m_j[None, :])
+        tl.store(p_dl, b_dl.to(dl.dtype.element_ty), mask=m_n[:, None] & (o_j < width)[None, :])
+    if HAS_N_VALID:
+        b_zero = tl.zeros([BLOCK_N, BLOCK_V], dtype=dl.dtype.element_ty)
+        for i_tile in tl.range(i_pid, (n_blocks_n - n_live) * n_blocks_v, n_programs):
+            o_n = (n_live + i_tile // n_blocks_v).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+            o_j = (i_tile % n_blocks_v) * BLOCK_V + tl.arange(0, BLOCK_V)
+            tl.store(dl + o_n[:, None] * stride_dl + o_j[None, :], b_zero,
+                     mask=(o_n < N)[:, None] & (o_j < width)[None, :])
 
 
 @triton.jit

@@ -10,7 +10,8 @@ Forward (one fused pass, no [N, V] tensor unless the logits cache is on):
     lce_fwd_merge_kernel  per-split partials -> (m, s, a, zy, mn, mx[, Σr, Σr²]), fixed split order
 Backward, per vocab chunk [c0, c1) of the shard (fixed chunk order, no atomics: bitwise deterministic):
     lce_bwd_kernel      recompute (or read cached) logits, write d_logits [N, c1 - c0] (bf16 for
-                        bf16/fp16 inputs, fp32 for fp32 inputs and under the interpreter)
+                        bf16/fp16 inputs, fp32 for fp32 inputs and under the interpreter); persistent:
+                        SM slots x BWD_PROGRAMS_PER_SM programs walk the chunk's tiles
     lce_bwd_label_kernel  add the one-hot term at each row's label column
     Determinism costs one thing: d_hidden is accumulated chunk after chunk, so each chunk's GEMM
     re-reads and re-writes the fp32 [N, H] accumulator (8·N·H bytes per chunk) instead of atomics.
@@ -279,12 +280,13 @@ class TritonBackend:
             for c0 in range(0, valid, chunk):
                 width = min(chunk, valid - c0)
                 dl = ws[: N * width].view(N, width)
-                tpp = configs.BWD_TILES_PER_PROGRAM
-                grid = (triton.cdiv(N, cfg.block_n) * triton.cdiv(triton.cdiv(width, cfg.block_v), tpp),)
+                tiles = triton.cdiv(N, cfg.block_n) * triton.cdiv(width, cfg.block_v)
+                n_programs = min(tiles, _slots(dev) * configs.BWD_PROGRAMS_PER_SM)
+                grid = (n_programs,)
                 lce_bwd_kernel[grid](
                     hidden, weight, d_h, d_w, it if it is not None else vecs[0], *vecs,
                     cache if cache is not None else vecs[0], dl, _row_count(n_valid, y),
-                    N, H, valid, c0, width, width, tpp, inv_t_scalar,
+                    N, H, valid, c0, width, width, n_programs, inv_t_scalar,
                     HAS_INV_T=it is not None, USE_CACHE=cache is not None, HAS_N_VALID=n_valid is not None,
                     EVEN_K=H % cfg.block_k == 0,
                     UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
