@@ -60,6 +60,9 @@ def parse_args(argv=None):
     ap.add_argument("--providers", default="all")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--rep", type=int, default=400, help="do_bench rep (ms) per measurement")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of (forward GEMM, provider) per time: the "
+                    "ratios to the floors are medians of per-round ratios (1: one measurement over the shape's "
+                    "floors)")
     ap.add_argument("--peers-script", default=os.environ.get("PEERS_SCRIPT", "/work/shared/peers/bench_peers.py"))
     ap.add_argument("--sweep", action="store_true", help="tile sweep of the Triton kernels instead")
     ap.add_argument("--merge", default="", help="comma list of bench_lce.json files: write one combined "

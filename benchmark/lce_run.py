@@ -2,7 +2,8 @@
 reference, the Triton backend's own pieces, the tile sweep and the chunked-GEMM timing.
 
 Per provider and shape (run_shape): forward-only time (no grad); fwd+bwd time of loss = -sum(logp) -
-sum(entropy) (-sum(logp) for providers without entropy); peak extra memory of the forward and of one
+sum(entropy) (-sum(logp) for providers without entropy), each in --rounds rounds paired with a timing
+of the shape's forward GEMM (the ratios are medians of per-round ratios: measure / paired); peak extra memory of the forward and of one
 fwd+bwd step beyond the inputs and their gradients (none for CPU tensors); accuracy against
 harness.exact_reference (max |dlogp|, max |dentropy|, rel-L2 of dh and dW). Inputs: bf16 h ~ N(0, 1),
 W ~ N(0, 16/H), so the logits are ~ N(0, 16) and the entropy 3-4 nats; uniform labels.
@@ -37,9 +38,30 @@ def _loss(lp, en, with_ent):
     return -lp.sum() - en.sum() if (with_ent and en is not None) else -lp.sum()
 
 
-def measure(r: dict, fn, with_ent, h0, W0, y, h, W, ref, floors, rep) -> None:
+def paired(run, gemm, rounds, rep):
+    """`rounds` rounds of (the forward GEMM, then `run`), each timed with bench(): (the median over the
+    rounds of run's median, p20 and p80 in ms, [run / GEMM per round], [GEMM ms per round]). The ratio of
+    each round divides by a GEMM timed seconds before, so a clock that drifts during a long shape run
+    (H100 medians moved by 5-15% within one lease) moves both terms together."""
+    import statistics
+
+    times, ratios, gemms = [], [], []
+    for _ in range(max(1, rounds)):
+        g = bench(gemm, rep=rep)["ms"]
+        t = run()
+        times.append(t)
+        ratios.append(t["ms"] / g)
+        gemms.append(g)
+    med = {k: statistics.median(t[k] for t in times) for k in ("ms", "p20", "p80")}
+    return med, ratios, gemms
+
+
+def measure(r: dict, fn, with_ent, h0, W0, y, h, W, ref, floors, rep, rounds=1, gemm=None) -> None:
     """One provider on one shape into r: accuracy, forward memory and time, fwd+bwd memory and time
-    (r keeps what was measured before an error)."""
+    (r keeps what was measured before an error). With `gemm` (the shape's forward GEMM, a callable), the
+    times come from `rounds` paired rounds (paired()): fwd_x_floor is the median of fwd / GEMM over the
+    rounds, fwdbwd_x_8nhv the median of fwd+bwd / (floor_8nhv scaled by that round's GEMM time over
+    the floors' GEMM time); without it, single measurements over the shape's floors."""
     grad_bytes = h.nbytes + W.nbytes
     # accuracy (the first call also compiles)
     h.grad = W.grad = None
@@ -58,7 +80,11 @@ def measure(r: dict, fn, with_ent, h0, W0, y, h, W, ref, floors, rep) -> None:
         with PeakMemory(h.device) as pm:
             fn(h0, W0, y)
         r["fwd_peak_extra_gib"] = pm.extra_gib if pm.cuda else None
-        r["fwd"] = bench(lambda: fn(h0, W0, y), rep=rep)
+        fwd_run = lambda: bench(lambda: fn(h0, W0, y), rep=rep)  # noqa: E731
+        if gemm is None:
+            r["fwd"] = fwd_run()
+        else:
+            r["fwd"], r["fwd_x_gemm_rounds"], _ = paired(fwd_run, gemm, rounds, rep)
     clean()
     # one fwd+bwd step: peak extra memory beyond inputs and their gradients
     with PeakMemory(h.device) as pm:
@@ -73,10 +99,25 @@ def measure(r: dict, fn, with_ent, h0, W0, y, h, W, ref, floors, rep) -> None:
         lp, en = fn(h, W, y)
         _loss(lp, en, with_ent).backward()
 
-    r["fwdbwd"] = bench(step, rep=rep, grad_to_none=[h, W])
-    r["fwd_x_floor"] = r["fwd"]["ms"] / floors["floor_fwd"]
-    r["fwdbwd_x_8nhv"] = r["fwdbwd"]["ms"] / floors["floor_8nhv"]
-    r["fwdbwd_x_6nhv"] = r["fwdbwd"]["ms"] / floors["floor_6nhv"]
+    fb_run = lambda: bench(step, rep=rep, grad_to_none=[h, W])  # noqa: E731
+    if gemm is None:
+        r["fwdbwd"] = fb_run()
+        r["fwd_x_floor"] = r["fwd"]["ms"] / floors["floor_fwd"]
+        r["fwdbwd_x_8nhv"] = r["fwdbwd"]["ms"] / floors["floor_8nhv"]
+        r["fwdbwd_x_6nhv"] = r["fwdbwd"]["ms"] / floors["floor_6nhv"]
+        return
+    r["fwdbwd"], fb_ratios, r["gemm_ms_rounds"] = paired(fb_run, gemm, rounds, rep)
+    # fwd+bwd / GEMM per round, times the floors' GEMM over their 8NHV (6NHV) sum
+    r["fwdbwd_x_8nhv_rounds"] = [x * floors["fwd_gemm"] / floors["floor_8nhv"] for x in fb_ratios]
+    r["fwd_x_floor"] = _median(r["fwd_x_gemm_rounds"])
+    r["fwdbwd_x_8nhv"] = _median(r["fwdbwd_x_8nhv_rounds"])
+    r["fwdbwd_x_6nhv"] = _median(fb_ratios) * floors["fwd_gemm"] / floors["floor_6nhv"]
+
+
+def _median(xs):
+    import statistics
+
+    return statistics.median(xs)
 
 
 def run_shape(name, shape, providers, args) -> dict:
@@ -93,6 +134,9 @@ def run_shape(name, shape, providers, args) -> dict:
     clean()
     h = h0.clone().requires_grad_(True)
     W = W0.clone().requires_grad_(True)
+    # the paired GEMM allocates its [N, V] output per call (the caching allocator hands the block back),
+    # so no logits-sized buffer is held while the providers run
+    gemm = (lambda: torch.mm(h0, W0.t())) if args.rounds > 1 else None  # noqa: E731
     for pname, fn in providers.items():
         r = res["providers"][pname] = {}
         if not callable(fn):
@@ -101,7 +145,8 @@ def run_shape(name, shape, providers, args) -> dict:
             continue
         with_ent = pname in ENT_PROVIDERS
         try:
-            measure(r, fn, with_ent, h0, W0, y, h, W, refs[with_ent], res["floors"], args.rep)
+            measure(r, fn, with_ent, h0, W0, y, h, W, refs[with_ent], res["floors"], args.rep,
+                    rounds=args.rounds, gemm=gemm)
             log(pname, json.dumps({k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()}))
         except Exception as e:  # noqa: BLE001 - OOM or a peer failing: record, go on
             r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -110,6 +155,8 @@ def run_shape(name, shape, providers, args) -> dict:
                 traceback.print_exc(limit=4)
         h.grad = W.grad = None
         clean()
+    del gemm
+    clean()
     if "areal_triton" in providers and callable(providers["areal_triton"]):
         try:
             res["breakdown"] = breakdown(h0, W0, y, args)

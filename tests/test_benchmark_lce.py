@@ -56,6 +56,10 @@ def test_run_measures_every_provider_against_the_reference(tmp_path, capsys):
         assert r["logp_maxabs"] < 1e-4 and r["ent_maxabs"] < 1e-4, r
         assert r["dh_rel"] < 5e-3 and r["dw_rel"] < 5e-3, r  # bf16 gradients: ~2e-3 rounding
         assert r["fwd"]["ms"] > 0 and r["fwdbwd_x_8nhv"] > 0
+        # default --rounds 3: each ratio is the median of three GEMM-paired rounds
+        assert len(r["fwd_x_gemm_rounds"]) == len(r["fwdbwd_x_8nhv_rounds"]) == len(r["gemm_ms_rounds"]) == 3
+        assert r["fwd_x_floor"] == sorted(r["fwd_x_gemm_rounds"])[1]
+        assert r["fwdbwd_x_8nhv"] == sorted(r["fwdbwd_x_8nhv_rounds"])[1]
     assert provs["torch_eager"]["logp_maxabs"] > 1e-3  # bf16 logits: the reference tells them apart
     assert set(shape["breakdown"]) == {"fwd_backend", "bwd_backend", "bwd_kernel_only", "bwd_gemms"}
     assert (tmp_path / "bench_lce.csv").read_text().count("\n") == 1 + 3
