@@ -17,7 +17,7 @@ from triton.compiler import ASTSource
 from areal_lce.backends.triton import kernels as K
 
 PTR = {"h": "*bf16", "w": "*bf16", "d_h": "*bf16", "d_w": "*bf16", "y": "*i64", "n_valid": "*i64", "dl": "*bf16"}
-INT = {"N", "H", "V", "SPLIT_V", "n_splits", "stride_part", "v_begin", "width", "stride_dl", "tiles_per_program"}
+INT = {"N", "H", "V", "SPLIT_V", "n_splits", "stride_part", "v_begin", "width", "stride_dl", "n_programs"}
 
 
 def compile_(fn, consts):

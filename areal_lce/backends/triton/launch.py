@@ -282,8 +282,7 @@ class TritonBackend:
                 dl = ws[: N * width].view(N, width)
                 tiles = triton.cdiv(N, cfg.block_n) * triton.cdiv(width, cfg.block_v)
                 n_programs = min(tiles, _slots(dev) * configs.BWD_PROGRAMS_PER_SM)
-                grid = (n_programs,)
-                lce_bwd_kernel[grid](
+                lce_bwd_kernel[(n_programs,)](
                     hidden, weight, d_h, d_w, it if it is not None else vecs[0], *vecs,
                     cache if cache is not None else vecs[0], dl, _row_count(n_valid, y),
                     N, H, valid, c0, width, width, n_programs, inv_t_scalar,
