@@ -14,7 +14,7 @@ import torch
 
 from . import checks, comms, library
 from .checks import check_temperature, inv_temperature  # noqa: F401  (public here too: the adapters use it)
-from .backends import resolve_backend
+from .backends import get_backend, resolve_backend
 from .device import auto_cache_bytes
 from .function import LinearLogprobsEntropy
 from .types import LCEOutput, LCEParams, VocabParallel
@@ -93,14 +93,20 @@ def _vocab_parallel(vocab_parallel, tp_group, sequence_parallel, reduce_d_hidden
 
 
 @torch.compiler.assume_constant_result
-def _resolve(backend: str, device: torch.device, dtype: torch.dtype, cache_bytes, check_labels):
-    """(backend name, cache budget in bytes, check mode): host-side choices that depend on the device only
-    (torch.compile evaluates this once while tracing and keeps the result as a constant)."""
+def _resolve(backend: str, device: torch.device, dtype: torch.dtype, cache_bytes, check_labels, compact_ignored):
+    """(backend name, cache budget in bytes, check mode, compact_ignored): host-side choices that depend on
+    the device only (torch.compile evaluates this once while tracing and keeps the result as a constant).
+    compact_ignored None: partition unless the backend skips ignored rows itself."""
     if cache_bytes == "auto":
         cache_bytes = auto_cache_bytes(device)
     elif isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
         raise ValueError(f"cache_bytes must be an int >= 0 or 'auto', got {cache_bytes!r}")
-    return resolve_backend(backend, device, dtype), cache_bytes, checks.resolve_mode(check_labels, device)
+    if compact_ignored is not None and not isinstance(compact_ignored, bool):
+        raise TypeError(f"compact_ignored must be None, True or False, got {compact_ignored!r}")
+    name = resolve_backend(backend, device, dtype)
+    if compact_ignored is None:
+        compact_ignored = not get_backend(name).skips_ignored_rows
+    return name, cache_bytes, checks.resolve_mode(check_labels, device), compact_ignored
 
 
 @torch.compiler.disable
@@ -122,7 +128,7 @@ def linear_logprobs_entropy(
     cache_bytes: Union[int, str] = 0,
     vocab_parallel: Optional[VocabParallel] = None,
     check_labels: Union[bool, str] = True,
-    compact_ignored: bool = True,
+    compact_ignored: Optional[bool] = None,
     tp_group=None,
     sequence_parallel: Optional[bool] = None,
     reduce_d_hidden: Optional[bool] = None,
@@ -133,9 +139,14 @@ def linear_logprobs_entropy(
     Returns `LCEOutput` of fp32 tensors shaped like labels (see its docstring for the stats' definitions).
 
     temperature: float > 0, or a tensor broadcastable to labels (per token / per sample); not differentiated.
-    ignore_index: rows with this label get logprob = entropy = stats = 0 and exactly zero gradient; with
-        compact_ignored (default) they are partitioned to the end of the rows on the device (no host
-        count), where the triton backend skips their forward and recompute GEMMs.
+    ignore_index: rows with this label get logprob = entropy = stats = 0 and exactly zero gradient (even
+        where their hidden rows are not finite), with no host count of them.
+    compact_ignored: how ignored rows are kept out of the work. None (default): the backend's choice. The
+        triton backend skips them in its kernels (a block of 128 rows that are all ignored runs no GEMM;
+        ignored rows in a mixed block are computed and their gradient zeroed), with no copy. The other
+        backends compact: the rows are partitioned on the device, valid ones first, into a copy of
+        hidden whose ignored tail is zeroed. True forces the partition (triton then skips the whole
+        tail: worth a copy of hidden when ignored rows are many and scattered); False: rows in place.
     vocab_size: the true (global) vocabulary; weight rows at global ids >= vocab_size are padding and are
         excluded from the softmax (as if their logits were -inf). Default: all rows are real.
     return_logit_sums: also return `sum_logit` = Σ_j r_j and `sumsq_logit` = Σ_j r_j² of the raw logits
@@ -172,7 +183,8 @@ def linear_logprobs_entropy(
     tp = 1 if vp is None else vp.size
     group = None if tp == 1 else vp.group
     _check_tensors(hidden, weight, labels, vp is not None and vp.sequence_parallel, tp)
-    name, cache_bytes, check = _resolve(backend, hidden.device, hidden.dtype, cache_bytes, check_labels)
+    name, cache_bytes, check, compact_ignored = _resolve(backend, hidden.device, hidden.dtype, cache_bytes,
+                                                         check_labels, compact_ignored)
     v_shard = weight.shape[0]
     v_total = v_shard * tp
     if vocab_size is None:

@@ -6,12 +6,14 @@ the `areal_lce::lce_forward` / `lce_backward` torch.library ops of library.py (e
 eager or under torch.compile). Neither reads a device value on the host unless params.check_labels
 is "sync".
 
-Ignored rows (label == ignore_index), with params.compact_ignored: the rows are partitioned on the
-device, valid rows first in their original order, into a buffer of the full size N, with the number of
-valid rows n_valid kept as a device tensor. The ignored tail is zero-filled (hidden 0, 1/T = 1,
-upstream gradient 0), so any backend computes exactly zero gradient for it, and backends that take
-`n_valid` (triton) skip its GEMM work. Every shape, and so every collective, is the same on every rank
-and every step: nothing is counted on the host.
+Ignored rows (label == ignore_index) always get zero upstream gradient. With params.compact_ignored
+(the API's default for backends that do not skip ignored rows themselves) the rows are partitioned on
+the device, valid rows first in their original order, into a buffer of the full size N; the ignored tail
+is zero-filled (hidden 0, 1/T = 1), so any backend computes exactly zero gradient for it. Without it the
+rows reach the backend in place: the triton backend (skips_ignored_rows) runs no GEMM for row blocks
+that hold only ignored rows and zeroes the d_logits of every ignored row itself, so it needs neither the
+partition nor the copies of hidden and d_hidden it costs. Every shape, and so every collective, is the
+same on every rank and every step: nothing is counted on the host.
 """
 from __future__ import annotations
 
@@ -100,7 +102,8 @@ def once_differentiable(backward):
 
 class RowPartition(NamedTuple):
     """Valid rows first, on the device. Position j of the partitioned buffer holds original row order[j];
-    original row i sits at position dest[i]; positions >= n_valid ([1] int64) hold the ignored rows."""
+    original row i sits at position dest[i]; positions >= n_valid ([1] int64) hold the ignored rows (their
+    labels stay ignore_index, so a backend that skips ignored rows skips the tail's blocks)."""
 
     order: torch.Tensor
     dest: torch.Tensor
@@ -177,9 +180,11 @@ def lce_forward(hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bo
         h_c, y_c, t_c = hidden, labels, inv_t
     else:
         h_c, y_c, t_c = _partitioned(part, labels, inv_t, hidden)
-    st = get_backend(params.backend).forward(h_c, weight, y_c, t_c, params, keep_cache=keep_cache,
-                                             n_valid=None if part is None else part.n_valid)
-    merged = merge_shard_stats(st, params.tp_group, params.inv_t if t_c is None else t_c)
+    st = get_backend(params.backend).forward(h_c, weight, y_c, t_c, params, keep_cache=keep_cache)
+    # one shard holds the whole vocabulary: its statistics are already the merged ones (m = mx · inv_t
+    # exactly, base.py), so the merge, an identity then, is skipped with its dozen [N] kernels
+    merged = st if params.tp_size == 1 else merge_shard_stats(st, params.tp_group,
+                                                              params.inv_t if t_c is None else t_c)
     lp, ent, lse = finish_stats(merged)
     valid = labels != params.ignore_index
     outs = []
@@ -215,7 +220,7 @@ def lce_backward(h_c, weight, labels, inv_t, lse_ent, cache, g_diff: torch.Tenso
         g = torch.where(part.live, g.index_select(1, part.order), 0.0)
     dh, dw = get_backend(params.backend).backward(
         h_c, weight, y_c, t_c, params, cache, lse_ent[0], lse_ent[1], g[0].contiguous(), g[1].contiguous(),
-        need_dh, need_dw, n_valid=None if part is None else part.n_valid)
+        need_dh, need_dw)
     if need_dh:
         if part is not None:
             dh = dh.index_select(0, part.dest)

@@ -98,7 +98,8 @@ class LCEParams:
     backend: str = "torch"  # resolved backend name
     vocab_parallel: Optional[VocabParallel] = None  # the tensor-parallel option; None = unsharded
     tp_size: int = 1  # vocab_parallel's group size, resolved once by the API
-    compact_ignored: bool = True  # partition ignore_index rows to the tail on the device (function.py)
+    compact_ignored: bool = True  # partition ignore_index rows to the tail on the device (function.py); the API
+    #                               resolves its default per backend (False for triton: it skips them itself)
     check_labels: str = "off"  # label/temperature value checks: "sync" | "deferred" | "off" (checks.py)
     logit_sums: bool = False  # backends also accumulate Σ_j r_j and Σ_j r_j² of the raw logits
 

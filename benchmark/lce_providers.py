@@ -1,8 +1,8 @@
 """The implementations `bench_lce` times: each is fn(h, W, y) -> (logprobs, entropy or None).
 
     areal_triton           areal_lce.linear_logprobs_entropy(..., backend="triton", cache_bytes=0) with
-                           its default options (deferred label checks, device-side partition of ignored
-                           rows: no host sync)
+                           its default options (deferred label checks, ignored rows skipped inside the
+                           kernels: no host sync)
     areal_triton_cache     the same with cache_bytes >= the fp32 logits 4·N·V: the backward reads them
     areal_triton_nochecks  areal_triton with check_labels=False, compact_ignored=False
     areal_torch            the chunked torch backend through the same API

@@ -2,7 +2,7 @@
 Triton backend, bf16, N = 1000 (not a multiple of the 128-row blocks), a padded vocabulary, per-token
 temperatures, right padding and scattered ignored rows:
 
-  sync_debug          a default forward+backward (also cache_bytes="auto", compact_ignored=False,
+  sync_debug          a default forward+backward (also cache_bytes="auto", compact_ignored=True,
                       return_logit_sums=True and a no-grad forward) runs under
                       torch.cuda.set_sync_debug_mode("error") after one warm-up call, with results bitwise
                       equal to the warm-up's; a bad label passes silently there, gets a NaN logprob, and
@@ -58,7 +58,7 @@ def test_no_host_sync_under_sync_debug_mode(record_property):
     import areal_lce
 
     h, w, y, temp, g_out = _inputs(0)
-    variants = {"defaults": {}, "cache_auto": {"cache_bytes": "auto"}, "no_compact": {"compact_ignored": False},
+    variants = {"defaults": {}, "cache_auto": {"cache_bytes": "auto"}, "compact": {"compact_ignored": True},
                 "logit_sums": {"return_logit_sums": True}}
     warm = {k: _step(h, w, y, temp, g_out, **kw) for k, kw in variants.items()}
     with torch.no_grad():

@@ -7,9 +7,9 @@ accelerator default differs from the CPU default in one place only, the label ch
 of "sync"), which these tests pass explicitly; `test_default_check_mode_per_device` pins that choice.
 On a GPU, `python -m benchmark.gpu_check` runs the same calls under torch.cuda.set_sync_debug_mode("error").
 
-Also here: the device-side row partition, the deferred label check and its error, the zero-filled
-ignored tail (a NaN hidden row that is ignored changes nothing), and the Triton launcher's early exit
-past n_valid (host code checked with stub kernels, kernels through the interpreter).
+Also here: the device-side row partition, the deferred label check and its error, what a NaN hidden
+row that is ignored can reach, and the Triton kernels' skipping of ignored rows in place (through the
+interpreter).
 """
 import contextlib
 import os
@@ -20,6 +20,7 @@ import torch
 
 import areal_lce
 from areal_lce import checks
+from areal_lce.backends import get_backend
 from areal_lce.function import partition_rows
 
 from helpers.inputs import available_backends
@@ -196,16 +197,24 @@ def test_partition_rows(ignored):
 
 
 @pytest.mark.parametrize("backend", available_backends())
-def test_nan_in_an_ignored_row_changes_nothing(backend):
-    """The ignored tail is zero-filled before the backend: a NaN (or Inf) hidden row that is ignored
-    cannot reach d_weight through a 0 x NaN product, nor any other row's output."""
+@pytest.mark.parametrize("compact", [None, True], ids=["default", "compact"])
+def test_nan_in_an_ignored_row(backend, compact):
+    """A NaN (or Inf) hidden entry in an ignored row reaches no output and no d_hidden. With compaction
+    (forced, or the default of a backend that does not skip ignored rows) the ignored tail is zero-filled
+    before the backend, so d_weight is clean too; the triton backend's default keeps rows in place, and
+    d_weight = d_logitsᵀ · hidden then gets 0 · NaN in the poisoned columns (as in any masked loss)."""
     hidden, weight, labels, _ = _inputs()
-    clean = _run(hidden, weight, labels, backend=backend, temperature=0.9)
+    clean = _run(hidden, weight, labels, backend=backend, temperature=0.9, compact_ignored=compact)
     poisoned = hidden.clone()
     poisoned[3, 1], poisoned[17, 0] = float("nan"), float("inf")  # rows 3 and 17 are ignored
-    got = _run(poisoned, weight, labels, backend=backend, temperature=0.9)
-    for a, b in zip(got, clean):
+    got = _run(poisoned, weight, labels, backend=backend, temperature=0.9, compact_ignored=compact)
+    in_place = compact is None and get_backend(backend).skips_ignored_rows
+    for a, b in zip(got[:-1], clean[:-1]):  # outputs and d_hidden
         assert torch.equal(a, b)
+    if in_place:
+        assert torch.isnan(got[-1][:, [0, 1]]).all() and torch.equal(got[-1][:, 2:], clean[-1][:, 2:])
+    else:
+        assert torch.equal(got[-1], clean[-1])
 
 
 def test_deferred_check_names_the_bad_values():
@@ -268,48 +277,73 @@ def test_triton_label_check_kernel_folds_the_same_record(monkeypatch):
 
 
 @pytest.mark.parametrize("cache", [False, True], ids=["recompute", "cache"])
-def test_triton_skips_rows_past_n_valid(cache):
-    """Backend level: row blocks at or past n_valid run no GEMM, yet every d_logits row cuBLAS reads is
-    written (the launcher's buffers start as NaN under the tests, tests/conftest.py, and would leak into
-    d_weight), and live rows match the full computation."""
+def test_triton_skips_ignored_rows_in_place(cache):
+    """Backend level, rows not compacted: a row block whose rows are all ignored folds no vocab tile,
+    ignored rows get d_hidden exactly 0 whatever their hidden / lse / entropy (NaN and Inf here), every
+    d_logits row cuBLAS reads is written (the launcher's buffers start as NaN under the tests,
+    tests/conftest.py, and would leak into d_weight), and the valid rows match the exact computation."""
     from areal_lce.backends import base
 
     assert base.POISON
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available():
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     from areal_lce.backends.reference import ReferenceBackend
+    from areal_lce.backends.triton import configs
     from areal_lce.backends.triton.launch import TritonBackend
     from areal_lce.types import LCEParams
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    n, nv, h, v = 100, 37, 32, 300  # interpreter blocks of 32 rows: one partly live block, two dead ones
+    bn = configs.tile("bwd", fp32=False, interpret=dev.type == "cpu", H=32).block_n
+    n, h, v = 3 * bn + 5, 32, 300
+    ignored = torch.zeros(n, dtype=torch.bool)
+    ignored[[0, 3, bn - 1]] = True  # block 0 mixes both (a label at its last row too)
+    ignored[bn:2 * bn] = True  # block 1: all ignored
+    ignored[3 * bn + 2:] = True  # the ragged last block: 2 live rows, 3 ignored
     g = torch.Generator().manual_seed(0)
     hid = torch.randn(n, h, generator=g)
-    hid[nv:] = 0  # the Function's zero-filled tail
     w = torch.randn(v, h, generator=g) * 0.4
     y = torch.randint(0, v, (n,), generator=g)
-    y[nv:] = IGNORE
+    y[ignored] = IGNORE
+    y[2 * bn + 1] = v - 1  # labels at the shard's edges in live rows
+    y[2 * bn] = 0
     p = LCEParams(inv_t=1 / 0.8, vocab_size=v, shard_valid=v, backend="triton", cache_bytes=(1 << 30) if cache else 0)
-    hid, w, y = hid.to(dev), w.to(dev), y.to(dev)
+    clean = hid.masked_fill(ignored[:, None], 0.0)
+    poisoned = clean.clone()
+    poisoned[ignored, :5] = float("nan")
+    poisoned[3, 7] = float("inf")
+    live = ~ignored
     be = TritonBackend()
-    st = be.forward(hid, w, y, None, p, keep_cache=True, n_valid=torch.tensor([nv], device=dev))
+    st = be.forward(poisoned.to(dev), w.to(dev), y.to(dev), None, p, keep_cache=True)
     assert (st.cache is not None) == cache
-    ref = ReferenceBackend().forward(hid.double(), w.double(), y, None, p, False)
+    # skipped rows keep the partials' initial values (s = 0, m = -inf), which the merge turns into NaN;
+    # clean hidden rows that ran their GEMM would give a finite s
+    st_clean = be.forward(clean.to(dev), w.to(dev), y.to(dev), None, p, keep_cache=True)
+    s_clean = st_clean.s.cpu()
+    assert torch.isnan(s_clean[bn:2 * bn]).all(), "an all-ignored block ran its GEMM"
+    assert torch.isfinite(s_clean[[0, 3, bn - 1, 3 * bn + 4]]).all(), "ignored rows of a mixed block are computed"
+    ref = ReferenceBackend().forward(clean.double(), w.double(), y, None, p, False)
     for k in ("m", "s", "a", "zy", "mn", "mx"):
-        assert torch.allclose(getattr(st, k)[:nv].double(), getattr(ref, k)[:nv], rtol=1e-5, atol=1e-5), k
+        assert torch.allclose(getattr(st, k).cpu()[live].double(), getattr(ref, k)[live], rtol=1e-5, atol=1e-5), k
     lse = (ref.m + ref.s.log()).float()
     ent = (ref.s.log() - ref.a / ref.s).float()
-    lse[nv:], ent[nv:] = 0, 0  # the Function's sanitised tail
     g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
-    g_lp[nv:], g_ent[nv:] = 0, 0
-    g_lp, g_ent, lse, ent = g_lp.to(dev), g_ent.to(dev), lse.to(dev), ent.to(dev)
-    dh, dw = be.backward(hid, w, y, None, p, st.cache, lse, ent, g_lp, g_ent, True, True,
-                         n_valid=torch.tensor([nv], device=dev))
-    rh, rw = ReferenceBackend().backward(hid.double(), w.double(), y, None, p, None, lse.double(), ent.double(),
+    g_lp[ignored], g_ent[ignored] = 0, 0  # the Function zeroes the ignored rows' upstream gradient
+    lse_in, ent_in = lse.masked_fill(ignored, float("nan")), ent.masked_fill(ignored, float("inf"))
+    dh, dw = be.backward(poisoned.to(dev), w.to(dev), y.to(dev), None, p, st.cache, lse_in.to(dev), ent_in.to(dev),
+                         g_lp.to(dev), g_ent.to(dev), True, True)
+    _, dw_clean = be.backward(clean.to(dev), w.to(dev), y.to(dev), None, p, st_clean.cache, lse.to(dev), ent.to(dev),
+                                     g_lp.to(dev), g_ent.to(dev), True, True)
+    rh, rw = ReferenceBackend().backward(clean.double(), w.double(), y, None, p, None, lse.double(), ent.double(),
                                          g_lp.double(), g_ent.double(), True, True)
-    assert torch.isfinite(dw).all() and torch.equal(dh[nv:], torch.zeros_like(dh[nv:]))
-    assert torch.allclose(dh.double(), rh, rtol=1e-4, atol=1e-5) and torch.allclose(dw.double(), rw, rtol=1e-4,
-                                                                                     atol=1e-5)
+    dh = dh.cpu()
+    assert torch.equal(dh[ignored], torch.zeros_like(dh[ignored])) and torch.isfinite(dh).all()
+    assert torch.allclose(dh.double(), rh, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(dw_clean.cpu().double(), rw, rtol=1e-4, atol=1e-5)
+    # d_weight = d_logitsᵀ · hidden: an ignored row adds 0 · hidden, which is NaN where hidden is not
+    # finite (as in any masked loss): the columns of a poisoned hidden entry, and only those
+    bad_cols = ~torch.isfinite(poisoned).all(0)
+    assert torch.isnan(dw).any(0).cpu().tolist() == bad_cols.tolist() == [k < 5 or k == 7 for k in range(h)]
+    assert torch.equal(dw[:, ~bad_cols.to(dev)], dw_clean[:, ~bad_cols.to(dev)])
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "sequence-mean-token-mean"])

@@ -1,8 +1,7 @@
 """The contract every backend implements (reference, torch, triton, triton_ascend).
 
 A backend sees one vocabulary shard and only 2-D, contiguous, already-validated tensors; it does no
-communication, knows nothing of ignore_index (the Function drops or zero-weights those rows) and picks
-no other backend. All per-token outputs are fp32 [N].
+communication and picks no other backend. All per-token outputs are fp32 [N].
 
 Notation: z = (h · Wᵀ) · inv_t with inv_t = 1/T per token; columns j >= shard_valid are padding and
 behave as z_j = -inf (excluded from every statistic, never read as 0).
@@ -30,11 +29,13 @@ backward(lse, ent, g_lp, g_ent) -> (d_hidden fp32 [N, H] or None, d_weight [V_sh
   d_weight = d_logitsᵀ · h (accumulated in fp32 over all tokens, cast once); padding rows get 0.
   Rows with g_lp = g_ent = 0 contribute nothing. Accumulation order is fixed: bitwise deterministic.
 
-n_valid (both passes, optional): a [1] int64 device tensor. The Function has partitioned the rows so
-  that rows >= n_valid are ignored rows with hidden = 0, inv_t = 1, lse = ent = 0 and zero upstream
-  gradient. A backend may skip them (their forward stats are then unspecified; their d_hidden rows
-  must still be 0) or compute them like the others (they then contribute exactly 0). The count stays
-  on the device: reading it on the host would be a sync.
+Ignored rows (label == params.ignore_index) reach backward with g_lp = g_ent = 0. skips_ignored_rows:
+  False: the backend computes every row as given; the Function compacts (params.compact_ignored, the
+         API's default for such a backend): the ignored rows come last with hidden = 0, inv_t = 1, so
+         they contribute exactly 0.
+  True:  (triton) the backend may skip ignored rows (their forward stats are then unspecified) and must
+         give them d_logits exactly 0 whatever their hidden, inv_t, lse or ent values (NaN included), so
+         they need no compaction. It must not count them on the host: that would be a sync.
 
 cache_spec(n, h, v_shard, dtype, params, keep_cache) -> (shape, dtype) of the cache forward() keeps for
   these sizes, or None: forward decides with it, and the op's fake (meta) implementation allocates with
@@ -78,6 +79,7 @@ class ShardStats:
 
 class Backend(Protocol):
     name: str
+    skips_ignored_rows: bool  # see "Ignored rows" above
 
     def forward(
         self,
@@ -87,7 +89,6 @@ class Backend(Protocol):
         inv_t: Optional[torch.Tensor],  # [N] fp32, or None -> the scalar params.inv_t
         params: LCEParams,
         keep_cache: bool,  # True when the caller will run backward and may keep logits
-        n_valid: Optional[torch.Tensor] = None,  # [1] int64 device tensor: rows >= n_valid may be skipped
     ) -> ShardStats: ...
 
     def backward(
@@ -104,7 +105,6 @@ class Backend(Protocol):
         g_ent: torch.Tensor,  # [N] fp32, contiguous
         need_d_hidden: bool,
         need_d_weight: bool,
-        n_valid: Optional[torch.Tensor] = None,
     ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]: ...
 
     def cache_spec(self, n: int, h: int, v_shard: int, dtype: torch.dtype, params: LCEParams,

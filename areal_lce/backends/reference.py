@@ -75,12 +75,13 @@ def grad_logits(z, labels, lse, ent, g_lp, g_ent, params: LCEParams) -> torch.Te
 
 class ReferenceBackend:
     name = "reference"
+    skips_ignored_rows = False  # base.py: the Function compacts ignored rows by default
 
     def cache_spec(self, n, h, v_shard, dtype, params, keep_cache):
         """The materialised logits themselves, whenever backward will run (cache_bytes is not consulted)."""
         return ((n, v_shard), torch.float64 if dtype == torch.float64 else torch.float32) if keep_cache else None
 
-    def forward(self, hidden, weight, labels, inv_t, params, keep_cache, n_valid=None) -> ShardStats:
+    def forward(self, hidden, weight, labels, inv_t, params, keep_cache) -> ShardStats:
         acc = _acc_dtype(hidden)
         raw = hidden.to(acc) @ weight.to(acc).t()
         z = shard_logits(hidden, weight, inv_t, params, raw=raw)
@@ -92,7 +93,7 @@ class ReferenceBackend:
         return st
 
     def backward(self, hidden, weight, labels, inv_t, params, cache: Any, lse, ent, g_lp, g_ent,
-                 need_d_hidden, need_d_weight, n_valid=None):
+                 need_d_hidden, need_d_weight):
         z = cache if cache is not None else shard_logits(hidden, weight, inv_t, params)
         dz = grad_logits(z, labels, lse, ent, g_lp, g_ent, params)
         dl = dz * (inv_t.to(dz.dtype)[:, None] if inv_t is not None else params.inv_t)

@@ -68,6 +68,7 @@ def _inv_t(inv_t: Optional[torch.Tensor], params: LCEParams, t0: int, t1: int, d
 
 class TorchChunkedBackend:
     name = "torch"
+    skips_ignored_rows = False  # base.py: the Function compacts ignored rows by default
 
     def _logits(self, hidden, weight, inv_t, params, t0, t1, v0, v1):
         z = _mm_f32(hidden[t0:t1], weight[v0:v1].t())
@@ -79,9 +80,7 @@ class TorchChunkedBackend:
             return (n, vv), (torch.float64 if dtype == torch.float64 else torch.float32)
         return None
 
-    def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool,
-                n_valid=None) -> ShardStats:
-        # n_valid is not used: every row is computed (the zero-filled ignored tail costs its GEMM share)
+    def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool) -> ShardStats:
         n, dev = hidden.shape[0], hidden.device
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         vv = params.shard_valid
@@ -124,7 +123,7 @@ class TorchChunkedBackend:
         return ShardStats(m=m, s=s, a=a, zy=zy, mn=mn, mx=mx, cache=cache, lsum=lsum, lsq=lsq)
 
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache, lse, ent, g_lp, g_ent,
-                 need_d_hidden, need_d_weight, n_valid=None):
+                 need_d_hidden, need_d_weight):
         n, h = hidden.shape
         dev = hidden.device
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32

@@ -66,6 +66,7 @@ class AscendBackend:
     """
 
     name = "triton_ascend"
+    skips_ignored_rows = False  # base.py: the Function compacts ignored rows by default
 
     def __init__(self, ub_bytes: Optional[int] = None, max_programs: Optional[int] = None):
         self.ub_bytes = configs.resolve_ub_bytes(ub_bytes)
@@ -115,9 +116,7 @@ class AscendBackend:
     def cache_spec(self, n, h, v_shard, dtype, params: LCEParams, keep_cache: bool):
         return None  # always recomputes
 
-    def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool,
-                n_valid=None) -> ShardStats:
-        # n_valid is not used: every row is computed (the Function zero-fills the ignored tail)
+    def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool) -> ShardStats:
         hidden, weight, labels, inv_t, inv_t_scalar = self._prep(hidden, weight, labels, inv_t, params)
         n, h = hidden.shape
         dev = hidden.device
@@ -139,8 +138,7 @@ class AscendBackend:
                           lsum=outs[6] if sums else None, lsq=outs[7] if sums else None)
 
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,
-                 need_d_hidden: bool, need_d_weight: bool,
-                 n_valid=None) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+                 need_d_hidden: bool, need_d_weight: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         hidden, weight, labels, inv_t, inv_t_scalar = self._prep(hidden, weight, labels, inv_t, params)
         n, h = hidden.shape
         v_shard, valid = weight.shape[0], params.shard_valid

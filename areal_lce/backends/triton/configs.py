@@ -43,6 +43,7 @@ BWD_PROGRAMS_PER_SM = 1  # backward: resident programs per SM of the persistent 
 MERGE_BLOCK_N = 128
 LABEL_FIX_BLOCK_N = 256  # backward one-hot term
 CHECK_BLOCK = 1024  # deferred label / temperature check: labels per program
+LOCAL_LABELS_BLOCK = 1024  # global label ids -> the shard's int32 label columns: labels per program
 CACHE_COLS = 256  # logits-cache column slab (kernels.py): one [BLOCK_N, 256] tile is contiguous
 
 # Backward d_logits workspace [N, V_chunk] budget (bytes): at most WORKSPACE_BYTES, and shrunk so that

@@ -17,6 +17,7 @@ No allocation or host logic here (launch.py owns both):
                         one-hot term into a [N, V_chunk] workspace.
   lce_bwd_label_kernel  adds the one-hot term g_lp / T at each row's label column of the chunk;
                         cuBLAS does the rest.
+  local_labels_kernel   global label ids -> this shard's int32 label columns (IGNORED for ignored rows).
   check_labels_kernel   the deferred label / temperature check of one call (value_check.py).
 
 Cache layout. The fp32 logits cache is column-slab major, [ceil(V / CACHE_COLS), N, CACHE_COLS], and
@@ -41,6 +42,7 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+IGNORED = tl.constexpr(-2)  # local label of an ignore_index row (launch.py: _local_labels)
 
 
 @triton.jit
@@ -56,17 +58,18 @@ def _tile_coords(i_pid, n_blocks_n, n_blocks_v, GROUP_N: tl.constexpr):
 
 
 @triton.jit
-def _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, col0, H, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+def _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, col0, H, k_hi, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
-    """Raw logits h[rows] . w[cols]^T, fp32 [BLOCK_N, BLOCK_V].
+    """Raw logits h[rows] . w[cols]^T over k < k_hi (H, or 0 for a tile that needs no GEMM), fp32
+    [BLOCK_N, BLOCK_V].
 
     USE_TMA: tensor-descriptor (TMA) loads of the [row0, k0] / [col0, k0] boxes; rows, columns and K
     past the tensor's end read as 0. Otherwise pointer loads: row ids are clamped by the caller, so only
     a ragged H needs a K mask."""
     b_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     if USE_TMA:
-        for k0 in range(0, H, BLOCK_K):
+        for k0 in range(0, k_hi, BLOCK_K):
             b_h = d_h.load([row0, k0])
             b_w = d_w.load([col0, k0])
             if UPCAST:
@@ -76,7 +79,7 @@ def _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, col0, H, BLOCK_N: tl.constexp
     else:
         p_h = h + o_nc[:, None] * H
         p_w = w + o_vc[:, None] * H
-        for k0 in range(0, H, BLOCK_K):
+        for k0 in range(0, k_hi, BLOCK_K):
             o_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 b_h = tl.load(p_h + o_k[None, :])
@@ -103,7 +106,7 @@ def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, N, V, H,
     last tile of the shard: full tiles skip the column masks (2 of ~12 ops per element)."""
     o_v = v0 + tl.arange(0, BLOCK_V)  # int32: shard-local column
     o_vc = tl.minimum(o_v, V - 1).to(tl.int64)
-    b_r = _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, v0, H, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, UPCAST,
+    b_r = _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, v0, H, H, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, UPCAST,
                        DOT_PRECISION, USE_TMA)
     if HAS_CACHE:
         p_c = _cache_tile(z_cache, o_n, v0, N, BLOCK_V, CACHE_COLS)
@@ -150,19 +153,19 @@ def _cache_tile(z_cache, o_n, col0, N, BLOCK_V: tl.constexpr, CACHE_COLS: tl.con
 
 @triton.jit
 def lce_fwd_kernel(
-    h, w, d_h, d_w, y, inv_t, part, z_cache, n_valid,
+    h, w, d_h, d_w, y, inv_t, part, z_cache,
     N, H, V, SPLIT_V, n_splits, stride_part, inv_t_scalar,
-    HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, HAS_N_VALID: tl.constexpr,
+    HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     CACHE_COLS: tl.constexpr,
 ):
     """part: fp32 [6, n_splits, N] = (m, s, a, zy, mn, mx) of each split (m tempered, mn / mx raw),
     [8, n_splits, N] with HAS_SUMS (+ Σ r, Σ r² of the raw logits r); z_cache: fp32 cache (module docstring) or unused. V here is the
-    number of valid columns; y holds local label columns (int32, -1 = not owned).
+    number of valid columns; y holds local label columns (int32: -1 = not owned, IGNORED = ignored row).
     d_h / d_w: TMA descriptors of hidden [N, H] and weight [V, H] when USE_TMA, else unused.
-    n_valid: [1] int32 row count when HAS_N_VALID: a token block starting at or past it folds no tile
-    (its partials keep their initial values; the caller ignores those rows)."""
+    A token block whose rows are all ignored folds no tile (its partials keep their initial values;
+    the caller ignores those rows)."""
     i_pid = tl.program_id(0)
     n_blocks_n = tl.cdiv(N, BLOCK_N)
     i_n, i_s = _tile_coords(i_pid, n_blocks_n, n_splits, GROUP_N)
@@ -187,8 +190,7 @@ def lce_fwd_kernel(
 
     v_begin = i_s * SPLIT_V
     v_end = tl.minimum(v_begin + SPLIT_V, V)
-    if HAS_N_VALID:
-        v_end = tl.where(row0 < tl.load(n_valid), v_end, v_begin)  # ignored block: no tiles
+    v_end = tl.where(tl.max(((b_y != IGNORED) & m_n).to(tl.int32), 0) > 0, v_end, v_begin)  # all ignored: no tiles
     n_full = (v_end - v_begin) // BLOCK_V
     for i_t in range(0, n_full):
         b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq = _fwd_tile(
@@ -267,9 +269,9 @@ def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, HAS_SUMS: tl.const
 
 @triton.jit
 def lce_bwd_kernel(
-    h, w, d_h, d_w, inv_t, lse, ent, g_lp, g_ent, z_cache, dl, n_valid,
+    h, w, d_h, d_w, y, inv_t, lse, ent, g_lp, g_ent, z_cache, dl,
     N, H, V, v_begin, width, stride_dl, n_programs, inv_t_scalar,
-    HAS_INV_T: tl.constexpr, USE_CACHE: tl.constexpr, HAS_N_VALID: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_INV_T: tl.constexpr, USE_CACHE: tl.constexpr, EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
@@ -280,26 +282,28 @@ def lce_bwd_kernel(
     dz_j = g_lp (1[j = y] - p_j) - g_ent p_j (log p_j + ent), p_j = exp(z_j - lse). In base 2 with
     x = log2(e) (z_j - lse): d_logits = -p (A + B x) + C 1[j = y], A = (g_lp + g_ent ent) / T,
     B = ln2 g_ent / T, C = g_lp / T. This kernel writes -p (A + B x); lce_bwd_label_kernel adds C.
-    V is the number of valid columns of the shard.
+    V is the number of valid columns of the shard; y holds local label columns as lce_fwd_kernel's.
+
+    Ignored rows (y == IGNORED) get d_logits exactly 0, whatever their hidden, 1/T, lse or cached values
+    (a select, only in tiles that hold one); a tile whose rows are all ignored runs no GEMM and stores
+    zeros (cuBLAS reads every row of dl).
 
     Persistent: n_programs programs (one per SM slot) walk the chunk's [BLOCK_N, BLOCK_V] tiles in grouped
     order, program i taking tiles i, i + n_programs, ... One resident program per SM thus starts its next
     tile's loads without a block launch, and the ragged last wave is a few tiles, not a few blocks. Each
     tile is computed exactly as a one-tile program would (same K order): the result does not depend on
-    n_programs. With HAS_N_VALID, the token blocks at or past n_valid are walked in a second loop that
-    only stores zeros (cuBLAS reads every row of dl)."""
+    n_programs."""
     i_pid = tl.program_id(0)
     n_blocks_n = tl.cdiv(N, BLOCK_N)
     n_blocks_v = tl.cdiv(width, BLOCK_V)
-    n_live = n_blocks_n
-    if HAS_N_VALID:
-        n_live = tl.cdiv(tl.load(n_valid), BLOCK_N)
-    for i_tile in tl.range(i_pid, n_live * n_blocks_v, n_programs):
-        i_n, i_v = _tile_coords(i_tile, n_live, n_blocks_v, GROUP_N)
+    for i_tile in tl.range(i_pid, n_blocks_n * n_blocks_v, n_programs):
+        i_n, i_v = _tile_coords(i_tile, n_blocks_n, n_blocks_v, GROUP_N)
         row0 = i_n * BLOCK_N
         o_n = row0.to(tl.int64) + tl.arange(0, BLOCK_N)
         m_n = o_n < N
         o_nc = tl.minimum(o_n, N - 1)
+        b_live = (tl.load(y + o_nc) != IGNORED) & m_n
+        n_live = tl.sum(b_live.to(tl.int32), 0)
         if HAS_INV_T:
             b_it = tl.load(inv_t + o_nc)
         else:
@@ -316,20 +320,16 @@ def lce_bwd_kernel(
             b_x = (b_z - b_lse[:, None]) * LOG2E
         else:
             o_vc = tl.minimum(v_begin + o_j, V - 1).to(tl.int64)
-            b_r = _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, v_begin + i_v * BLOCK_V, H, BLOCK_N,
+            k_hi = tl.where(n_live > 0, H, 0)  # all rows ignored: no GEMM
+            b_r = _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, v_begin + i_v * BLOCK_V, H, k_hi, BLOCK_N,
                                BLOCK_V, BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA)
             b_x = b_r * (b_it * LOG2E)[:, None] - (b_lse * LOG2E)[:, None]
         b_p = tl.exp2(b_x)
         b_dl = -b_p * (b_A[:, None] + b_B[:, None] * b_x)
+        if n_live < BLOCK_N:  # an ignored row, or the ragged last block (its extra rows are not stored)
+            b_dl = tl.where(b_live[:, None], b_dl, 0.0)
         p_dl = dl + o_n[:, None] * stride_dl + o_j[None, :]
         tl.store(p_dl, b_dl.to(dl.dtype.element_ty), mask=m_n[:, None] & (o_j < width)[None, :])
-    if HAS_N_VALID:
-        b_zero = tl.zeros([BLOCK_N, BLOCK_V], dtype=dl.dtype.element_ty)
-        for i_tile in tl.range(i_pid, (n_blocks_n - n_live) * n_blocks_v, n_programs):
-            o_n = (n_live + i_tile // n_blocks_v).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-            o_j = (i_tile % n_blocks_v) * BLOCK_V + tl.arange(0, BLOCK_V)
-            tl.store(dl + o_n[:, None] * stride_dl + o_j[None, :], b_zero,
-                     mask=(o_n < N)[:, None] & (o_j < width)[None, :])
 
 
 @triton.jit
@@ -350,6 +350,19 @@ def lce_bwd_label_kernel(dl, y, inv_t, g_lp, N, v_begin, width, stride_dl, inv_t
     p = dl + o_n * stride_dl + tl.maximum(o_j, 0)
     b = tl.load(p, mask=m, other=0.0).to(tl.float32) + b_c
     tl.store(p, b.to(dl.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def local_labels_kernel(y_ptr, out_ptr, N, vocab_start, shard_valid, ignore_index, BLOCK: tl.constexpr):
+    """out[i] (int32) = y[i] - vocab_start when this shard owns label y[i] (global id, int64), IGNORED when
+    y[i] == ignore_index, else -1: the label column every other kernel reads."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < N
+    y = tl.load(y_ptr + offs, mask=inb, other=0).to(tl.int64)
+    local = y - vocab_start
+    out = tl.where((local >= 0) & (local < shard_valid), local, -1)
+    out = tl.where(y == ignore_index, IGNORED, out)
+    tl.store(out_ptr + offs, out.to(tl.int32), mask=inb)
 
 
 @triton.jit

@@ -1,8 +1,10 @@
 """Launchers of the Triton backend: checks, allocation, grids, block choice, cuBLAS GEMMs.
 
-Ignored rows: with a device-side row count n_valid ([1] int64, base.py), the row blocks at or past it
-(the Function's zero-filled ignored tail) run no GEMM: the forward programs fold no vocab tile, the
-backward programs store zero d_logits. The cuBLAS d_hidden / d_weight GEMMs still span all N rows.
+Ignored rows (label == params.ignore_index) need no compaction (skips_ignored_rows, base.py): the
+kernels read each row block's label columns, where an ignored row is IGNORED. A block whose rows are
+all ignored runs no GEMM (the forward folds no vocab tile, the recompute stores zero d_logits); in a
+block that mixes both, the ignored rows' d_logits are set to exactly 0. The cuBLAS d_hidden / d_weight
+GEMMs still span all N rows, so nothing about the shapes depends on the labels.
 
 Forward (one fused pass, no [N, V] tensor unless the logits cache is on):
     lce_fwd_kernel      grid = ceil(N / BLOCK_N) x n_splits programs, each a token block x a vocab
@@ -45,8 +47,10 @@ import triton
 from ...types import LCEParams
 from ..base import ShardStats, alloc
 from . import configs
+from .gemms import Gemms
 from .value_check import record_labels
-from .kernels import lce_bwd_kernel, lce_bwd_label_kernel, lce_fwd_kernel, lce_fwd_merge_kernel
+from .kernels import (lce_bwd_kernel, lce_bwd_label_kernel, lce_fwd_kernel, lce_fwd_merge_kernel,
+                      local_labels_kernel)
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -100,23 +104,25 @@ def _split_plan(N: int, valid: int, block_n: int, slots: int, interpret: bool) -
 
 
 def _local_labels(labels: torch.Tensor, params: LCEParams) -> torch.Tensor:
-    """Shard-local label column as contiguous int32 (-1 when another shard owns the label).
+    """This shard's label columns as contiguous int32, in one launch (local_labels_kernel): -1 where
+    another shard owns the label, IGNORED (-2) at ignore_index rows.
 
-    A fresh int32 copy also side-steps the miscompile of int64 loads from addresses that are not
-    16-byte aligned."""
-    local = labels.to(torch.int64) - params.vocab_start
-    owned = (local >= 0) & (local < params.shard_valid)
-    return torch.where(owned, local, torch.full_like(local, -1)).to(torch.int32).contiguous()
+    The int64 labels are read from a base that is 16-byte aligned (a copy otherwise): int64 loads from
+    addresses that are not miscompile."""
+    y = labels.to(torch.int64).contiguous()
+    if y.data_ptr() % 16:
+        y = y.clone()
+    n = y.numel()
+    out = torch.empty(n, dtype=torch.int32, device=y.device)
+    if n:
+        with _device_ctx(y.device):
+            local_labels_kernel[(triton.cdiv(n, configs.LOCAL_LABELS_BLOCK),)](
+                y, out, n, params.vocab_start, params.shard_valid, params.ignore_index,
+                BLOCK=configs.LOCAL_LABELS_BLOCK, num_warps=4)
+    return out
 
 
-def _row_count(n_valid, dummy: torch.Tensor) -> torch.Tensor:
-    """n_valid as a fresh int32 [1] tensor (the Function's is a view at an 8-byte offset into a cumsum:
-    int64 loads from addresses that are not 16-byte aligned miscompile), or a
-    dummy pointer when there is none (HAS_N_VALID=False: never read)."""
-    return dummy if n_valid is None else n_valid.to(torch.int32)
-
-
-def _check(hidden, weight, labels, inv_t, params: LCEParams, n_valid=None) -> None:
+def _check(hidden, weight, labels, inv_t, params: LCEParams) -> None:
     if hidden.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"triton backend: hidden and weight must be 2-D, got {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -133,9 +139,6 @@ def _check(hidden, weight, labels, inv_t, params: LCEParams, n_valid=None) -> No
     if not 0 <= params.shard_valid <= weight.shape[0]:
         raise ValueError(f"triton backend: params.shard_valid={params.shard_valid} outside [0, {weight.shape[0]}]")
     dev = hidden.device
-    if n_valid is not None and (n_valid.shape != (1,) or n_valid.dtype != torch.int64 or n_valid.device != dev):
-        raise ValueError(f"triton backend: n_valid must be a [1] int64 tensor on {dev}, got "
-                         f"{tuple(n_valid.shape)} {n_valid.dtype} on {n_valid.device}")
     if weight.device != dev or labels.device != dev or (inv_t is not None and inv_t.device != dev):
         raise ValueError("triton backend: hidden, weight, labels and inv_t must be on one device")
     if dev.type != "cuda" and not INTERPRET:
@@ -178,6 +181,7 @@ class TritonBackend:
     alone): the backward skips its cuBLAS d_hidden / d_weight GEMMs and returns (None, None)."""
 
     name = "triton"
+    skips_ignored_rows = True  # module docstring: no compaction needed
 
     def __init__(self, backward_gemms: bool = True):
         self.backward_gemms = bool(backward_gemms)
@@ -195,9 +199,8 @@ class TritonBackend:
     record_labels = staticmethod(record_labels)
 
     # ------------------------------------------------------------------------------------ forward
-    def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool,
-                n_valid=None) -> ShardStats:
-        _check(hidden, weight, labels, inv_t, params, n_valid)
+    def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool) -> ShardStats:
+        _check(hidden, weight, labels, inv_t, params)
         N, H = hidden.shape
         valid = params.shard_valid
         dev = hidden.device
@@ -222,9 +225,8 @@ class TritonBackend:
         with _device_ctx(dev):
             lce_fwd_kernel[grid](
                 hidden, weight, d_h, d_w, y, it if it is not None else part, part, cache if use_cache else part,
-                _row_count(n_valid, y),
                 N, H, valid, split_v, n_splits, n_splits * N, inv_t_scalar,
-                HAS_INV_T=it is not None, HAS_CACHE=use_cache, HAS_SUMS=sums, HAS_N_VALID=n_valid is not None,
+                HAS_INV_T=it is not None, HAS_CACHE=use_cache, HAS_SUMS=sums,
                 EVEN_K=H % cfg.block_k == 0,
                 UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
                 BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
@@ -238,8 +240,8 @@ class TritonBackend:
 
     # ----------------------------------------------------------------------------------- backward
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,
-                 need_d_hidden: bool, need_d_weight: bool, n_valid=None):
-        _check(hidden, weight, labels, inv_t, params, n_valid)
+                 need_d_hidden: bool, need_d_weight: bool):
+        _check(hidden, weight, labels, inv_t, params)
         if not (need_d_hidden or need_d_weight):
             return None, None
         N, H = hidden.shape
@@ -274,7 +276,7 @@ class TritonBackend:
         esize = torch.finfo(ws_dtype).bits // 8
         chunk = _chunk_width(N, H, valid, esize, cfg.block_v)
         ws = _alloc((N * chunk,), ws_dtype, dev)
-        gemm = _Gemms(hidden, weight, ws_dtype)
+        gemm = Gemms(hidden, weight, ws_dtype)
         d_h, d_w = _descriptors(hidden, weight[:valid], cfg) if cache is None else (None, None)
         with _device_ctx(dev):
             for c0 in range(0, valid, chunk):
@@ -283,10 +285,10 @@ class TritonBackend:
                 tiles = triton.cdiv(N, cfg.block_n) * triton.cdiv(width, cfg.block_v)
                 n_programs = min(tiles, _slots(dev) * configs.BWD_PROGRAMS_PER_SM)
                 lce_bwd_kernel[(n_programs,)](
-                    hidden, weight, d_h, d_w, it if it is not None else vecs[0], *vecs,
-                    cache if cache is not None else vecs[0], dl, _row_count(n_valid, y),
+                    hidden, weight, d_h, d_w, y, it if it is not None else vecs[0], *vecs,
+                    cache if cache is not None else vecs[0], dl,
                     N, H, valid, c0, width, width, n_programs, inv_t_scalar,
-                    HAS_INV_T=it is not None, USE_CACHE=cache is not None, HAS_N_VALID=n_valid is not None,
+                    HAS_INV_T=it is not None, USE_CACHE=cache is not None,
                     EVEN_K=H % cfg.block_k == 0,
                     UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
                     BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
@@ -331,70 +333,3 @@ def _empty_stats(N: int, dev, sums: bool) -> ShardStats:
     inf = torch.full((N,), float("inf"), dtype=torch.float32, device=dev)
     return ShardStats(m=-inf, s=z, a=z.clone(), zy=z.clone(), mn=inf.clone(), mx=-inf, cache=None,
                       lsum=z.clone() if sums else None, lsq=z.clone() if sums else None)
-
-
-_OUT_DTYPE_OK: dict = {}
-
-
-def _out_dtype_supported(device: torch.device) -> bool:
-    """torch.mm / torch.addmm with out_dtype=float32 on bf16/fp16 operands (CUDA, torch >= 2.8)."""
-    key = str(device)
-    if key not in _OUT_DTYPE_OK:
-        ok = False
-        if device.type == "cuda":
-            try:
-                a = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
-                c = torch.mm(a, a, out_dtype=torch.float32)
-                torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
-                ok = c.dtype == torch.float32 and bool((c == 32).all())
-            except (TypeError, RuntimeError, NotImplementedError):
-                ok = False
-        _OUT_DTYPE_OK[key] = ok
-    return _OUT_DTYPE_OK[key]
-
-
-class _Gemms:
-    """The two cuBLAS products of one chunk, in the most exact mode the device offers.
-
-    native     operands already in the workspace dtype (fp32 inputs, fp32 workspace)
-    out_dtype  bf16/fp16 operands, fp32 output and accumulation (CUDA): d_hidden never rounds to bf16
-    upcast     operands cast to fp32 first (CPU interpreter; CUDA without out_dtype support)
-    """
-
-    def __init__(self, hidden, weight, ws_dtype):
-        self.hidden = hidden
-        if ws_dtype == hidden.dtype:
-            self.mode = "native" if hidden.dtype == torch.float32 else "out_dtype"
-            if self.mode == "out_dtype" and not _out_dtype_supported(hidden.device):
-                self.mode = "upcast"
-        else:
-            self.mode = "upcast"
-        self._h32 = None
-
-    def _h(self):
-        if self.mode != "upcast" or self.hidden.dtype == torch.float32:
-            return self.hidden
-        if self._h32 is None:
-            self._h32 = self.hidden.float()
-        return self._h32
-
-    def d_weight(self, dl, out):
-        h = self._h()
-        if self.mode == "upcast" and out.dtype != torch.float32:
-            out.copy_(torch.mm(dl.t().float(), h))
-        else:
-            torch.mm(dl.t(), h, out=out)
-
-    def d_hidden(self, dl, w_chunk, dh, first: bool):
-        if self.mode == "out_dtype":
-            if first:
-                torch.mm(dl, w_chunk, out_dtype=torch.float32, out=dh)
-            else:
-                torch.addmm(dh, dl, w_chunk, out_dtype=torch.float32, out=dh)
-            return
-        a = dl if dl.dtype == torch.float32 else dl.float()
-        b = w_chunk if w_chunk.dtype == torch.float32 else w_chunk.float()
-        if first:
-            torch.mm(a, b, out=dh)
-        else:
-            dh.addmm_(a, b)
