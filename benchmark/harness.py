@@ -5,6 +5,8 @@ Timing
     bench(fn)        triton.testing.do_bench: median with p20/p80 in ms (warm-up 50 ms, then `rep` ms of
                      timed calls, at least MIN_TIMED_CALLS of them; L2 flushed between calls); without
                      CUDA (smoke runs) a host timer
+    bench_alternating(fn, ref)  fn and a reference (the floor GEMM) called in turn, each call timed
+                     alone: fn's times and the median of the per-pair ratios fn / ref
     percentiles(xs)  the same three numbers for host-timed repetitions (bench_tp times ranks this way)
 Memory
     PeakMemory       CUDA high-water mark of a block: absolute and above what was allocated at entry
@@ -76,6 +78,48 @@ def bench(fn, rep=400, grad_to_none=None) -> dict:
     rep = max(rep, MIN_TIMED_CALLS * start.elapsed_time(end))
     q = do_bench(fn, warmup=50, rep=rep, quantiles=[0.5, 0.2, 0.8], grad_to_none=grad_to_none)
     return {"ms": q[0], "p20": q[1], "p80": q[2]}
+
+
+def bench_alternating(fn, ref, rep=400, grad_to_none=None):
+    """fn and ref called in turn, ref first, each call timed alone after an L2 flush: (fn's {'ms', 'p20',
+    'p80'}, the median over the pairs of fn / ref, ref's median ms). A clock that drifts (a power-capped
+    GPU) moves both calls of a pair together, so the ratio keeps what drift a ratio of two separate
+    loops loses. At least MIN_TIMED_CALLS pairs, else about `rep` ms of them; without CUDA, host timers."""
+    import statistics
+
+    def clear():
+        for t in grad_to_none or ():
+            t.grad = None
+
+    cuda = torch.cuda.is_available()
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda") if cuda else None
+
+    def timed(f):  # -> ms (host) or a pair of recorded events (CUDA)
+        clear()
+        if not cuda:
+            t0 = time.perf_counter()
+            f()
+            return (time.perf_counter() - t0) * 1e3
+        flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        f()
+        b.record()
+        return a, b
+
+    def ms(t):
+        return t if isinstance(t, float) else t[0].elapsed_time(t[1])
+
+    first = [timed(f) for f in (ref, fn, ref, fn)]  # warm-up, then an estimate of one pair
+    sync()
+    n = max(MIN_TIMED_CALLS, int(rep / max(1e-3, ms(first[2]) + ms(first[3]))))
+    pairs = [(timed(ref), timed(fn)) for _ in range(n)]
+    sync()
+    t_ref = [ms(r) for r, _ in pairs]
+    t_fn = [ms(f) for _, f in pairs]
+    med, p20, p80 = percentiles(t_fn)
+    return ({"ms": med, "p20": p20, "p80": p80}, statistics.median(f / r for f, r in zip(t_fn, t_ref)),
+            statistics.median(t_ref))
 
 
 def _host_bench(fn, rep, grad_to_none) -> dict:

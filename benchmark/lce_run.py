@@ -21,7 +21,7 @@ import traceback
 
 import torch
 
-from .harness import PeakMemory, bench, clean, exact_reference, gemm_floors, log, rel_l2
+from .harness import PeakMemory, bench, bench_alternating, clean, exact_reference, gemm_floors, log, rel_l2
 from .lce_providers import ENT_PROVIDERS
 
 LOGIT_STD = 4.0  # W ~ N(0, 16/H), h ~ N(0, 1): logits ~ N(0, 16), entropy ~ 3-4 nats
@@ -39,17 +39,17 @@ def _loss(lp, en, with_ent):
     return -lp.sum() - en.sum() if (with_ent and en is not None) else -lp.sum()
 
 
-def paired(run, gemm, rounds, rep):
-    """`rounds` rounds of (the forward GEMM, then `run`), each timed with bench(): (the median over the
-    rounds of run's median, p20 and p80 in ms, [run / GEMM per round], [GEMM ms per round]). The ratio of
-    each round divides by a GEMM timed seconds before, so a clock that drifts during a long shape run
-    (H100 medians moved by 5-15% within one lease) moves both terms together."""
+def paired(fn, gemm, rounds, rep, grad_to_none=None):
+    """`rounds` rounds of bench_alternating(fn, gemm): the GEMM and fn called in turn, each call timed
+    alone. Returns (the median over the rounds of fn's median, p20 and p80 in ms, [the round's median
+    of fn / GEMM over its pairs, per round], [GEMM ms per round]). Each ratio divides by a GEMM timed
+    just before on the same clock: on a power-capped H100 the clock moved medians of separate loops by
+    5-20% within one lease, and both calls of a pair move together."""
     times, ratios, gemms = [], [], []
     for _ in range(max(1, rounds)):
-        g = bench(gemm, rep=rep)["ms"]
-        t = run()
+        t, ratio, g = bench_alternating(fn, gemm, rep=rep, grad_to_none=grad_to_none)
         times.append(t)
-        ratios.append(t["ms"] / g)
+        ratios.append(ratio)
         gemms.append(g)
     med = {k: statistics.median(t[k] for t in times) for k in ("ms", "p20", "p80")}
     return med, ratios, gemms
@@ -83,7 +83,7 @@ def measure(r: dict, fn, with_ent, h0, W0, y, h, W, ref, floors, rep, rounds=1, 
         if gemm is None:
             r["fwd"] = fwd_run()
         else:
-            r["fwd"], r["fwd_x_gemm_rounds"], _ = paired(fwd_run, gemm, rounds, rep)
+            r["fwd"], r["fwd_x_gemm_rounds"], _ = paired(lambda: fn(h0, W0, y), gemm, rounds, rep)
     clean()
     # one fwd+bwd step: peak extra memory beyond inputs and their gradients
     with PeakMemory(h.device) as pm:
@@ -105,7 +105,7 @@ def measure(r: dict, fn, with_ent, h0, W0, y, h, W, ref, floors, rep, rounds=1, 
         r["fwdbwd_x_8nhv"] = r["fwdbwd"]["ms"] / floors["floor_8nhv"]
         r["fwdbwd_x_6nhv"] = r["fwdbwd"]["ms"] / floors["floor_6nhv"]
         return
-    r["fwdbwd"], fb_ratios, r["gemm_ms_rounds"] = paired(fb_run, gemm, rounds, rep)
+    r["fwdbwd"], fb_ratios, r["gemm_ms_rounds"] = paired(step, gemm, rounds, rep, grad_to_none=[h, W])
     # fwd+bwd / GEMM per round, times the floors' GEMM over their 8NHV (6NHV) sum
     r["fwdbwd_x_8nhv_rounds"] = [x * floors["fwd_gemm"] / floors["floor_8nhv"] for x in fb_ratios]
     r["fwd_x_floor"] = statistics.median(r["fwd_x_gemm_rounds"])
