@@ -40,16 +40,19 @@ def _loss(lp, en, with_ent):
 
 
 def paired(fn, gemm, rounds, rep, grad_to_none=None):
-    """`rounds` rounds of bench_alternating(fn, gemm): the GEMM and fn called in turn, each call timed
-    alone. Returns (the median over the rounds of fn's median, p20 and p80 in ms, [the round's median
-    of fn / GEMM over its pairs, per round], [GEMM ms per round]). Each ratio divides by a GEMM timed
-    just before on the same clock: on a power-capped H100 the clock moved medians of separate loops by
-    5-20% within one lease, and both calls of a pair move together."""
+    """`rounds` rounds of (a bench() loop of the forward GEMM, then one of fn): (the median over the
+    rounds of fn's median, p20 and p80 in ms, [fn / GEMM per round], [GEMM ms per round]). The ratio of
+    each round divides by a GEMM timed seconds before, so a clock that drifts during a long shape run
+    (H100 medians moved by 5-15% within one lease) moves both terms together. Each is a loop of its own
+    calls, in the steady state the floor is defined in: alternating the GEMM and fn call by call
+    instead (bench_alternating) hands each call the clock the other one's power draw left, and on a
+    power-capped H100 that cost the fused kernels 3-8% against cuBLAS (benchmark/notes.md)."""
     times, ratios, gemms = [], [], []
     for _ in range(max(1, rounds)):
-        t, ratio, g = bench_alternating(fn, gemm, rep=rep, grad_to_none=grad_to_none)
+        g = bench(gemm, rep=rep)["ms"]
+        t = bench(fn, rep=rep, grad_to_none=grad_to_none)
         times.append(t)
-        ratios.append(ratio)
+        ratios.append(t["ms"] / g)
         gemms.append(g)
     med = {k: statistics.median(t[k] for t in times) for k in ("ms", "p20", "p80")}
     return med, ratios, gemms
@@ -178,12 +181,18 @@ def _backend_call(h, W, y, cache=False):
 
 
 def breakdown(h, W, y, args, cache=False) -> dict:
-    """Time the Triton backend's pieces: forward kernels, backward kernels alone, cuBLAS GEMMs."""
+    """Time the Triton backend's pieces: forward kernels, backward kernels alone, cuBLAS GEMMs; and the
+    public op's forward over the backend's (op_fwd_over_backend: the two called in turn, each call timed
+    alone, the median of the per-pair ratios: what the API, checks and output assembly add)."""
+    from areal_lce import linear_logprobs_entropy
     from areal_lce.backends.triton.launch import TritonBackend
 
     be, p, st, lse, ent, g = _backend_call(h, W, y, cache)
     kernels = TritonBackend(backward_gemms=False)
     out = {"fwd_backend": bench(lambda: be.forward(h, W, y, None, p, False), rep=args.rep)["ms"]}
+    with torch.no_grad():
+        out["op_fwd_over_backend"] = bench_alternating(lambda: linear_logprobs_entropy(h, W, y, backend="triton"),
+                                                       lambda: be.forward(h, W, y, None, p, False), rep=args.rep)[1]
     out["bwd_backend"] = bench(lambda: be.backward(h, W, y, None, p, st.cache, lse, ent, g, g, True, True),
                                rep=args.rep)["ms"]
     out["bwd_kernel_only"] = bench(lambda: kernels.backward(h, W, y, None, p, st.cache, lse, ent, g, g, True, True),

@@ -61,7 +61,9 @@ def test_run_measures_every_provider_against_the_reference(tmp_path, capsys):
         assert r["fwd_x_floor"] == sorted(r["fwd_x_gemm_rounds"])[1]
         assert r["fwdbwd_x_8nhv"] == sorted(r["fwdbwd_x_8nhv_rounds"])[1]
     assert provs["torch_eager"]["logp_maxabs"] > 1e-3  # bf16 logits: the reference tells them apart
-    assert set(shape["breakdown"]) == {"fwd_backend", "bwd_backend", "bwd_kernel_only", "bwd_gemms"}
+    assert set(shape["breakdown"]) == {"fwd_backend", "op_fwd_over_backend", "bwd_backend", "bwd_kernel_only",
+                                       "bwd_gemms"}
+    assert 0.2 < shape["breakdown"]["op_fwd_over_backend"] < 50  # a ratio of two timings of one call each
     assert (tmp_path / "bench_lce.csv").read_text().count("\n") == 1 + 3
     printed = capsys.readouterr().out
     assert "triton breakdown" in printed and "vs targets" in printed
