@@ -139,8 +139,9 @@ def linear_logprobs_entropy(
     Returns `LCEOutput` of fp32 tensors shaped like labels (see its docstring for the stats' definitions).
 
     temperature: float > 0, or a tensor broadcastable to labels (per token / per sample); not differentiated.
-    ignore_index: rows with this label get logprob = entropy = stats = 0 and exactly zero gradient (even
-        where their hidden rows are not finite), with no host count of them.
+    ignore_index: rows with this label get logprob = entropy = stats = 0 and exactly zero gradient, with no
+        host count of them. A NaN / Inf in such a row's hidden reaches no output and no d_hidden; it
+        reaches d_weight (as 0 · NaN) unless the rows are partitioned (compact_ignored).
     compact_ignored: how ignored rows are kept out of the work. None (default): the backend's choice. The
         triton backend skips them in its kernels (a block of 128 rows that are all ignored runs no GEMM;
         ignored rows in a mixed block are computed and their gradient zeroed), with no copy. The other
