@@ -5,8 +5,9 @@ Timing
     bench(fn)        triton.testing.do_bench: median with p20/p80 in ms (warm-up 50 ms, then `rep` ms of
                      timed calls, at least MIN_TIMED_CALLS of them; L2 flushed between calls); without
                      CUDA (smoke runs) a host timer
-    bench_alternating(fn, ref)  fn and a reference (the floor GEMM) called in turn, each call timed
-                     alone: fn's times and the median of the per-pair ratios fn / ref
+    bench_alternating(fn, ref)  fn and a reference called in turn, each call timed alone: fn's times
+                     and the median of the per-pair ratios fn / ref (for two calls that run the same
+                     kernels; not for ratios to the cuBLAS floors, see lce_run.paired)
     percentiles(xs)  the same three numbers for host-timed repetitions (bench_tp times ranks this way)
 Memory
     PeakMemory       CUDA high-water mark of a block: absolute and above what was allocated at entry
@@ -82,9 +83,12 @@ def bench(fn, rep=400, grad_to_none=None) -> dict:
 
 def bench_alternating(fn, ref, rep=400, grad_to_none=None):
     """fn and ref called in turn, ref first, each call timed alone after an L2 flush: (fn's {'ms', 'p20',
-    'p80'}, the median over the pairs of fn / ref, ref's median ms). A clock that drifts (a power-capped
-    GPU) moves both calls of a pair together, so the ratio keeps what drift a ratio of two separate
-    loops loses. At least MIN_TIMED_CALLS pairs, else about `rep` ms of them; without CUDA, host timers."""
+    'p80'}, the median over the pairs of fn / ref, ref's median ms). Both calls of a pair see the same
+    slow clock drift, so two calls that run the same kernels (the public op and its backend) compare
+    within a fraction of a percent. Each call also inherits the clock the previous call's power draw left
+    (a power-capped GPU), which biases a pair of unlike kernels: the floors stay steady-state loops
+    (lce_run.paired). At least MIN_TIMED_CALLS pairs, else about `rep` ms of them; without CUDA, host
+    timers."""
     import statistics
 
     def clear():

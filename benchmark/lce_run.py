@@ -82,9 +82,8 @@ def measure(r: dict, fn, with_ent, h0, W0, y, h, W, ref, floors, rep, rounds=1, 
         with PeakMemory(h.device) as pm:
             fn(h0, W0, y)
         r["fwd_peak_extra_gib"] = pm.extra_gib if pm.cuda else None
-        fwd_run = lambda: bench(lambda: fn(h0, W0, y), rep=rep)  # noqa: E731
         if gemm is None:
-            r["fwd"] = fwd_run()
+            r["fwd"] = bench(lambda: fn(h0, W0, y), rep=rep)
         else:
             r["fwd"], r["fwd_x_gemm_rounds"], _ = paired(lambda: fn(h0, W0, y), gemm, rounds, rep)
     clean()
@@ -101,9 +100,8 @@ def measure(r: dict, fn, with_ent, h0, W0, y, h, W, ref, floors, rep, rounds=1, 
         lp, en = fn(h, W, y)
         _loss(lp, en, with_ent).backward()
 
-    fb_run = lambda: bench(step, rep=rep, grad_to_none=[h, W])  # noqa: E731
     if gemm is None:
-        r["fwdbwd"] = fb_run()
+        r["fwdbwd"] = bench(step, rep=rep, grad_to_none=[h, W])
         r["fwd_x_floor"] = r["fwd"]["ms"] / floors["floor_fwd"]
         r["fwdbwd_x_8nhv"] = r["fwdbwd"]["ms"] / floors["floor_8nhv"]
         r["fwdbwd_x_6nhv"] = r["fwdbwd"]["ms"] / floors["floor_6nhv"]

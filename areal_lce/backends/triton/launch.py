@@ -107,8 +107,8 @@ def _local_labels(labels: torch.Tensor, params: LCEParams) -> torch.Tensor:
     """This shard's label columns as contiguous int32, in one launch (local_labels_kernel): -1 where
     another shard owns the label, IGNORED (-2) at ignore_index rows.
 
-    The int64 labels are read from a base that is 16-byte aligned (a copy otherwise): int64 loads from
-    addresses that are not miscompile."""
+    The int64 labels are read from a 16-byte aligned base (copied otherwise): int64 loads from addresses
+    that are not 16-byte aligned miscompile."""
     y = labels.to(torch.int64).contiguous()
     if y.data_ptr() % 16:
         y = y.clone()
