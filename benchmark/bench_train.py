@@ -41,7 +41,8 @@ def _engine(args, fused: bool, trainable: bool = True):
         parallel=ParallelConfig(tensor_parallel=args.tp, sequence_parallel=args.sp),
         optim=OptimConfig(lr=1e-5, clip_grad=1.0), use_fused_linear_ce=fused, seed=1234,
         model_cuda_graphs={"auto": "auto", "on": True, "off": False}[getattr(args, "model_graphs", "auto")],
-        lce_cache_bytes=args.lce_cache_bytes if args.lce_cache_bytes == "auto" else int(args.lce_cache_bytes))
+        lce_cache_bytes=args.lce_cache_bytes if args.lce_cache_bytes == "auto" else int(args.lce_cache_bytes),
+        lce_compact_ignored={"auto": "auto", "on": True, "off": False}[getattr(args, "compact_ignored", "auto")])
     return MegatronEngine(cfg, trainable=trainable)
 
 
@@ -177,6 +178,8 @@ def main():
                     help="rl.logprob_max_tokens of the logprob passes: tokens per forward, or auto (the job's "
                          "default: 16384 on the fused route, --micro-batch sequences on the materialised one)")
     ap.add_argument("--lce-cache-bytes", default="0", help="engine.lce_cache_bytes of the fused route: bytes or auto")
+    ap.add_argument("--compact-ignored", choices=["auto", "on", "off"], default="auto",
+                    help="engine.lce_compact_ignored of the fused route: auto, true (on) or false (off)")
     ap.add_argument("--rope-fusion", choices=["on", "off"], default="on",
                     help="model.rope_fusion of both routes (on: the fused RoPE kernel, the default)")
     ap.add_argument("--model-graphs", choices=["auto", "on", "off"], default="auto",
@@ -220,6 +223,7 @@ def main():
     routes = "" if len(results) == 2 else "_" + results[0]["route"]
     routes += "" if args.rope_fusion == "on" else "_unfused_rope"
     routes += "" if args.model_graphs == "auto" else f"_graphs_{args.model_graphs}"
+    routes += "" if args.compact_ignored == "auto" else f"_compact_{args.compact_ignored}"
     write_json(args.out, f"train_{args.job}_{args.preset}_tp{args.tp}{routes}.json", {"meta": meta, "results": results})
 
 

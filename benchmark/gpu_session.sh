@@ -6,7 +6,7 @@
 # Engine figures (issue 12, item 6): prof_engine bench_grpo bench_sft; LOGPROB_TOKENS=N ROUTES=materialised
 # bench_grpo runs one route at a given rl.logprob_max_tokens; ROPE=off runs bench_sft / bench_grpo with
 # model.rope_fusion off (megatron's unfused RoPE); GRAPHS=on|off: engine.model_cuda_graphs on both routes / off
-# (default auto); STEPS=N: steps of bench_sft / bench_grpo (their first step and a graph capture step are
+# (default auto); COMPACT=on|off: engine.lce_compact_ignored true / false (default auto); STEPS=N: steps of bench_sft / bench_grpo (their first step and a graph capture step are
 # included in step_s_all, the medians skip step 0).
 set -u
 OUT=${OUT:-bench_out}
@@ -35,10 +35,12 @@ for job in "$@"; do
     bench_rollout) run bench_rollout 300 torchrun --nproc_per_node=1 -m benchmark.bench_rollout --preset qwen2.5-0.5b --out "$W" ;;
     bench_lce) run bench_lce 480 python3 -m benchmark.bench_lce --shapes small,qwen7b,llama8b,wide_n --out "$W" ;;
     prof_engine) run prof_engine 200 torchrun --nproc_per_node=1 -m benchmark.prof_engine --materialised --out "$W" ;;
-    bench_grpo) run "bench_grpo${LOGPROB_TOKENS:+_$LOGPROB_TOKENS}${ROUTES:+_$ROUTES}${ROPE:+_rope_$ROPE}${GRAPHS:+_graphs_$GRAPHS}" 300 torchrun --nproc_per_node=1 \
+    bench_grpo) run "bench_grpo${LOGPROB_TOKENS:+_$LOGPROB_TOKENS}${ROUTES:+_$ROUTES}${ROPE:+_rope_$ROPE}${GRAPHS:+_graphs_$GRAPHS}${COMPACT:+_compact_$COMPACT}" 300 torchrun --nproc_per_node=1 \
           -m benchmark.bench_train --job grpo --preset qwen2.5-0.5b --prompts 16 --group 4 --micro-batch 16 \
           --prompt-len 256 --new-tokens 16 --steps ${STEPS:-3} ${LOGPROB_TOKENS:+--logprob-max-tokens $LOGPROB_TOKENS} \
-          ${ROUTES:+--routes $ROUTES} ${ROPE:+--rope-fusion $ROPE} ${GRAPHS:+--model-graphs $GRAPHS} --out "$W" ;;
+          ${ROUTES:+--routes $ROUTES} ${ROPE:+--rope-fusion $ROPE} ${GRAPHS:+--model-graphs $GRAPHS} \
+          ${COMPACT:+--compact-ignored $COMPACT} --out "$W" ;;
+    bench_ignored) run bench_ignored 240 python3 -m benchmark.bench_ignored --out "$W" ;;
     bench_sft) run "bench_sft${ROPE:+_rope_$ROPE}${GRAPHS:+_graphs_$GRAPHS}" 300 torchrun --nproc_per_node=1 -m benchmark.bench_train --job sft \
           --preset qwen2.5-0.5b --seq 2048 --micro-batch 4 --micro-batches 2 --steps ${STEPS:-5} ${ROPE:+--rope-fusion $ROPE} \
           ${GRAPHS:+--model-graphs $GRAPHS} --out "$W" ;;

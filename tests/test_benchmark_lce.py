@@ -74,3 +74,24 @@ def test_sweep_runs_every_candidate(tmp_path):
     rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
     assert len(rows) == 7 and not [r for r in rows if "error" in r], rows
     assert {(r["kind"], r["tma"], r["pps"]) for r in rows} >= {("fwd", False, 1), ("bwd", True, 2)}
+
+
+def test_bench_ignored_layouts_and_run(tmp_path):
+    """benchmark.bench_ignored: its label layouts mask what they say, and one CPU run of every layout."""
+    from benchmark import bench_ignored
+
+    y = torch.arange(544)
+    rl = bench_ignored.layout_labels(y, "rl_256_16")  # two sequences of 272: 16 targets each, at their ends
+    assert (rl != -100).sum() == 32 and (rl[256:272] == y[256:272]).all() and (rl[:256] == -100).all()
+    sc = bench_ignored.layout_labels(y, "scattered_0.5")
+    assert 0.4 < (sc == -100).float().mean() < 0.6 and ((sc == y) | (sc == -100)).all()
+    assert torch.equal(bench_ignored.layout_labels(y, "all"), y)
+    with pytest.raises(ValueError, match="layout 'rl'"):
+        bench_ignored.layout_labels(y, "rl")
+    argv = ["--device", "cpu", "--shapes", "288x32x384", "--backend", "torch", "--rep", "1", "--out", str(tmp_path)]
+    assert bench_ignored.main(argv) == 0
+    (shape,) = json.loads((tmp_path / "bench_ignored.json").read_text())["shapes"]
+    assert set(shape["layouts"]) == set(bench_ignored.LAYOUTS)
+    rl = shape["layouts"]["rl_256_16"]
+    assert rl["ignored_share"] == pytest.approx(1 - 16 / 288)  # one whole sequence and 16 prompt rows
+    assert rl["compact_fwd_ms"] > 0 and rl["in_place_fwdbwd_over_all"] > 0

@@ -102,7 +102,8 @@ def test_graph_keys_eager_first_then_capture_and_failure(monkeypatch):
     assert len(graphs.entries) == 2 and len(calls) == 2
     monkeypatch.setattr(G, "MAX_GRAPHS", 2)
     graphs(_packed([5, 7], multiple=32), 1.0, grad=False)
-    assert len(graphs.entries) == 2 and (16, 4, 1.0, False) not in graphs.entries
+    assert len(graphs.entries) == 2 and (16, 4, 1.0, False, None) not in graphs.entries
+    assert (32, 4, 1.0, False, None) in graphs.entries and (16, 4, 0.5, False, None) in graphs.entries
 
 
 def test_captured_plan_reads_nothing_on_host_and_refuses_what_it_cannot_take():

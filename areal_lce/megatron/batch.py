@@ -34,6 +34,7 @@ class ModelBatch:
     shape: tuple  # (b, s) of the caller's padded batch
     cp_group: Any = None  # context-parallel group when cp > 1
     cp_padding: Any = None  # THD under CP: ContextParallelPadding of the packed sequences
+    compact_ignored: Optional[bool] = None  # the fused LM head's choice for this batch (compact_choice)
 
     def rope_positions(self) -> Optional[torch.Tensor]:
         """Position of every token of the whole packed row (before any CP split) within its sequence."""
@@ -66,11 +67,31 @@ class ModelBatch:
         return TokenStats.unpack(out[:b, :s])
 
 
+# engine.lce_compact_ignored: auto compacts a micro-batch when at least this share of the rows the LM head
+# sees have no target. Compaction costs a copy of those rows' hidden states (and of d_hidden): ~0.3% of the
+# head's forward per row at H·V of real models, against a full row of GEMM work for each ignored row the
+# kernels would otherwise compute (benchmark/bench_ignored.py, docs/benchmarks.md).
+AUTO_COMPACT_SHARE = 0.25
+
+
+def compact_choice(option, labels: torch.Tensor, positions: int, ignore_index: int = -100) -> Optional[bool]:
+    """The fused LM head's `compact_ignored` for one micro-batch under engine.lce_compact_ignored=`option`:
+    True / False as given; "auto": True when at least AUTO_COMPACT_SHARE of the `positions` rows the head
+    sees have no target (prompt-masked RL batches), else None (the backend's choice: Triton skips
+    128-row blocks without a target in place). Counted on `labels` where they are: the engine's batches
+    live on the host, so no device sync."""
+    if option != "auto":
+        return option
+    targets = int((labels != ignore_index).sum())
+    return True if positions and positions - targets >= AUTO_COMPACT_SHARE * positions else None
+
+
 def prepare(input_ids: torch.Tensor, labels: torch.Tensor, *, device, max_seq_len: int, pack: bool,
             seq_multiple: int = 1, min_packed_length: int = 0, cp_group=None, cp_size: int = 1,
-            cu_seqlens_on_host: bool = False, ignore_index: int = -100) -> ModelBatch:
+            cu_seqlens_on_host: bool = False, ignore_index: int = -100, compact_ignored=None) -> ModelBatch:
     """Model inputs of one right-padded micro-batch. `seq_multiple`: the sequence (BSHD) or packed row
-    (THD) length must be a multiple of it (tensor-parallel size under sequence parallelism)."""
+    (THD) length must be a multiple of it (tensor-parallel size under sequence parallelism).
+    `compact_ignored`: engine.lce_compact_ignored (None, True, False or "auto"; see compact_choice)."""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must both "
                          "be [batch, seq]")
@@ -79,19 +100,23 @@ def prepare(input_ids: torch.Tensor, labels: torch.Tensor, *, device, max_seq_le
         raise ValueError(f"sequence length {s} exceeds model.max_seq_len={max_seq_len}")
     group = cp_group if cp_size > 1 else None
     if pack:  # packed on the host (the jobs' batches live there), then moved: no device syncs
-        rows = pack_rows(input_ids.cpu().long(), labels.cpu().long(), pad_to_multiple=1 if group else seq_multiple,
-                         min_length=min_packed_length, ignore_index=ignore_index).to(device, cu_seqlens_on_host)
+        host = pack_rows(input_ids.cpu().long(), labels.cpu().long(), pad_to_multiple=1 if group else seq_multiple,
+                         min_length=min_packed_length, ignore_index=ignore_index)
+        compact = compact_choice(compact_ignored, host.labels, host.labels.numel(), ignore_index)
+        rows = host.to(device, cu_seqlens_on_host)
         if group is None:
-            return ModelBatch(rows.input_ids, rows.labels, rows.position_ids, None, rows, (b, s))
+            return ModelBatch(rows.input_ids, rows.labels, rows.position_ids, None, rows, (b, s),
+                              compact_ignored=compact)
         # every packed sequence padded to a multiple of 2*cp (x tp under SP: each CP share is then split
         # over TP too), then this rank's zigzag chunks of each
         padding = pad_for_context_parallel(rows.cu_seqlens, cp_size, 2 * cp_size * seq_multiple)
         cu = padding.cu_seqlens_padded
         local = [split_for_context_parallel(pad_packed(x, padding, fill), group, cu)
                  for x, fill in ((rows.input_ids, 0), (rows.labels, ignore_index), (rows.position_ids, 0))]
-        return ModelBatch(*local, None, rows, (b, s), group, padding)
-    ids, lab = input_ids.to(device, torch.long), labels.to(device, torch.long)
+        return ModelBatch(*local, None, rows, (b, s), group, padding, compact)
     pad = (-s) % (seq_multiple * (2 * cp_size if group else 1))
+    compact = compact_choice(compact_ignored, labels, b * (s + pad), ignore_index)
+    ids, lab = input_ids.to(device, torch.long), labels.to(device, torch.long)
     if pad:  # sequence / context parallelism split the sequence: right-pad, labels ignored
         ids = torch.nn.functional.pad(ids, (0, pad), value=0)
         lab = torch.nn.functional.pad(lab, (0, pad), value=ignore_index)
@@ -99,11 +124,11 @@ def prepare(input_ids: torch.Tensor, labels: torch.Tensor, *, device, max_seq_le
     pos = torch.arange(sp, device=device).unsqueeze(0).expand(b, sp)
     if group is not None:
         ids, lab, pos = (split_for_context_parallel(x, group) for x in (ids, lab, pos))
-        return ModelBatch(ids, lab, pos, None, None, (b, s), group)
+        return ModelBatch(ids, lab, pos, None, None, (b, s), group, compact_ignored=compact)
     mask = None
     if device.type != "cuda":  # megatron builds its default causal mask on CUDA only
         mask = torch.triu(torch.ones(sp, sp, dtype=torch.bool, device=device), diagonal=1)[None, None]
-    return ModelBatch(ids, lab, pos, mask, None, (b, s))
+    return ModelBatch(ids, lab, pos, mask, None, (b, s), compact_ignored=compact)
 
 
 def packed_length(input_ids: torch.Tensor, labels: torch.Tensor, seq_multiple: int = 1,

@@ -47,6 +47,7 @@ class CaptureContext:
     vocab_size: the true vocabulary (required: Megatron's padded rows must not enter the softmax).
     fused: True computes the stats with the fused op; False builds the logits through the output layer
     (the materialised route, same outputs).
+    backend, cache_bytes, compact_ignored: passed to `linear_logprobs_entropy` (fused route).
     """
 
     labels: torch.Tensor
@@ -56,6 +57,7 @@ class CaptureContext:
     cache_bytes: Union[int, str] = 0  # bytes, or "auto" (linear_logprobs_entropy's cache_bytes)
     ignore_index: int = -100
     fused: bool = True
+    compact_ignored: Optional[bool] = None  # None: the backend's choice (linear_logprobs_entropy)
 
     def __post_init__(self):
         if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size <= 0:
@@ -173,7 +175,7 @@ def _fused_packed(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx:
     out = linear_logprobs_entropy(
         hidden.reshape(s * b, h), weight, labels.reshape(-1).to(hidden.device),
         temperature=temperature / mult, ignore_index=ctx.ignore_index, vocab_size=ctx.vocab_size,
-        return_stats=True, backend=ctx.backend, cache_bytes=ctx.cache_bytes,
+        return_stats=True, backend=ctx.backend, cache_bytes=ctx.cache_bytes, compact_ignored=ctx.compact_ignored,
         vocab_parallel=VocabParallel(tp_group, d_hidden="caller"),  # Megatron's own mapping reduces d_hidden
     )
     stats = (out.logprobs, out.entropy, out.max_logit * mult, out.min_logit * mult)

@@ -192,6 +192,13 @@ class EngineConfig:
         metadata={"help": "fused op may keep fp32 logits for backward up to this many bytes; 'auto': "
                   "min(4 GiB, device memory / 8), at least 1 GiB (1 GiB on CPU); 0: always recompute"},
     )
+    lce_compact_ignored: Union[bool, str] = field(
+        default="auto",
+        metadata={"help": "fused op's compact_ignored per micro-batch: auto = true when at least a quarter of "
+                  "the positions have no target (RL batches with their prompts masked: only the rows with a "
+                  "target are computed), else the backend's choice (Triton skips 128-row blocks without a "
+                  "target in place); counted on the host, no sync. true / false: always / never compact"},
+    )
     capture_seam: str = field(
         default="auto",
         metadata={"help": f"one of {CAPTURE_SEAMS}: auto = GPTModel's output_processor when the "
@@ -248,6 +255,8 @@ class EngineConfig:
         if isinstance(self.cuda_graph_token_multiple, bool) or not isinstance(self.cuda_graph_token_multiple, int) \
                 or self.cuda_graph_token_multiple < 1:
             raise ValueError(f"engine.cuda_graph_token_multiple={self.cuda_graph_token_multiple!r}: expected an int >= 1")
+        if not isinstance(self.lce_compact_ignored, bool) and self.lce_compact_ignored != "auto":
+            raise ValueError(f"engine.lce_compact_ignored={self.lce_compact_ignored!r}: expected true, false or 'auto'")
         if isinstance(self.lce_cache_bytes, str) and self.lce_cache_bytes != "auto":
             raise ValueError(f"engine.lce_cache_bytes={self.lce_cache_bytes!r}: expected an int >= 0 or 'auto'")
         if isinstance(self.lce_cache_bytes, int) and self.lce_cache_bytes < 0:

@@ -143,7 +143,8 @@ class MegatronEngine:
         return prepare_batch(input_ids, labels, device=self.device, max_seq_len=self.cfg.model.max_seq_len,
                              pack=self.cfg.pack_sequences, seq_multiple=multiple,
                              min_packed_length=min_packed_length, cp_group=self.cp_group, cp_size=self.dist.cp_size,
-                             cu_seqlens_on_host=not use_te_spec())
+                             cu_seqlens_on_host=not use_te_spec(),
+                             compact_ignored=self.cfg.lce_compact_ignored if self.route.fused else None)
 
     def _call_model(self, mb: ModelBatch, temperature: float) -> torch.Tensor:
         """One model call through the route: packed stats [b, s, 4] / [1, T, 4] on the last pipeline
@@ -151,7 +152,8 @@ class MegatronEngine:
         with per_token_rope(self.gpt, mb):
             return self.route.stats(self.model, mb.input_ids, mb.labels, vocab_size=self.vocab_size,
                                     position_ids=mb.position_ids, attention_mask=mb.attention_mask,
-                                    packed_seq_params=mb.packed_seq_params, temperature=float(temperature))
+                                    packed_seq_params=mb.packed_seq_params, temperature=float(temperature),
+                                    compact_ignored=mb.compact_ignored)
 
     def _schedule_kwargs(self) -> dict:
         """How the pipeline schedule prepares and runs this engine's micro-batches (schedule.py)."""

@@ -5,7 +5,8 @@ token micro-batches issues ~3600 kernels from megatron-core's eager modules (abo
 and the host takes longer than that to issue them (benchmark/notes.md). A replayed graph issues the
 same kernels in one call.
 
-What is captured, per key (packed length T, number of sequences, temperature, with or without grad):
+What is captured, per key (packed length T, number of sequences, temperature, with or without grad, the
+LM head's compact_ignored choice):
   * the first call at a key runs eagerly (Triton compiles, cuBLAS handles, megatron's lazy state);
   * the second records the model call (`call_model`: the whole GPTModel with the engine's LM-head
     route) into a forward graph and, with grad, its backward from a static output gradient into a
@@ -72,7 +73,8 @@ class _Entry:
         self.ids, self.labels, self.pos = (x.clone() for x in (rows.input_ids, rows.labels, rows.position_ids))
         self.cu = host_to_device(rows.cu_seqlens.to(torch.int32), rows.input_ids.device).clone()
         static = PackedRows(self.ids, self.labels, self.pos, self.cu, t, rows.index, rows.padded_shape)
-        self.mb = ModelBatch(self.ids, self.labels, self.pos, None, static, mb.shape)
+        self.mb = ModelBatch(self.ids, self.labels, self.pos, None, static, mb.shape,
+                             compact_ignored=mb.compact_ignored)
         self.fwd: Optional[torch.cuda.CUDAGraph] = None
         self.bwd: Optional[torch.cuda.CUDAGraph] = None
         self.out: Optional[torch.Tensor] = None
@@ -118,7 +120,7 @@ class ModelCallGraphs:
 
     def __call__(self, mb: ModelBatch, temperature: float, grad: bool) -> torch.Tensor:
         rows = mb.packed
-        key = (rows.input_ids.shape[1], rows.cu_seqlens.numel(), float(temperature), bool(grad))
+        key = (rows.input_ids.shape[1], rows.cu_seqlens.numel(), float(temperature), bool(grad), mb.compact_ignored)
         entry = self.entries.get(key)
         if entry is None:  # first sighting: eager
             self._remember(key, _SEEN)

@@ -14,7 +14,7 @@ the route for logs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -107,17 +107,18 @@ class Route:
         capture.check_seam_config(config, self.seam, self.fused)
 
     def stats(self, model, input_ids: torch.Tensor, labels: torch.Tensor, *, vocab_size: int, position_ids=None,
-              attention_mask=None, packed_seq_params=None, temperature=1.0, ignore_index: int = -100):
+              attention_mask=None, packed_seq_params=None, temperature=1.0, ignore_index: int = -100,
+              compact_ignored: Optional[bool] = None):
         """One model call: packed [b, s, 4] stats (logprobs, entropy, max_logit, min_logit) on the stage
         with the LM head, the decoder's output (what a pipeline schedule sends on) on the other stages.
-        Arguments as `token_stats`'."""
+        Arguments as `token_stats`'; `compact_ignored` is this call's (the engine picks it per micro-batch)."""
         gpt = find_gpt_model(model)
         _check_inputs(gpt, input_ids, labels, position_ids, packed_seq_params, vocab_size)
         self.check(gpt.config)
         labels = labels.to(input_ids.device)
         ctx = capture.CaptureContext(labels=labels, temperature=_temperature(temperature, labels),
                                      vocab_size=vocab_size, backend=self.backend, cache_bytes=self.cache_bytes,
-                                     ignore_index=ignore_index, fused=self.fused)
+                                     ignore_index=ignore_index, fused=self.fused, compact_ignored=compact_ignored)
         run = capture.run_fused if self.fused else capture.run_materialised
         return run(model, gpt, self.seam, ctx, input_ids, position_ids, attention_mask, packed_seq_params)
 

@@ -14,7 +14,7 @@ and `cache_bytes`; the engine holds one and calls it directly; any training loop
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -48,18 +48,20 @@ class TokenStats(NamedTuple):
 
 def model_output(model, input_ids, labels, *, vocab_size: int, position_ids=None, attention_mask=None,
                  packed_seq_params=None, temperature=1.0, fused: bool = True, backend: str = "auto",
-                 cache_bytes: int = 0, seam: str = "auto", ignore_index: int = -100) -> torch.Tensor:
+                 cache_bytes: int = 0, seam: str = "auto", ignore_index: int = -100,
+                 compact_ignored: Optional[bool] = None) -> torch.Tensor:
     """`token_stats` as a pipeline stage sees it: packed [b, s, 4] stats on the stage with the LM head,
     the decoder's output (what the schedule sends on) on the other stages."""
     return Route.choose(fused, seam, backend, cache_bytes).stats(
         model, input_ids, labels, vocab_size=vocab_size, position_ids=position_ids, attention_mask=attention_mask,
-        packed_seq_params=packed_seq_params, temperature=temperature, ignore_index=ignore_index)
+        packed_seq_params=packed_seq_params, temperature=temperature, ignore_index=ignore_index,
+        compact_ignored=compact_ignored)
 
 
 def token_stats(model, input_ids: torch.Tensor, labels: torch.Tensor, *, vocab_size: int, position_ids=None,
                 attention_mask=None, packed_seq_params=None, temperature: Union[float, torch.Tensor] = 1.0,
                 fused: bool = True, backend: str = "auto", cache_bytes: int = 0, seam: str = "auto",
-                ignore_index: int = -100) -> Union[TokenStats, torch.Tensor]:
+                ignore_index: int = -100, compact_ignored: Optional[bool] = None) -> Union[TokenStats, torch.Tensor]:
     """Per-token logprobs, entropy and logit extremes of `labels` under `model`, in one model call.
 
     model        GPTModel or a wrapper of one (DDP, Float16Module); called as `model(input_ids, position_ids,
@@ -71,7 +73,10 @@ def token_stats(model, input_ids: torch.Tensor, labels: torch.Tensor, *, vocab_s
     temperature  float, or a tensor broadcastable to labels ([b, s], [b, 1], [1, T]); not differentiated.
     fused        True: the fused op at the LM head (no logits); False: the output layer's logits
                  (materialised route), same outputs and gradients.
-    backend, cache_bytes  passed to `linear_logprobs_entropy` (fused route).
+    backend, cache_bytes, compact_ignored  passed to `linear_logprobs_entropy` (fused route).
+                 compact_ignored=True suits batches where most positions have no target (RL: prompts
+                 masked): the op then computes only the rows with one; None (default): the backend's
+                 choice (Triton skips 128-row blocks without a target in place).
     seam         "auto" | "output_processor" (megatron-core >= 0.18) | "output_layer" (instance patch).
 
     Returns TokenStats of fp32 tensors shaped like labels on the pipeline stage that holds the LM head;
@@ -88,7 +93,8 @@ def token_stats(model, input_ids: torch.Tensor, labels: torch.Tensor, *, vocab_s
     """
     out = model_output(model, input_ids, labels, vocab_size=vocab_size, position_ids=position_ids,
                        attention_mask=attention_mask, packed_seq_params=packed_seq_params, temperature=temperature,
-                       fused=fused, backend=backend, cache_bytes=cache_bytes, seam=seam, ignore_index=ignore_index)
+                       fused=fused, backend=backend, cache_bytes=cache_bytes, seam=seam, ignore_index=ignore_index,
+                       compact_ignored=compact_ignored)
     if not find_gpt_model(model).post_process:
         return out
     return TokenStats.unpack(out)
