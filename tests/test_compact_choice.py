@@ -37,17 +37,17 @@ def _rl_rows(prompt: int, response: int, rows: int = 3, vocab: int = 90, seed: i
 
 
 @pytest.mark.parametrize("ignored, positions, expect", [
-    (0, 16, None),    # every row has a target (SFT): the backend's in-place skipping
-    (3, 16, None),    # just under a quarter ignored
-    (4, 16, True),    # exactly a quarter: compact
-    (15, 16, True),   # prompt-masked RL batch
-    (16, 16, True),   # nothing to compute at all
+    (0, 64, None),    # every row has a target (SFT): the backend's in-place skipping
+    (3, 64, None),    # just under 1/16 ignored
+    (4, 64, True),    # exactly 1/16: compact
+    (60, 64, True),   # prompt-masked RL batch
+    (64, 64, True),   # nothing to compute at all
     (0, 0, None),     # empty batch
 ], ids=["none", "under", "at", "rl", "all", "empty"])
 def test_auto_threshold(ignored, positions, expect):
     labels = torch.arange(positions)
     labels[:ignored] = -100
-    assert B.AUTO_COMPACT_SHARE == 0.25
+    assert B.AUTO_COMPACT_SHARE == 1 / 16
     assert B.compact_choice("auto", labels, positions) is expect
 
 
@@ -62,9 +62,9 @@ def test_explicit_options_pass_through_without_counting():
 
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "padded"])
 def test_prepare_records_the_choice(pack):
-    kw = dict(device=CPU, max_seq_len=64, pack=pack, seq_multiple=4)
+    kw = dict(device=CPU, max_seq_len=256, pack=pack, seq_multiple=4)
     rl_ids, rl_labels = _rl_rows(prompt=20, response=4)
-    sft_ids, sft_labels = _rl_rows(prompt=1, response=30)
+    sft_ids, sft_labels = _rl_rows(prompt=1, response=200)
     assert B.prepare(rl_ids, rl_labels, compact_ignored="auto", **kw).compact_ignored is True
     assert B.prepare(sft_ids, sft_labels, compact_ignored="auto", **kw).compact_ignored is None
     assert B.prepare(rl_ids, rl_labels, compact_ignored=False, **kw).compact_ignored is False
@@ -74,12 +74,12 @@ def test_prepare_records_the_choice(pack):
 
 def test_padding_counts_as_ignored_rows():
     """The rows the head sees include the padding a multiple adds (ignored, but computed in place unless
-    a whole block is free of targets): 12 targets padded to 16 rows is a quarter ignored."""
-    ids = torch.arange(13).unsqueeze(0)
+    a whole block is free of targets): 60 targets in 61 tokens padded to 64 rows is 1/16 ignored."""
+    ids = torch.arange(61).unsqueeze(0)
     labels = ids.clone()
-    labels[0, -1] = -100  # 12 targets in 13 tokens
-    mb = B.prepare(ids, labels, device=CPU, max_seq_len=64, pack=True, seq_multiple=16, compact_ignored="auto")
-    assert mb.input_ids.shape[1] == 16 and mb.compact_ignored is True
+    labels[0, -1] = -100  # 60 targets in 61 tokens
+    mb = B.prepare(ids, labels, device=CPU, max_seq_len=64, pack=True, seq_multiple=64, compact_ignored="auto")
+    assert mb.input_ids.shape[1] == 64 and mb.compact_ignored is True
     mb = B.prepare(ids, labels, device=CPU, max_seq_len=64, pack=True, seq_multiple=1, compact_ignored="auto")
     assert mb.compact_ignored is None
 
@@ -109,7 +109,7 @@ def test_config_validation():
 def _engine(option, fused=True):
     from areal_lce.megatron.engine import MegatronEngine
 
-    cfg = EngineConfig(model=ModelConfig(preset="tiny", dtype="fp32", max_seq_len=64), optim=OptimConfig(lr=1e-3),
+    cfg = EngineConfig(model=ModelConfig(preset="tiny", dtype="fp32", max_seq_len=256), optim=OptimConfig(lr=1e-3),
                        use_fused_linear_ce=fused, lce_backend="torch", lce_compact_ignored=option, seed=5)
     return MegatronEngine(cfg, vocab_size=90)
 
@@ -137,7 +137,7 @@ def test_engine_passes_the_choice_and_it_changes_no_number(seen):
     """token_stats and train_step of a prompt-masked batch: compacted under auto, in place under false;
     the same statistics and the same updated weights (the rows' math does not depend on their order)."""
     ids, labels = _rl_rows(prompt=20, response=4)
-    sft_ids, sft_labels = _rl_rows(prompt=1, response=30, seed=1)
+    sft_ids, sft_labels = _rl_rows(prompt=1, response=200, seed=1)
     results = {}
     for option in ("auto", False):
         e = _engine(option)

@@ -13,7 +13,9 @@ while their layouts differ. What must hold:
                     miss by O(1): the layouts put sequence boundaries at different tokens.
   graphs_logprobs   token_stats(grad=False) of four layouts of the same shape: replayed from the second
                     on, equal to the eager engine's statistics.
-Untied (Qwen2-shaped) and tied (Llama-shaped) tiny presets.
+Untied (Qwen2-shaped) and tied (Llama-shaped) tiny presets. The padded rows leave about a third of each
+micro-batch without a target, so `engine.lce_compact_ignored: auto` compacts them (the op's partition
+runs inside the graphs); `false` keeps the rows in place (the Triton kernels skip ignored blocks).
 
 Run: `python -m pytest -q -m gpu tests/test_gpu_graphs.py`, or through `python -m benchmark.gpu_check`.
 """
@@ -30,7 +32,7 @@ SHORT = ([10, 20, 15], [20, 8, 19], [15, 15, 15])  # 42-44 tokens, padded to 64:
 STEPS = ((LAYOUTS[0], LAYOUTS[1]), (LAYOUTS[2], SHORT[0]), (SHORT[1], LAYOUTS[3]), (SHORT[2], LAYOUTS[0]))
 
 
-def _engines(preset: str):
+def _engines(preset: str, compact="auto"):
     pytest.importorskip("megatron.core")
     from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig
     from areal_lce.megatron.engine import MegatronEngine
@@ -39,7 +41,7 @@ def _engines(preset: str):
     for graphs in (True, False):
         cfg = EngineConfig(model=ModelConfig(preset=preset, dtype="bf16", max_seq_len=64, attention="sdpa"),
                            optim=OptimConfig(lr=0.0, clip_grad=0.0), pack_sequences=True, seed=7,
-                           model_cuda_graphs=graphs, cuda_graph_token_multiple=64)
+                           model_cuda_graphs=graphs, cuda_graph_token_multiple=64, lce_compact_ignored=compact)
         out[graphs] = MegatronEngine(cfg, vocab_size=500)
     assert out[True].graphs is not None and out[False].graphs is None
     return out
@@ -67,12 +69,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
-def test_graphs_train(preset, record_property):
-    eng = _engines(preset)
+COMPACT = [pytest.param("auto", id="compact"), pytest.param(False, id="in_place")]
+
+
+def _check_choice(eng, mb, compact) -> None:
+    assert eng._prepare(mb.input_ids, mb.labels).compact_ignored is (True if compact == "auto" else False)
+
+
+@pytest.mark.parametrize("preset, compact", [("tiny", "auto"), ("tiny-llama", "auto"), ("tiny", False)],
+                         ids=["tiny", "tiny-llama", "tiny-in_place"])
+def test_graphs_train(preset, compact, record_property):
+    eng = _engines(preset, compact)
     res, worst = [], 0.0
     for step, layouts in enumerate(STEPS):
         mbs = [_batch(lengths, 100 * step + i) for i, lengths in enumerate(layouts)]
+        _check_choice(eng[True], mbs[0], compact)
         out = {g: e.train_step(mbs, _loss) for g, e in eng.items()}
         grads = {g: e.grads() for g, e in eng.items()}
         rels = {n: _rel(grads[True][n], grads[False][n]) for n in grads[False]}
@@ -87,12 +98,13 @@ def test_graphs_train(preset, record_property):
     assert eng[True].graphs.replays == 6, eng[True].graphs.replays
 
 
-@pytest.mark.parametrize("preset", ["tiny"])
-def test_graphs_logprobs(preset, record_property):
-    eng = _engines(preset)
+@pytest.mark.parametrize("compact", COMPACT)
+def test_graphs_logprobs(compact, record_property):
+    eng = _engines("tiny", compact)
     worst = 0.0
     for i, lengths in enumerate(LAYOUTS):
         mb = _batch(lengths, 7 + i)
+        _check_choice(eng[True], mb, compact)
         st = {g: e.token_stats(mb.input_ids, mb.labels) for g, e in eng.items()}
         for a, b in zip(st[True], st[False]):
             worst = max(worst, float((a - b).abs().max()))

@@ -68,10 +68,12 @@ class ModelBatch:
 
 
 # engine.lce_compact_ignored: auto compacts a micro-batch when at least this share of the rows the LM head
-# sees have no target. Compaction costs a copy of those rows' hidden states (and of d_hidden): ~0.3% of the
-# head's forward per row at H·V of real models, against a full row of GEMM work for each ignored row the
-# kernels would otherwise compute (benchmark/bench_ignored.py, docs/benchmarks.md).
-AUTO_COMPACT_SHARE = 0.25
+# sees have no target. Measured on an H100 (benchmark/bench_ignored.py, results/h100_compact_choice):
+# compaction over in-place skipping is 0.96 / 0.98 (forward / fwd+bwd) with 1/16 of the rows ignored,
+# 0.22-0.24 / 0.69-0.72 with 15/16 (RL prompts), 0.99-1.02 with none (its copies of hidden and d_hidden
+# cost about as much as the noise); in-place skipping only matches it where the ignored runs cover whole
+# 128-row blocks.
+AUTO_COMPACT_SHARE = 1 / 16
 
 
 def compact_choice(option, labels: torch.Tensor, positions: int, ignore_index: int = -100) -> Optional[bool]:

@@ -194,7 +194,7 @@ class EngineConfig:
     )
     lce_compact_ignored: Union[bool, str] = field(
         default="auto",
-        metadata={"help": "fused op's compact_ignored per micro-batch: auto = true when at least a quarter of "
+        metadata={"help": "fused op's compact_ignored per micro-batch: auto = true when at least 1/16 of "
                   "the positions have no target (RL batches with their prompts masked: only the rows with a "
                   "target are computed), else the backend's choice (Triton skips 128-row blocks without a "
                   "target in place); counted on the host, no sync. true / false: always / never compact"},
