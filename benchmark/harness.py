@@ -60,10 +60,11 @@ def clean():
 MIN_TIMED_CALLS = 10
 
 
-def bench(fn, rep=400, grad_to_none=None) -> dict:
-    """do_bench of fn: {'ms': median, 'p20', 'p80'}. `rep` is raised to MIN_TIMED_CALLS times one call,
-    so a call that takes longer than rep / MIN_TIMED_CALLS ms still gets a median of several calls
-    (do_bench sizes its loop as rep / estimated time: a 130 ms call under rep=200 was timed once)."""
+def bench(fn, rep=400, grad_to_none=None, warmup=50) -> dict:
+    """do_bench of fn: {'ms': median, 'p20', 'p80'} after `warmup` ms of untimed calls. `rep` is raised to
+    MIN_TIMED_CALLS times one call, so a call that takes longer than rep / MIN_TIMED_CALLS ms still gets a
+    median of several calls (do_bench sizes its loop as rep / estimated time: a 130 ms call under rep=200
+    was timed once)."""
     if not torch.cuda.is_available():
         return _host_bench(fn, rep, grad_to_none)
     from triton.testing import do_bench
@@ -77,7 +78,7 @@ def bench(fn, rep=400, grad_to_none=None) -> dict:
     end.record()
     torch.cuda.synchronize()
     rep = max(rep, MIN_TIMED_CALLS * start.elapsed_time(end))
-    q = do_bench(fn, warmup=50, rep=rep, quantiles=[0.5, 0.2, 0.8], grad_to_none=grad_to_none)
+    q = do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5, 0.2, 0.8], grad_to_none=grad_to_none)
     return {"ms": q[0], "p20": q[1], "p80": q[2]}
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import time
 import traceback
 
 import torch
@@ -40,36 +39,23 @@ def _loss(lp, en, with_ent):
     return -lp.sum() - en.sum() if (with_ent and en is not None) else -lp.sum()
 
 
-SETTLE_S = 2.0  # seconds of back-to-back GEMMs before a provider's first timed round (paired)
-
-
-def settle(gemm, seconds=SETTLE_S) -> None:
-    """Run `gemm` back to back for `seconds` (CUDA only): the chip reaches the clock and power state it
-    holds under sustained GEMM load before anything is timed. Without it the first rounds after a
-    provider's accuracy step ran the GEMM at a boost clock the next loop no longer had (16384x4096
-    forward rounds 1.24 -> 1.04 within one provider, benchmark/notes.md)."""
-    if not torch.cuda.is_available():
-        return
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        for _ in range(8):
-            gemm()
-        torch.cuda.synchronize()
+PAIRED_WARMUP_MS = 500  # each loop of a paired round first runs its own calls this long (do_bench warm-up)
 
 
 def paired(fn, gemm, rounds, rep, grad_to_none=None):
-    """`rounds` rounds of (a bench() loop of the forward GEMM, then one of fn), after settle(gemm): (the
-    median over the rounds of fn's median, p20 and p80 in ms, [fn / GEMM per round], [GEMM ms per round]).
-    The ratio of each round divides by a GEMM timed seconds before, so a clock that drifts during a long
-    shape run (H100 medians moved by 5-15% within one lease) moves both terms together. Each is a loop of
-    its own calls, in the steady state the floor is defined in: alternating the GEMM and fn call by call
-    instead (bench_alternating) hands each call the clock the other one's power draw left, and on a
-    power-capped H100 that cost the fused kernels 3-8% against cuBLAS (benchmark/notes.md)."""
-    settle(gemm)
+    """`rounds` rounds of (a bench() loop of the forward GEMM, then one of fn): (the median over the
+    rounds of fn's median, p20 and p80 in ms, [fn / GEMM per round], [GEMM ms per round]). The ratio of
+    each round divides by a GEMM timed seconds before, so a clock that drifts during a long shape run
+    (H100 medians moved by 5-15% within one lease) moves both terms together. Each is a loop of its own
+    calls, in the steady state the floor is defined in, reached by PAIRED_WARMUP_MS of warm-up calls: on
+    a power-capped H100 the clock follows each kernel's power draw with a lag, and after 50 ms of
+    warm-up a loop still ran at the clock the previous loop's kernel left (16384x4096 forward rounds
+    1.15 -> 1.08 in one provider, benchmark/notes.md). Alternating the GEMM and fn call by call instead
+    (bench_alternating) hands every call the other's clock and cost the fused kernels 3-8%."""
     times, ratios, gemms = [], [], []
     for _ in range(max(1, rounds)):
-        g = bench(gemm, rep=rep)["ms"]
-        t = bench(fn, rep=rep, grad_to_none=grad_to_none)
+        g = bench(gemm, rep=rep, warmup=PAIRED_WARMUP_MS)["ms"]
+        t = bench(fn, rep=rep, grad_to_none=grad_to_none, warmup=PAIRED_WARMUP_MS)
         times.append(t)
         ratios.append(t["ms"] / g)
         gemms.append(g)
