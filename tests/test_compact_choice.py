@@ -162,3 +162,25 @@ def test_materialised_route_is_not_asked(seen):
     assert e._prepare(ids, labels).compact_ignored is None
     e.token_stats(ids, labels)
     assert seen == []
+
+
+def test_token_stats_takes_the_callers_choice(seen):
+    """The public call passes compact_ignored through to the op; the statistics do not depend on it."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpt_builder as G
+
+    from areal_lce.megatron import token_stats
+    from areal_lce.megatron.compat import cpu_shims
+
+    with cpu_shims():  # megatron-core's model on a CPU-only host
+        model = G.build_gpt(tied=False)
+        ids, labels, _ = G.batch(0)
+        out = {c: token_stats(model, ids, labels, vocab_size=G.VOCAB, backend="torch", compact_ignored=c)
+               for c in (None, True, False)}
+    assert seen == [None, True, False]
+    for c in (True, False):
+        for k in ("logprobs", "entropy"):
+            torch.testing.assert_close(getattr(out[c], k), getattr(out[None], k), rtol=0, atol=1e-6)
