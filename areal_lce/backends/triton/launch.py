@@ -29,9 +29,9 @@ Extra device memory (bytes), beyond inputs and the returned gradients:
     backward  N·V_chunk·e  <=  max(B, 256·N·e),  B = min(WORKSPACE_BYTES, max(MIN_WORKSPACE_BYTES,
               BACKWARD_BYTES - 4·N·H)), with e = 2 (bf16/fp16) or 4 (fp32, interpreter) and
               V_chunk = shard_valid split into the fewest equal multiples of 256 that fit B
-    (configs: WORKSPACE_BYTES 256 MiB, BACKWARD_BYTES 480 MiB, MIN_WORKSPACE_BYTES 64 MiB by default:
-    the d_logits workspace plus the fp32 d_hidden stay under 480 MiB while d_hidden is under
-    416 MiB.) The returned d_hidden is fp32 [N, H] (4·N·H bytes); d_weight is [V_shard, H] in the
+    (configs: WORKSPACE_BYTES 256 MiB, BACKWARD_BYTES 512 MiB, MIN_WORKSPACE_BYTES 64 MiB by default:
+    the d_logits workspace plus the fp32 d_hidden stay within 512 MiB while d_hidden is under
+    448 MiB.) The returned d_hidden is fp32 [N, H] (4·N·H bytes); d_weight is [V_shard, H] in the
     weight dtype.
 """
 from __future__ import annotations
