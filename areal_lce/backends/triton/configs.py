@@ -49,7 +49,7 @@ CACHE_COLS = 256  # logits-cache column slab (kernels.py): one [BLOCK_N, 256] ti
 # Backward d_logits workspace [N, V_chunk] budget (bytes): at most WORKSPACE_BYTES, and shrunk so that
 # workspace + fp32 d_hidden (4·N·H) stay within BACKWARD_BYTES (never below MIN_WORKSPACE_BYTES).
 # At N=32768, H=2048 that keeps the backward's extra memory at most 0.5 GiB: 4096-column chunks there
-# (BACKWARD_BYTES was 480 MiB, 3584 columns: fwd+bwd 2.7% slower in results/archive/h100_chunk_budget).
+# (BACKWARD_BYTES was 480 MiB, 3584 columns: fwd+bwd 2.7% slower in benchmark/results/h100_chunk_budget).
 WORKSPACE_BYTES = int(os.environ.get("AREAL_LCE_TRITON_WORKSPACE_MB", "256")) * (1 << 20)
 BACKWARD_BYTES = 512 * (1 << 20)
 MIN_WORKSPACE_BYTES = 64 * (1 << 20)
