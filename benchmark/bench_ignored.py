@@ -1,6 +1,6 @@
 """Ignored rows: the fused op's two ways of keeping them out of the work, on the layouts real batches have.
 
-    python -m benchmark.bench_ignored --out DIR                      # the GPU run (H100: a few minutes)
+    python -m benchmark.bench_ignored --out DIR                      # the GPU run (H100: about a minute)
     python -m benchmark.bench_ignored --device cpu --shapes 256x32x512 --rep 1   # smoke run of the script
 
 `linear_logprobs_entropy(compact_ignored=None)` on Triton keeps the rows in place and skips each 128-row
@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from .harness import bench, clean, log, run_meta, write_json
+from .harness import bench, clean, log, parse_shapes, run_meta, write_json
 from .lce_run import make_inputs
 
 SHAPES = {"qwen0.5b": (16384, 896, 151936), "qwen7b": (8192, 4096, 151936)}
@@ -101,13 +101,6 @@ def print_table(results) -> None:
             print(f"{res['shape']:>10} {layout:>15} {r['ignored_share']:>8.2f} {cells[0]:>22} {cells[1]:>22}")
 
 
-def parse_shapes(text: str):
-    out = []
-    for s in text.split(","):
-        out.append((s, SHAPES[s]) if s in SHAPES else (s, tuple(int(x) for x in s.split("x"))))
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"names ({', '.join(SHAPES)}) or NxHxV")
@@ -120,7 +113,7 @@ def main(argv=None) -> int:
     layouts = args.layouts.split(",")
     for layout in layouts:
         layout_labels(torch.zeros(1, dtype=torch.long), layout)  # a bad name fails before any timing
-    results = [run_shape(name, shape, layouts, args) for name, shape in parse_shapes(args.shapes)]
+    results = [run_shape(name, shape, layouts, args) for name, shape in parse_shapes(args.shapes, SHAPES)]
     print_table(results)
     path = write_json(args.out, "bench_ignored.json", {"meta": run_meta(args.device), "shapes": results})
     log("wrote", path)

@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from .harness import log, run_meta, write_json
+from .harness import log, parse_shapes, run_meta, write_json
 from .lce_providers import PROVIDERS, load_providers
 from .lce_report import merge, print_table, write_outputs
 from .lce_run import chunk_gemms, run_shape, sweep
@@ -38,20 +38,6 @@ SHAPES = {
     "llama8b": (16384, 4096, 128256),
     "wide_n": (32768, 2048, 151936),
 }
-
-
-def parse_shapes(s):
-    out = []
-    for tok in s.split(","):
-        if tok in SHAPES:
-            out.append((tok, SHAPES[tok]))
-            continue
-        try:
-            n, hh, v = (int(x) for x in tok.lower().split("x"))
-        except ValueError:
-            raise SystemExit(f"--shapes: {tok!r} is neither one of {list(SHAPES)} nor NxHxV") from None
-        out.append((tok, (n, hh, v)))
-    return out
 
 
 def parse_args(argv=None):
@@ -77,7 +63,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.merge:
         return merge(args.merge.split(","), args.out)
-    shapes = parse_shapes(args.shapes)
+    shapes = parse_shapes(args.shapes, SHAPES)
     names = PROVIDERS if args.providers == "all" else args.providers.split(",")
     if not set(names) <= set(PROVIDERS):
         raise SystemExit(f"--providers: unknown {sorted(set(names) - set(PROVIDERS))}; choose from {PROVIDERS} or all")

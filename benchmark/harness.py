@@ -9,6 +9,8 @@ Timing
                      and the median of the per-pair ratios fn / ref (for two calls that run the same
                      kernels; not for ratios to the cuBLAS floors, see lce_run.paired)
     percentiles(xs)  the same three numbers for host-timed repetitions (bench_tp times ranks this way)
+Shapes
+    parse_shapes(text, named)  --shapes of a benchmark: its named shapes or NxHxV
 Memory
     PeakMemory       CUDA high-water mark of a block: absolute and above what was allocated at entry
                      (0 for CPU tensors)
@@ -233,6 +235,22 @@ def write_json(out_dir, name: str, obj) -> str:
     with open(path, "w") as f:
         json.dump(obj, f, indent=1, default=str)
     return path
+
+
+# -------------------------------------------------------------------------------------------- shapes
+def parse_shapes(text: str, named: dict) -> list:
+    """--shapes "a,b,NxHxV" -> [(name, (N, H, V))]: names from `named`, or explicit N×H×V."""
+    out = []
+    for tok in text.split(","):
+        if tok in named:
+            out.append((tok, named[tok]))
+            continue
+        try:
+            n, h, v = (int(x) for x in tok.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--shapes: {tok!r} is neither one of {list(named)} nor NxHxV") from None
+        out.append((tok, (n, h, v)))
+    return out
 
 
 # ----------------------------------------------------------------- floors and reference of the fused op
