@@ -115,7 +115,7 @@ def prepare(input_ids: torch.Tensor, labels: torch.Tensor, *, device, max_seq_le
         cu = padding.cu_seqlens_padded
         local = [split_for_context_parallel(pad_packed(x, padding, fill), group, cu)
                  for x, fill in ((rows.input_ids, 0), (rows.labels, ignore_index), (rows.position_ids, 0))]
-        return ModelBatch(*local, None, rows, (b, s), group, padding, compact)
+        return ModelBatch(*local, None, rows, (b, s), group, padding, compact_ignored=compact)
     pad = (-s) % (seq_multiple * (2 * cp_size if group else 1))
     compact = compact_choice(compact_ignored, labels, b * (s + pad), ignore_index)
     ids, lab = input_ids.to(device, torch.long), labels.to(device, torch.long)
