@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import areal_lce
 
+from helpers.bounds import assert_within, op_bounds
 from helpers.inputs import available_backends
 
 CP = 2
@@ -70,7 +71,7 @@ def _run(hidden, weight, labels, temp, g_lp, g_ent, backend):
     return out, h.grad, w.grad
 
 
-def _check(full, locals_, take, backend):
+def _check(full, locals_, take, backend, inputs):
     out, dh, dw = full
     dw_sum = torch.zeros_like(dw)
     for r, (o, dh_r, dw_r) in enumerate(locals_):
@@ -80,7 +81,10 @@ def _check(full, locals_, take, backend):
         torch.testing.assert_close(dh_r, take(dh, r), rtol=1e-5, atol=1e-5)
         dw_sum += dw_r
         assert (dw_r - dw).abs().max() > 1e-2 * dw.abs().max(), "one CP rank's d_weight must be partial"
-    torch.testing.assert_close(dw_sum, dw, rtol=1e-5, atol=1e-6)
+    # the ranks' partial sums over their rows are another order of the same fp32 sum: 2 x its rounding bound
+    hidden, weight, labels, temp, g_lp, g_ent = inputs
+    b = op_bounds(hidden, weight, labels, 1 / temp, g_lp, g_ent, vocab_size=weight.shape[0] - 5)
+    assert_within(f"{backend} d_weight summed over the CP ranks", dw_sum, dw, 2 * b.d_weight)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -97,7 +101,7 @@ def test_bshd_cp2_split_by_megatron(backend, monkeypatch):
     take = (lambda t, r: megatron_cp_split({"x": t}, r, monkeypatch)["x"])
     pos = torch.arange(16).expand(2, 16)  # megatron's split is the zigzag: rank 0 keeps chunks 0 and 3 of 4
     assert take(pos, 0)[0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15] and take(pos, 1)[1].tolist() == list(range(4, 12))
-    _check(full, locals_, take, backend)
+    _check(full, locals_, take, backend, (hidden, weight, labels, temp, g_lp, g_ent))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -109,4 +113,4 @@ def test_thd_cp2_per_sequence_zigzag(backend):
     locals_ = [_run(take(hidden, r), weight, take(labels, r), take(temp, r), take(g_lp, r), take(g_ent, r), backend)
                for r in range(CP)]
     assert thd_cp_index(cu, 1)[:4].tolist() == [2, 3, 4, 5]  # sequence 0 (length 8): chunks 1 and 2 of 4
-    _check(full, locals_, take, backend)
+    _check(full, locals_, take, backend, (hidden, weight, labels, temp, g_lp, g_ent))
