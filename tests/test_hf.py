@@ -316,6 +316,76 @@ def test_passthrough_and_remove_restores_original():
     assert "forward" not in model.lm_head.__dict__
 
 
+# copy.deepcopy is how RL code builds a reference policy: the copy's patch must run the copy (its own
+# weights, its own gradients), never the model it was copied from.
+def test_deepcopy_follows_the_copy():
+    model = build("qwen2", tied=False)
+    hf.apply(model, backend="torch")
+    twin = copy.deepcopy(model)
+    assert hf.is_patched(twin)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(1.5)
+    unpatched = build("qwen2", tied=False)
+    unpatched.load_state_dict(twin.state_dict())  # the copy's weights, never patched
+    ids, labels = batch()
+    out = twin(input_ids=ids, labels=labels)
+    with torch.no_grad():
+        ref = unpatched(input_ids=ids, labels=labels)
+        orig = model(input_ids=ids, labels=labels)
+    assert_close(out.loss, ref.loss, "copy's loss")
+    exp = expected_from_logits(ref.logits, out.shift_labels)
+    assert_close(out.logprobs, exp["logprobs"], "copy's logprobs")
+    assert (out.logprobs - orig.logprobs).abs().max() > 1e-2  # the original's weights give other values
+    out.loss.backward()
+    assert all(p.grad is None for p in model.parameters())  # nothing lands in the original
+    assert all(p.grad is not None for p in twin.parameters())
+    assert twin.lm_head.weight.grad.abs().sum() > 0
+    hf.remove(twin)  # the copy's patch is its own: removing it leaves the original patched
+    assert hf.is_patched(model) and "forward" not in twin.__dict__
+
+
+def test_save_load_round_trip():
+    import io
+
+    model = build("llama", tied=True)
+    hf.apply(model, backend="torch", temperature=0.7)
+    buf = io.BytesIO()
+    torch.save(model, buf)  # pickles the whole patched module
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)  # a test-made file: trusted
+    assert hf.is_patched(loaded)
+    assert "temperature" in inspect.signature(loaded.forward).parameters
+    ids, labels = batch()
+    with torch.no_grad():
+        for p in loaded.parameters():
+            p.mul_(0.5)
+        out = loaded(input_ids=ids, labels=labels)
+        ref = hf.remove(copy.deepcopy(loaded))(input_ids=ids, labels=labels)
+    exp = expected_from_logits(ref.logits, out.shift_labels, temperature=0.7)
+    for k in ("logprobs", "entropy"):
+        assert_close(getattr(out, k), exp[k], f"loaded {k}")
+    hf.remove(loaded)
+    assert "forward" not in loaded.__dict__
+
+
+def test_fused_call_logs_no_cache_deprecation(monkeypatch):
+    """transformers >= 5 renamed the output's `past_key_values` to `cache`; the old name logs a
+    deprecation on use (once per process, so the logger itself is recorded here)."""
+    from transformers.utils import generic
+
+    said = []
+    monkeypatch.setattr(generic.logger, "warning_once", lambda msg, *a, **k: said.append(str(msg)))
+    model = build("qwen2", tied=True)
+    hf.apply(model, backend="torch")
+    ids, labels = batch()
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=labels, use_cache=True)
+    assert not [m for m in said if "deprecated" in m], said
+    field = "cache" if "cache" in out.keys() else "past_key_values"
+    assert out[field] is not None  # the base model's cache is still handed back
+
+
 def test_remove_restores_a_previous_instance_forward():
     model = build("llama", tied=True)
     wrapper_calls = []
@@ -429,6 +499,7 @@ def test_bad_options_and_calls():
 # distributed: FSDP2 and a vocab-sharded DTensor head, 2 gloo ranks on CPU (this file is the worker)
 
 
+@pytest.mark.distributed
 def test_fsdp2_and_dtensor_tp_two_ranks():
     """Launch `_dist_worker` on 2 CPU ranks (gloo); it raises on any mismatch."""
     import os

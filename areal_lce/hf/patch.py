@@ -1,7 +1,9 @@
 """Instance-level patch of a transformers causal LM: fused LM head instead of logits.
 
-`apply(model, **options)` replaces `model.forward` on this one instance (the class is never touched).
-The patched forward runs the fused path when it is given `labels=` (or `shift_labels=`) or
+`apply(model, **options)` replaces `model.forward` on this one instance (the class is never touched)
+with a `PatchedForward`: a callable object that holds its model, so that `copy.deepcopy` and pickling
+(`torch.save`) carry the patch to the copy, whose forward then runs the copy (a closure over the
+model would keep running the original's weights). The patched forward runs the fused path when it is given `labels=` (or `shift_labels=`) or
 `return_token_stats=True`; otherwise it calls the original forward unchanged (generation, plain
 logits). The fused path:
 
@@ -22,8 +24,9 @@ The head call itself (step 3, DTensor weights included) is head.py.
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
 import inspect
+import types
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -54,7 +57,10 @@ _OP_OPTIONS = ("temperature", "backend", "cache_bytes", "vocab_size", "check_lab
 _HEAD_KWARGS = ("labels", "shift_labels", "logits_to_keep", "num_items_in_batch", "return_dict")
 
 _STATE_ATTR = "_areal_lce_patch"
-_MISSING = object()
+# transformers >= 5 names the output's cache field `cache`; the old name `past_key_values` still works
+# there but logs a deprecation warning on each use.
+_CACHE_FIELD = ("cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+                else "past_key_values")
 
 
 @dataclass
@@ -77,15 +83,49 @@ class LCECausalLMOutput(CausalLMOutputWithPast):
     shift_labels: Optional[torch.Tensor] = None
 
 
-@dataclass(frozen=True)
-class _PatchState:
-    original_forward: Any  # what `model.forward` resolved to before apply (bound method)
-    signature: inspect.Signature  # of original_forward, to name the arguments of each call
-    previous_instance_forward: Any  # model.__dict__["forward"] before apply, or _MISSING
-    patched_forward: Any
-    op_options: Dict[str, Any]
-    ignore_index: int
-    packed_boundaries: bool
+class PatchedForward:
+    """`model.forward` while patched (module docstring). It holds the model, the options and the instance
+    attribute `forward` that `apply` replaced (None: the class method was in use), and nothing that
+    cannot be copied or pickled: the original forward and its signature are looked up on the model it
+    holds at call time. `copy.deepcopy(model)` copies this object along with the model (the copy holds
+    the copy); `torch.save` / `torch.load` likewise."""
+
+    def __init__(self, model: nn.Module, previous, op_options: Dict[str, Any], ignore_index: int,
+                 packed_boundaries: bool):
+        self.model = model
+        self.previous = previous
+        self.op_options = op_options
+        self.ignore_index = ignore_index
+        self.packed_boundaries = packed_boundaries
+        self._signatures = None  # (original's, with the patch's parameters): a cache, never copied
+
+    def __call__(self, *args, **kwargs):
+        return _patched_forward(self, args, kwargs)
+
+    def original(self):
+        """What `model.forward` was before apply: the replaced instance attribute, else the class method
+        bound to the model this object holds."""
+        return self.previous if self.previous is not None else types.MethodType(type(self.model).forward, self.model)
+
+    @property
+    def signature(self) -> inspect.Signature:
+        """The original forward's signature, to name the arguments of each call."""
+        return self._signature_pair()[0]
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # What `inspect.signature(model.forward)` reports (e.g. the Trainer's unused-column filter): the
+        # original parameters plus the two this patch adds.
+        return self._signature_pair()[1]
+
+    def _signature_pair(self):
+        if self._signatures is None:
+            sig = inspect.signature(self.original())
+            self._signatures = (sig, _with_patch_parameters(sig))
+        return self._signatures
+
+    def __getstate__(self):
+        return dict(self.__dict__, _signatures=None)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -123,28 +163,9 @@ def apply(
         raise TypeError(f"areal_lce.hf.apply: ignore_index must be an int, got {ignore_index!r}")
     check_supported(model, allow_unverified=allow_unverified)
 
-    state_holder = {}
-
-    def forward(*args, **kwargs):
-        return _patched_forward(model, state_holder["state"], args, kwargs)
-
-    original = model.forward
-    signature = inspect.signature(original)
-    # Tools that read the forward's signature (e.g. the Trainer's unused-column filter) see the
-    # original parameters plus the two this patch adds.
-    functools.update_wrapper(forward, original)
-    forward.__signature__ = _with_patch_parameters(signature)
-    state = _PatchState(
-        original_forward=original,
-        signature=signature,
-        previous_instance_forward=model.__dict__.get("forward", _MISSING),
-        patched_forward=forward,
-        op_options=dict(op_options),
-        ignore_index=ignore_index,
-        packed_boundaries=packed_boundaries,
-    )
-    state_holder["state"] = state
-    model.__dict__[_STATE_ATTR] = state
+    forward = PatchedForward(model, model.__dict__.get("forward"), dict(op_options), ignore_index,
+                             packed_boundaries)
+    model.__dict__[_STATE_ATTR] = forward
     model.forward = forward
     return model
 
@@ -162,16 +183,16 @@ def remove(model: nn.Module) -> nn.Module:
     """Undo `apply`: `model.forward` becomes exactly what it was before (the class method, or the
     instance attribute that was there). Raises if the model is not patched, or if something else
     replaced the patched forward since (restoring would drop that wrapper)."""
-    state: Optional[_PatchState] = model.__dict__.get(_STATE_ATTR)
+    state: Optional[PatchedForward] = model.__dict__.get(_STATE_ATTR)
     if state is None:
         raise RuntimeError("areal_lce.hf.remove: this model is not patched by areal_lce.hf.apply")
-    if model.__dict__.get("forward") is not state.patched_forward:
+    if model.__dict__.get("forward") is not state:
         raise RuntimeError("areal_lce.hf.remove: model.forward was replaced after areal_lce.hf.apply; "
                            "remove that wrapper first")
-    if state.previous_instance_forward is _MISSING:
+    if state.previous is None:
         del model.__dict__["forward"]
     else:
-        model.__dict__["forward"] = state.previous_instance_forward
+        model.__dict__["forward"] = state.previous
     del model.__dict__[_STATE_ATTR]
     return model
 
@@ -250,7 +271,7 @@ def check_supported(model: nn.Module, *, allow_unverified: bool = False) -> None
 # the patched forward
 
 
-def _patched_forward(model, state: _PatchState, args, kwargs):
+def _patched_forward(state: PatchedForward, args, kwargs):
     return_token_stats = bool(kwargs.pop("return_token_stats", False))
     temperature = kwargs.pop("temperature", None)
     call = _bind(state.signature, args, kwargs)
@@ -258,8 +279,8 @@ def _patched_forward(model, state: _PatchState, args, kwargs):
         if temperature is not None:
             raise TypeError("areal_lce.hf: temperature= applies to the fused path only (pass labels= or "
                             "return_token_stats=True)")
-        return state.original_forward(*args, **kwargs)
-    return _fused_forward(model, state, call, temperature)
+        return state.original()(*args, **kwargs)
+    return _fused_forward(state.model, state, call, temperature)
 
 
 def _bind(sig: inspect.Signature, args, kwargs) -> Dict[str, Any]:
@@ -293,7 +314,7 @@ def next_token_labels(labels: torch.Tensor, ignore_index: int, position_ids: Opt
     return shift
 
 
-def _fused_forward(model, state: _PatchState, call: Dict[str, Any], temperature):
+def _fused_forward(model, state: PatchedForward, call: Dict[str, Any], temperature):
     labels = call.pop("labels", None)
     shift_labels = call.pop("shift_labels", None)
     logits_to_keep = call.pop("logits_to_keep", 0)
@@ -338,7 +359,7 @@ def _fused_forward(model, state: _PatchState, call: Dict[str, Any], temperature)
     result = LCECausalLMOutput(
         loss=loss,
         logits=None,
-        past_key_values=getattr(outputs, "past_key_values", None),
+        **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD, None)},
         hidden_states=getattr(outputs, "hidden_states", None),
         attentions=getattr(outputs, "attentions", None),
         logprobs=out.logprobs,
