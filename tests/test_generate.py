@@ -216,6 +216,43 @@ def test_unsupported_core_attention_falls_back_with_a_warning(monkeypatch, decod
     assert decode_batches == []
 
 
+# Each refused before anything runs, the error naming the argument. Before: temperature nan / inf
+# sampled the last id every time, float ids and max_new_tokens=True went through.
+@pytest.mark.parametrize("change,match", [
+    pytest.param(dict(temperature=float("nan")), "temperature", id="temperature-nan"),
+    pytest.param(dict(temperature=float("inf")), "temperature", id="temperature-inf"),
+    pytest.param(dict(temperature=-0.5), "temperature", id="temperature-negative"),
+    pytest.param(dict(temperature="1"), "temperature", id="temperature-str"),
+    pytest.param(dict(top_p=float("nan")), "top_p", id="top_p-nan"),
+    pytest.param(dict(top_p=0.0), "top_p", id="top_p-zero"),
+    pytest.param(dict(max_new_tokens=True), "max_new_tokens", id="max_new_tokens-bool"),
+    pytest.param(dict(max_new_tokens=4.0), "max_new_tokens", id="max_new_tokens-float"),
+    pytest.param(dict(max_new_tokens=-1), "max_new_tokens", id="max_new_tokens-negative"),
+    pytest.param(dict(prompts=[[1, 2], [3.0, 4.0]]), r"prompts\[1\] holds 3.0", id="float-ids"),
+    pytest.param(dict(prompts=[[1, True]]), r"prompts\[0\] holds True", id="bool-id"),
+    pytest.param(dict(prompts=[[1, 2], []]), r"prompts\[1\]", id="empty-prompt"),
+    pytest.param(dict(prompts=[]), "prompts", id="no-prompts"),
+    pytest.param(dict(prompts=torch.ones(2, 3, dtype=torch.long)), "prompts", id="tensor-prompts"),
+])
+def test_check_request_refuses(change, match):
+    request = dict(prompts=[[1, 2, 3]], max_new_tokens=4, temperature=1.0, top_p=1.0) | change
+    with pytest.raises(ValueError, match=match):
+        G.check_request(**request)
+
+
+def test_generate_refuses_prompts_the_model_cannot_take():
+    e = _engine(max_seq_len=16)
+    # before: one prompt at max_seq_len silently emptied every sequence's generation
+    with pytest.raises(ValueError, match=r"prompts\[1\] has 16 tokens.*engine.model.max_seq_len=16"):
+        e.generate([[1, 2, 3], list(range(1, 17))], 4, temperature=0.0)
+    with pytest.raises(ValueError, match=rf"prompts\[0\] holds token id {W.VOCAB}.*\[0, {W.VOCAB}\)"):
+        e.generate([[1, W.VOCAB]], 4, temperature=0.0)
+    with pytest.raises(ValueError, match=r"prompts\[0\] holds token id -1"):
+        e.generate([[-1, 2]], 4, temperature=0.0)
+    out = e.generate([[1, 2, 3], list(range(1, 16))], 4, temperature=0.0)  # 15 tokens: room for one
+    assert [len(x) for x in out] == [1, 1]
+
+
 def test_kv_cache_option():
     assert EngineConfig().kv_cache is True
     assert "KV cache" in EngineConfig.__dataclass_fields__["kv_cache"].metadata["help"]
@@ -224,6 +261,7 @@ def test_kv_cache_option():
 # ------------------------------------------------------------------------------------ 2 ranks, RL job
 
 
+@pytest.mark.distributed
 def test_kv_cache_tp2_sp_and_pp2():
     """TP=2 without and with sequence parallelism, PP=2: same tokens as recompute on every rank,
     finished sequences dropped, SP restored after generating (statistics unchanged)."""

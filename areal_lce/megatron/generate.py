@@ -20,25 +20,58 @@ padding mask), a rotary embedding other than plain RoPE, or a megatron-core with
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import warnings
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from .decode import CachedSteps, GenerationModel, recompute_next_logits
 from .sampling import sample_tokens
 
-__all__ = ["GenerationModel", "check_request", "generate_tokens", "kv_cache_supported", "sample_loop"]
+__all__ = ["GenerationModel", "check_prompts", "check_request", "generate_tokens", "kv_cache_supported",
+           "sample_loop"]
 
 # core attentions that honour the KV-cache contract (decode shapes + a per-sequence boolean mask)
 CACHE_ATTENTIONS = ("SDPAttention", "DotProductAttention")
 
 
 def check_request(prompts: List[List[int]], max_new_tokens: int, temperature: float, top_p: float) -> None:
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate needs non-empty prompts")
-    if max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError("generate: max_new_tokens >= 0, temperature >= 0 and 0 < top_p <= 1 required")
+    """The request's types and ranges, each error naming the argument (the model's limits: `check_prompts`)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
+        raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"generate: {name} must be a finite number, got {value!r}")
+    if temperature < 0:
+        raise ValueError(f"generate: temperature must be >= 0 (0: greedy), got {temperature!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"generate: top_p must be in (0, 1], got {top_p!r}")
+    if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError(f"generate: prompts must be a non-empty list of lists of int token ids, got "
+                         f"{type(prompts).__name__}")
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes, torch.Tensor)) or not isinstance(p, Sequence) or len(p) == 0:
+            raise ValueError(f"generate: prompts[{i}] must be a non-empty list of int token ids, got "
+                             f"{type(p).__name__}{' of length 0' if isinstance(p, Sequence) else ''}")
+        bad = next((t for t in p if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+        if bad is not None:
+            raise ValueError(f"generate: prompts[{i}] holds {bad!r} ({type(bad).__name__}); token ids are ints")
+
+
+def check_prompts(prompts: List[List[int]], max_seq_len: int, vocab_size: int) -> None:
+    """Every prompt leaves room for a new token below `max_seq_len` (engine.model.max_seq_len) and holds
+    ids in [0, vocab_size). A prompt at the limit would stop the whole batch's generation at once."""
+    for i, p in enumerate(prompts):
+        if len(p) >= max_seq_len:
+            raise ValueError(f"generate: prompts[{i}] has {len(p)} tokens, no room below "
+                             f"engine.model.max_seq_len={max_seq_len} for a new one (the longest prompt "
+                             f"generate takes has {max_seq_len - 1})")
+        lo, hi = min(p), max(p)
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"generate: prompts[{i}] holds token id {lo if lo < 0 else hi}, outside the "
+                             f"model's vocabulary [0, {vocab_size})")
 
 
 @torch.no_grad()
@@ -48,8 +81,9 @@ def generate_tokens(gm: GenerationModel, prompts: List[List[int]], max_new_token
     """New tokens per prompt (stopping after `eos_id`, at max_new_tokens, or when the longest live
     sequence reaches gm.max_seq_len), through the KV cache when `kv_cache` and the model allow, its
     decode steps replayed from CUDA graphs when `cuda_graphs` and the model allow (decode.py).
-    The request is checked by the caller (`check_request`)."""
-    prompts = [list(p) for p in prompts]
+    The request is checked by the caller (`check_request`); the prompts against the model here."""
+    prompts = [[int(t) for t in p] for p in prompts]
+    check_prompts(prompts, gm.max_seq_len, gm.vocab_size)
     cached = kv_cache and kv_cache_supported(gm)
     was_training = gm.model.training
     gm.model.eval()
