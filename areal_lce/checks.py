@@ -35,6 +35,8 @@ _BIG = torch.iinfo(torch.int64).max
 # tensor-parallel calls whose ranks disagreed)
 _RECORDS: Dict[torch.device, torch.Tensor] = {}
 _CONTEXT: Dict[torch.device, Tuple[int, int]] = {}  # device -> (vocab_size, ignore_index) of the last record
+# (device, message) -> int64 count of calls whose ranks disagreed (record_disagreement), read by check_deferred
+_DISAGREEMENTS: Dict[Tuple[torch.device, str], torch.Tensor] = {}
 
 
 def resolve_mode(check_labels, device: torch.device) -> str:
@@ -133,10 +135,27 @@ def record(y: torch.Tensor, inv_t: Optional[torch.Tensor], vocab_size: int, igno
     return bad
 
 
+def record_disagreement(votes: torch.Tensor, message: str) -> torch.Tensor:
+    """Count, without a host sync, a call whose ranks disagreed (`votes`: comms.agreement_votes of a key,
+    [max, -min] over the group, on the device); `check_deferred` then raises ValueError(message). Returns
+    the 0-d bool "the ranks disagree", for the caller to poison its output with."""
+    disagree = _disagree(votes).any()
+    count = _DISAGREEMENTS.get((votes.device, message))
+    if count is None:
+        count = _DISAGREEMENTS[(votes.device, message)] = torch.zeros((), dtype=torch.int64, device=votes.device)
+    count.add_(disagree.to(torch.int64))
+    return disagree
+
+
 def check_deferred() -> None:
     """Raise ValueError if a call with deferred checks saw a bad label or temperature, or (under tensor
-    parallelism) ranks passing different labels, since the last check. Reads each device's record (one
-    host sync per device that has one) and resets it."""
+    parallelism) ranks passing different labels, since the last check, or a `record_disagreement` counted
+    one. Reads each device's record (one host sync per device that has one) and resets it."""
+    for (device, message), count in list(_DISAGREEMENTS.items()):
+        n = int(count)  # the deferred sync
+        if n:
+            count.zero_()
+            raise ValueError(f"{message} ({n} call(s) on {device} since the last check)")
     for device, rec in list(_RECORDS.items()):
         n_bad, neg_lo, hi, n_bad_t, n_disagree = rec.tolist()  # the deferred sync
         if not (n_bad or n_bad_t or n_disagree):

@@ -24,7 +24,7 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 
-from .. import comms
+from .. import checks, comms
 
 
 def sequence_lengths(cu_seqlens, what: str = "cu_seqlens") -> List[int]:
@@ -102,13 +102,72 @@ def gather_from_context_parallel(local: torch.Tensor, cp_group, cu_seqlens: Opti
     """Inverse of `split_for_context_parallel`: the full `[b, s, ...]` / `[1, T, ...]` on every CP rank.
 
     Forward all-gathers the local tokens; backward gives each rank its own slice of the gradient (the
-    gathered tensor is replicated, so every rank holds the same full gradient: no reduction)."""
+    gathered tensor is replicated, so every rank holds the same full gradient: no reduction).
+    The CP ranks must pass the same layout (local shape, cu_seqlens): `check_same_layout` checks it the
+    first time this rank gathers a layout."""
     cp = comms.group_size(cp_group)
     if cp == 1:
         return local
     lengths = _cp_lengths(local, cu_seqlens, "gather_from_context_parallel(local)", local=True, cp=cp)
+    disagree = check_same_layout(local, None if cu_seqlens is None else lengths, cp_group)
     rows = comms.all_gather_rows_replicated_grad(local.transpose(0, 1), cp_group)  # [cp*s_local, b, ...]
+    if disagree is not None and rows.is_floating_point():  # deferred check: the call's output shows it
+        rows = torch.where(disagree, torch.full_like(rows, float("nan")), rows)
     return rows.index_select(0, gathered_to_packed(lengths, cp).to(rows.device)).transpose(0, 1)
+
+
+_LAYOUT_ITEMS = ("local.dim()", "local.shape[0] (rows)", "local.shape[1] (tokens on this rank)",
+                 "the elements per token (local.shape[2:])", "the number of packed sequences (cu_seqlens)",
+                 "the packed sequence lengths (cu_seqlens)")
+_LAYOUTS_AGREED = set()  # (id(cp_group), layout) this rank has checked against the group
+_LAYOUT_HINT = ("every context-parallel rank must gather its share of the same batch (its zigzag half of every "
+                "sequence: the same local shape and the same cu_seqlens)")
+
+
+def _layout(local: torch.Tensor, lengths: Optional[List[int]]) -> tuple:
+    """The gather's layout as fixed-length integers (_LAYOUT_ITEMS), equal on the CP ranks iff they agree.
+    The lengths enter as one hash (int hashes do not depend on the process: PYTHONHASHSEED is for str)."""
+    per_token = 1
+    for d in local.shape[2:]:
+        per_token *= d
+    seqs, digest = (-1, 0) if lengths is None else (len(lengths), hash(tuple(lengths)) % (1 << 62))
+    return (local.dim(), local.shape[0], local.shape[1], per_token, seqs, digest)
+
+
+def _reads_votes_now(device: torch.device) -> bool:
+    """CPU: the host is the device, reading the votes stalls nothing (the checks' "sync" mode)."""
+    return device.type == "cpu"
+
+
+def check_same_layout(local: torch.Tensor, lengths: Optional[List[int]], cp_group) -> Optional[torch.Tensor]:
+    """Check that every rank of `cp_group` gathers the layout of `local` (and packed `lengths`): one
+    all-reduce of 12 int64, the first time this rank gathers a layout (then never again for it, so
+    micro-batches of a known layout cost nothing). On CPU tensors the votes are read at once and every
+    rank raises ValueError naming what differs. On accelerators nothing waits on them: the disagreement
+    is counted for `areal_lce.checks.check_deferred()` (which the engine calls once per step) and the
+    returned 0-d bool makes this call's output NaN. None when no check ran.
+    A rank that has checked its layout before while another's is new does not join the check's
+    all-reduce: the collectives then meet out of order, which gloo reports as an error."""
+    layout = _layout(local, lengths)
+    key = (id(cp_group), layout)
+    if key in _LAYOUTS_AGREED:
+        return None
+    # filled on the device (no host-to-device copy: capturable in a CUDA graph)
+    v = torch.stack([torch.full((), x, dtype=torch.int64, device=local.device) for x in layout])
+    votes = comms.agreement_votes(v, cp_group)  # [max, -min] of every item over the CP group
+    if not _reads_votes_now(local.device):
+        _LAYOUTS_AGREED.add(key)
+        return checks.record_disagreement(
+            votes, f"gather_from_context_parallel: the context-parallel ranks gathered different layouts; "
+            f"{_LAYOUT_HINT}")
+    hi, lo = votes[0].tolist(), [-x for x in votes[1].tolist()]
+    differ = [f"{name} (this rank: {mine}, min {a}, max {b})"
+              for name, mine, a, b in zip(_LAYOUT_ITEMS, layout, lo, hi) if a != b]
+    if differ:
+        raise ValueError(f"gather_from_context_parallel: {'; '.join(differ)} differ(s) across the context-parallel "
+                         f"group [rank {comms.group_rank(cp_group)} of {comms.group_size(cp_group)}]: {_LAYOUT_HINT}")
+    _LAYOUTS_AGREED.add(key)
+    return None
 
 
 class ContextParallelPadding(NamedTuple):
