@@ -4,12 +4,16 @@ verl: its own torch implementation of the op, `verl.utils.experimental.torch_fun
 (materialised logits per token chunk, hand-written backward), loaded by path from verl 0.9.1 installed
 aside (`pip install --no-deps --target .venv/verl-aside verl==0.9.1`, as .ci/setup.sh does): importing the
 `verl` package itself needs ray and more, that one file needs only torch.
-AReaL: not installable here; the oracle is the materialised fp64 computation of its documented semantics.
+AReaL: not installable here; the oracle is the materialised fp64 computation of its documented semantics,
+and its output layers are megatron-core's ColumnParallelLinear, subclasses of it (a Gemma2-style soft-cap)
+and a stand-in of AReaL's LM-head mixin on them.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+import warnings
 
 import torch
 
@@ -59,6 +63,63 @@ def areal_oracle(hidden, weight, labels, temperature, logit_scale, g_lp):
     rd = r.detach()
     outs = (lp.detach(), ent.detach(), rd.min(-1).values, rd.max(-1).values, rd.mean(-1), rd.norm(dim=-1))
     return outs, h.grad, w.grad
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_config(h: int):
+    from megatron.core.transformer import TransformerConfig
+
+    with warnings.catch_warnings():  # megatron's own deprecation notes on its default cuda_graph_scope
+        warnings.simplefilter("ignore", UserWarning)
+        return TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=2, use_cpu_initialization=True,
+                                 gradient_accumulation_fusion=False)
+
+
+def output_layer(h: int, v: int, cls=None, *, bias: bool = False, skip_bias_add: bool = False, **attrs):
+    """A megatron-core ColumnParallelLinear LM head (or `cls`, a subclass) as AReaL passes it, built at TP = 1
+    without any process group (the TP = 2 ones are built in tests/integrations_worker.py); `attrs` are set
+    on it afterwards (e.g. fp32_operands, chunked_loss_supported)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    layer = (cls or ColumnParallelLinear)(h, v, config=_layer_config(h), init_method=torch.nn.init.zeros_,
+                                          bias=bias, skip_bias_add=skip_bias_add, gather_output=False,
+                                          skip_weight_param_allocation=True)
+    for name, value in attrs.items():
+        setattr(layer, name, value)
+    return layer
+
+
+def softcap_layer_class(cap: float):
+    """An output layer that soft-caps its logits, cap·tanh(logits / cap), in its forward, as megatron-bridge's
+    Gemma2 output layer does (AReaL then sets chunked_loss_supported=False on it)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    class Gemma2StyleOutputLayer(ColumnParallelLinear):
+        def forward(self, input_, weight=None, runtime_gather_output=None):
+            logits, bias = super().forward(input_, weight, runtime_gather_output)
+            return cap * torch.tanh(logits / cap), bias
+
+    return Gemma2StyleOutputLayer
+
+
+class _AReaLVocabParallelLMHeadMixin:
+    """Stand-in of AReaL's LM-head mixin (areal.models.mcore.vocab_parallel_head, matched by module and name):
+    it replaces ColumnParallelLinear._forward_impl by the same GEMM with a native or fp32 output."""
+
+    fp32_output = False
+
+    def _forward_impl(self, input, weight, bias=None, **_):
+        out = torch.matmul(input, weight.t())
+        out = out if bias is None else out + bias
+        return out.float() if self.fp32_output else out
+
+
+_AReaLVocabParallelLMHeadMixin.__module__ = "areal.models.mcore.vocab_parallel_head"
+
+
+def areal_promoted(cls):
+    """The class AReaL's replace_output_layer_with_areal_lm_head gives an output layer of class `cls`."""
+    return type(f"AReaL{cls.__name__}", (_AReaLVocabParallelLMHeadMixin, cls), {})
 
 
 def scaled_err(x: torch.Tensor, ref: torch.Tensor) -> float:

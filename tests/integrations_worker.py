@@ -62,15 +62,20 @@ def verl_case(group, reduction: str, backend: str) -> dict:
                 d_weight=I.scaled_err(w_loc.grad, r_dw[cols]))
 
 
-def areal_case(group, sp: bool, backend: str) -> dict:
+def column_parallel_linear(group, sp: bool):
+    """megatron-core's ColumnParallelLinear LM head over `group` (tp_group given, no parallel_state)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer import TransformerConfig
 
-    rank = dist.get_rank(group)
     cfg = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, tensor_model_parallel_size=2,
                             sequence_parallel=sp, use_cpu_initialization=True, gradient_accumulation_fusion=False)
-    layer = ColumnParallelLinear(H, 2 * V_SHARD, config=cfg, init_method=lambda t: t, bias=False,
-                                 gather_output=False, skip_weight_param_allocation=True, tp_group=group)
+    return ColumnParallelLinear(H, 2 * V_SHARD, config=cfg, init_method=lambda t: t, bias=False,
+                                gather_output=False, skip_weight_param_allocation=True, tp_group=group)
+
+
+def areal_case(group, sp: bool, backend: str) -> dict:
+    rank = dist.get_rank(group)
+    layer = column_parallel_linear(group, sp)
     hidden, weight, labels, g_lp, _ = inputs(2)
     rows = slice(rank * T // 2, (rank + 1) * T // 2) if sp else slice(None)
     cols = slice(rank * V_SHARD, (rank + 1) * V_SHARD)
@@ -88,6 +93,52 @@ def areal_case(group, sp: bool, backend: str) -> dict:
     return errs
 
 
+def areal_sp_batch_case(group, backend: str) -> dict:
+    """Sequence parallel with b = 2: hidden [s/tp, b, H] per rank, labels [s, b] (AReaL's engine transposes
+    its [b, s] ids to sequence-major); the transposed [b, s] labels, same count, must be refused."""
+    rank = dist.get_rank(group)
+    layer = column_parallel_linear(group, True)
+    hidden, weight, labels, g_lp, _ = inputs(3)
+    s, b = T // 2, 2
+    hidden, labels = hidden.reshape(s, b, H), labels.reshape(s, b)
+    rows, cols = slice(rank * s // 2, (rank + 1) * s // 2), slice(rank * V_SHARD, (rank + 1) * V_SHARD)
+    h_in = hidden[rows].clone().requires_grad_()
+    w_loc = weight[cols].clone().requires_grad_()
+    call = lambda y: lce_areal.chunked_lm_head_logprobs_entropy(layer, h_in, w_loc, y, temperature=0.7,  # noqa: E731
+                                                                chunk_size=4, backend=backend)
+    try:
+        call(labels.t())
+        transposed_accepted = 1.0
+    except ValueError:
+        transposed_accepted = 0.0
+    out = call(labels)
+    (out.logprobs * g_lp).sum().backward()
+    refs, r_dh, _ = I.areal_oracle(hidden, weight, labels, 0.7, 1.0, g_lp)
+    errs = {name: I.scaled_err(o, r) for name, o, r in zip(I.AREAL_FIELDS, out, refs)}
+    errs.update(d_hidden=I.scaled_err(h_in.grad.reshape(-1, H), r_dh.reshape(s, b, H)[rows].reshape(-1, H)),
+                transposed_accepted=transposed_accepted)
+    return errs
+
+
+def negative_label_case(group) -> dict:
+    """A -100 label under TP = 2 (CPU: synchronous checks): every rank raises, none waits in a collective."""
+    hidden, weight, labels, _, _ = inputs(4)
+    labels[0, 5] = -100
+    cols = slice(dist.get_rank(group) * V_SHARD, (dist.get_rank(group) + 1) * V_SHARD)
+    accepted = {}
+    for name, call in (("verl", lambda: lce_verl.linear_cross_entropy(hidden, weight[cols], labels, 1.0, "none",
+                                                                       group)),
+                       ("areal", lambda: lce_areal.chunked_lm_head_logprobs_entropy(
+                           column_parallel_linear(group, False), hidden, weight[cols], labels.reshape(T, 1),
+                           temperature=1.0, chunk_size=4))):
+        try:
+            call()
+            accepted[f"{name}_accepted"] = 1.0
+        except ValueError as e:
+            accepted[f"{name}_accepted"] = float("-100" not in str(e))
+    return accepted
+
+
 def main() -> int:
     dist.init_process_group("gloo")
     group = dist.new_group([0, 1])
@@ -97,6 +148,8 @@ def main() -> int:
             cases[f"verl-{red}-{backend}"] = (verl_case, (group, red, backend))
         for sp in (False, True):
             cases[f"areal-sp{int(sp)}-{backend}"] = (areal_case, (group, sp, backend))
+        cases[f"areal-sp1-b2-{backend}"] = (areal_sp_batch_case, (group, backend))
+    cases["negative-labels"] = (negative_label_case, (group,))
     results = {}
     for name, (fn, args) in cases.items():
         try:

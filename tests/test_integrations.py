@@ -7,6 +7,10 @@
 * AReaL: against the fp64 materialised oracle of its documented semantics (logit_scale, temperature,
   detached entropy, the four vocab statistics), TP=1 in process and TP=2 with a real megatron
   ColumnParallelLinear as output_layer, with and without sequence parallel.
+* Both: labels in hidden's leading shape only (other layouts of the same count refused), no ignore_index
+  (-100 refused like an id >= vocab), and the check modes (sync at the call; deferred: NaN logprob and
+  check_deferred()). AReaL: output layers whose logits the op does not compute exactly are refused; the
+  allowed ones match their own forward.
 * The patches: `apply()` / `remove()` on stand-in modules, and the patch point read from verl's source.
 """
 from __future__ import annotations
@@ -21,9 +25,11 @@ import pytest
 import torch
 
 import _integrations as I
+import areal_lce
 from areal_lce.integrations import areal as lce_areal
 from areal_lce.integrations import verl as lce_verl
 
+from helpers.bounds import assert_within, op_bounds
 from helpers.inputs import available_backends
 
 BACKENDS = [b for b in available_backends() if b != "triton_ascend"]
@@ -99,12 +105,9 @@ def test_verl_bad_input():
 
 # --------------------------------------------------------------------------------------------- AReaL
 
-def _layer(**kw):
-    """The output_layer attributes AReaL's function reads, for TP = 1 in process (TP = 2 uses megatron's
-    real ColumnParallelLinear in tests/integrations_worker.py)."""
-    base = dict(tp_group=None, sequence_parallel=False, allreduce_dgrad=False, gather_output=False,
-                skip_bias_add=False, bias=None, config=types.SimpleNamespace(defer_embedding_wgrad_compute=False))
-    return types.SimpleNamespace(**{**base, **kw})
+def _layer(h=16, v=45, **kw):
+    """megatron-core's ColumnParallelLinear LM head at TP = 1, in process (TP = 2 in tests/integrations_worker.py)."""
+    return I.output_layer(h, v, **kw)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -114,8 +117,8 @@ def test_areal_matches_oracle(backend, temperature, logit_scale):
     labels = labels.reshape(-1, 1)  # AReaL's engine passes [T, 1]
     refs, r_dh, r_dw = I.areal_oracle(hidden, weight, labels, temperature, logit_scale, g_lp)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = lce_areal.chunked_lm_head_logprobs_entropy(_layer(), h, w, labels, temperature=temperature, chunk_size=4,
-                                                     logit_scale=logit_scale, backend=backend)
+    out = lce_areal.chunked_lm_head_logprobs_entropy(_layer(v=61), h, w, labels, temperature=temperature,
+                                                     chunk_size=4, logit_scale=logit_scale, backend=backend)
     assert type(out) is lce_areal.output_type() and out._fields == I.AREAL_FIELDS
     for name, o, r in zip(I.AREAL_FIELDS, out, refs):
         assert o.shape == (17,) and o.dtype == torch.float32, name
@@ -148,7 +151,7 @@ def test_areal_refusals():
     with pytest.raises(ValueError, match="logit_scale"):
         call(_layer(), chunk_size=8, logit_scale=-1.0)
     with pytest.raises(NotImplementedError, match="bias"):
-        call(_layer(bias=torch.zeros(45)), chunk_size=8)
+        call(_layer(bias=True), chunk_size=8)
     with pytest.raises(NotImplementedError, match="gather_output"):
         call(_layer(gather_output=True), chunk_size=8)
     with pytest.raises(NotImplementedError, match="defer_embedding_wgrad_compute"):
@@ -156,6 +159,156 @@ def test_areal_refusals():
     with pytest.raises(ValueError, match="dtypes"):
         lce_areal.chunked_lm_head_logprobs_entropy(_layer(), hidden.double(), weight, labels, temperature=1.0,
                                                    chunk_size=8)
+
+
+# ----------------------------------------------------------------------------- labels: layout and values
+
+def _verl_lp(hidden, weight, labels, **kw):
+    return lce_verl.linear_cross_entropy(hidden, weight, labels, 0.9, **kw)[0]
+
+
+def _areal_lp(hidden, weight, labels, **kw):
+    return lce_areal.chunked_lm_head_logprobs_entropy(_layer(v=weight.shape[0]), hidden, weight, labels,
+                                                      temperature=0.9, chunk_size=8, **kw).logprobs
+
+
+ADAPTERS = {"verl": _verl_lp, "areal": _areal_lp}
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_label_layouts(adapter):
+    """Labels must have hidden's leading shape, size-1 dimensions aside (the frameworks' [T, 1, H] with [1, T],
+    [T, 1] or [T]; [B, S, H] with [B, S]): each accepted layout gives the flat call's logprobs bitwise. The
+    same tokens in another layout ([S, B] for [B, S, H], or flat) are refused: they were paired with the
+    wrong rows (logprob errors up to ~11 here) because only the element count was checked."""
+    call = ADAPTERS[adapter]
+    hidden, weight, _, _, _ = _inputs(lead=(3, 4), seed=4)
+    labels = torch.randint(0, 45, (3, 4), generator=torch.Generator().manual_seed(4))
+    flat = call(hidden.reshape(12, 16), weight, labels.reshape(12))
+    for h, y in [(hidden, labels), (hidden.reshape(12, 1, 16), labels.reshape(1, 12)),
+                 (hidden.reshape(12, 1, 16), labels.reshape(12, 1)), (hidden.reshape(12, 1, 16), labels.reshape(12)),
+                 (hidden.reshape(1, 12, 16), labels.reshape(12))]:
+        assert torch.equal(call(h, weight, y), flat), (tuple(h.shape), tuple(y.shape))
+    for y in (labels.t(), labels.t().contiguous(), labels.reshape(12), labels.reshape(2, 6)):
+        with pytest.raises(ValueError, match=r"labels \(.*\) must have hidden's leading shape \(3, 4\)"):
+            call(hidden, weight, y)
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_negative_labels_refused(adapter):
+    """Neither framework's contract has an ignore_index, so -100 is no longer a row that silently scores 0
+    with no gradient: on CPU (check_labels=True is "sync" there) it raises at the call, saying why."""
+    call = ADAPTERS[adapter]
+    hidden, weight, labels, _, _ = _inputs(seed=5)
+    labels[0, 3] = -100
+    with pytest.raises(ValueError, match=r"1 negative value\(s\) \(first: -100\).*no ignore_index"):
+        call(hidden, weight, labels)
+    with pytest.raises(ValueError, match="negative"):
+        call(hidden, weight, labels, check_labels="sync")
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", [-100, 45], ids=["minus100", "vocab"])
+def test_deferred_label_check(adapter, backend, bad):
+    """The accelerator default (check_labels=True is "deferred" there; forced here on CPU): no host sync, the
+    bad token's logprob is NaN (the other tokens' are untouched) and only areal_lce.check_deferred() raises,
+    naming the value. -100 included: it used to be an ignored row scoring 0."""
+    call = ADAPTERS[adapter]
+    hidden, weight, labels, _, _ = _inputs(seed=6)
+    good = call(hidden, weight, labels, backend=backend)
+    labels[0, 3] = bad
+    lp = call(hidden, weight, labels, backend=backend, check_labels="deferred")
+    assert torch.isnan(lp[3]) and torch.equal(torch.cat([lp[:3], lp[4:]]), torch.cat([good[:3], good[4:]]))
+    with pytest.raises(ValueError, match=f"smallest: {bad}, largest: {bad}"):
+        areal_lce.check_deferred()
+    with pytest.raises(ValueError, match=f"first: {bad}"):  # the synchronous option
+        call(hidden, weight, labels, backend=backend, check_labels="sync")
+    areal_lce.check_deferred()  # nothing recorded by the sync call
+
+
+def test_check_labels_through_apply(monkeypatch):
+    """apply(check_labels="sync") reaches the op through the patched names of both frameworks."""
+    for name in lce_verl.PATCH_TARGETS:
+        _fake_module(monkeypatch, name, "linear_cross_entropy")
+    _fake_module(monkeypatch, *lce_areal.PATCH_TARGET)
+    hidden, weight, labels, _, _ = _inputs(seed=7)
+    labels[0, 2] = 45
+    try:
+        lce_verl.apply(check_labels="deferred")
+        lce_areal.apply(check_labels="deferred")
+        verl_fn = sys.modules[lce_verl.PATCH_TARGETS[0]].linear_cross_entropy
+        areal_fn = getattr(sys.modules[lce_areal.PATCH_TARGET[0]], lce_areal.PATCH_TARGET[1])
+        assert torch.isnan(verl_fn(hidden, weight, labels, 1.0, "none", None)[0][2])
+        out = areal_fn(_layer(), hidden, weight, labels, temperature=1.0, chunk_size=4)
+        assert torch.isnan(out.logprobs[2])
+        with pytest.raises(ValueError, match="2 value"):
+            areal_lce.check_deferred()
+    finally:
+        lce_verl.remove()
+        lce_areal.remove()
+
+
+# ------------------------------------------------------------------------------- AReaL: output layers
+
+def _column_parallel_linear():
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    return ColumnParallelLinear
+
+
+def _scaled_impl_class():
+    class ScaledImpl(_column_parallel_linear()):  # a head that scales its GEMM inside _forward_impl
+        def _forward_impl(self, input, weight, *args, **kwargs):
+            return 2.0 * super()._forward_impl(input, weight, *args, **kwargs)
+
+    return ScaledImpl
+
+
+REFUSED_LAYERS = {  # id -> (build the layer, the reason the error must give)
+    "gemma2_softcap": (lambda: _layer(cls=I.softcap_layer_class(5.0)), "overrides ColumnParallelLinear.forward"),
+    "areal_marked_softcap": (lambda: _layer(cls=I.areal_promoted(I.softcap_layer_class(5.0)),
+                                            chunked_loss_supported=False), "chunked_loss_supported=False"),
+    "areal_softcap_unmarked": (lambda: _layer(cls=I.areal_promoted(I.softcap_layer_class(5.0))),
+                               "overrides ColumnParallelLinear.forward"),
+    "forward_on_instance": (lambda: _layer(forward=lambda *a, **k: None), "forward is replaced on the instance"),
+    "scaled_forward_impl": (lambda: _layer(cls=_scaled_impl_class()), "overrides _forward_impl"),
+    "bias_added": (lambda: _layer(bias=True), "adds a bias"),
+    "torch_linear": (lambda: torch.nn.Linear(16, 45, bias=False), "not megatron-core's ColumnParallelLinear"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED_LAYERS)
+def test_areal_refuses_layers_whose_logits_differ(case):
+    """Every output layer whose logits are not (h·Wᵀ)·logit_scale is refused with the reason. A Gemma2-style
+    soft-capped head used to get the un-capped logits' logprobs."""
+    build, reason = REFUSED_LAYERS[case]
+    hidden, weight, labels, _, _ = _inputs(seed=8)
+    with pytest.raises(NotImplementedError, match=reason):
+        lce_areal.chunked_lm_head_logprobs_entropy(build(), hidden, weight, labels, temperature=1.0, chunk_size=4)
+
+
+EXACT_LAYERS = {
+    "column_parallel_linear": lambda: _layer(),
+    "bias_skipped": lambda: _layer(bias=True, skip_bias_add=True),  # the bias is returned, not added
+    "areal_lm_head": lambda: _layer(cls=I.areal_promoted(_column_parallel_linear())),
+}
+
+
+@pytest.mark.parametrize("case", EXACT_LAYERS)
+def test_areal_exact_layers_match_their_own_forward(case):
+    """The allowed layers: the adapter's logprobs are those of the layer's own forward (its logits run in fp64
+    through the module, times logit_scale, over temperature), within one fp32 evaluation's rounding bound."""
+    layer = EXACT_LAYERS[case]()
+    if layer.bias is not None:
+        torch.nn.init.normal_(layer.bias)
+    hidden, weight, labels, _, _ = _inputs(seed=9)
+    out = lce_areal.chunked_lm_head_logprobs_entropy(layer, hidden, weight, labels, temperature=0.8, chunk_size=4,
+                                                     logit_scale=1.5, backend="torch")
+    with torch.no_grad():
+        logits = layer.double()(hidden.double(), weight=weight.double())[0].reshape(-1, weight.shape[0])
+    ref = torch.log_softmax(logits * 1.5 / 0.8, -1).gather(1, labels.reshape(-1, 1)).squeeze(1)
+    assert_within("logprobs", out.logprobs, ref, op_bounds(hidden, weight, labels, 1.5 / 0.8).logprobs)
 
 
 # ------------------------------------------------------------------------------------- TP = 2 (gloo)
@@ -172,6 +325,7 @@ def worker_results() -> dict:
 
 @needs_verl
 @pytest.mark.parametrize("case", [f"verl-{r}-{b}" for r in ("none", "sum", "mean") for b in ("torch", "reference")])
+@pytest.mark.distributed
 def test_verl_tp2_through_megatron_sp_gather(case):
     r = worker_results()[case]
     assert "error" not in r, r.get("error")
@@ -181,12 +335,32 @@ def test_verl_tp2_through_megatron_sp_gather(case):
 
 
 @pytest.mark.parametrize("case", [f"areal-sp{s}-{b}" for s in (0, 1) for b in ("torch", "reference")])
+@pytest.mark.distributed
 def test_areal_tp2_with_megatron_column_parallel_linear(case):
     r = worker_results()[case]
     assert "error" not in r, r.get("error")
     assert r["allreduce_dgrad"] == 0 and r["entropy_grad"] == 0, r
     assert all(r[f] <= TOL_VALUES for f in I.AREAL_FIELDS), r
     assert r["d_hidden"] <= TOL_GRADS and r["d_weight"] <= TOL_GRADS, r
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_areal_tp2_sequence_parallel_batch_layout(backend):
+    """b = 2 under sequence parallel: [s/tp, b, H] shards with [s, b] labels match the oracle; the same labels
+    transposed ([b, s], the same count) are refused."""
+    r = worker_results()[f"areal-sp1-b2-{backend}"]
+    assert "error" not in r, r.get("error")
+    assert r["transposed_accepted"] == 0, r
+    assert all(r[f] <= TOL_VALUES for f in I.AREAL_FIELDS) and r["d_hidden"] <= TOL_GRADS, r
+
+
+@pytest.mark.distributed
+def test_tp2_negative_labels_refused_on_every_rank():
+    """Under TP the op's own synchronous check refuses -100 on every rank together (no rank left waiting)."""
+    r = worker_results()["negative-labels"]
+    assert "error" not in r, r.get("error")
+    assert r == {"areal_accepted": 0.0, "verl_accepted": 0.0}, r
 
 
 # ------------------------------------------------------------------------------------------ patches

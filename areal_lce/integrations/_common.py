@@ -1,4 +1,5 @@
-"""What both adapters share: flattening hidden/labels to token rows, and reversible module patches."""
+"""What both adapters share: token rows and their labels, label values under contracts without an
+ignore_index, the options forwarded to the op, and reversible module patches."""
 from __future__ import annotations
 
 import importlib
@@ -6,33 +7,76 @@ import math
 
 import torch
 
+from .. import checks
+
 _ORIGINALS: dict = {}  # (module name, attribute) -> the framework's own function, kept for remove()
 _RESERVED = ("vocab_parallel", "tp_group", "sequence_parallel", "reduce_d_hidden", "temperature",
-             "return_stats", "return_logit_sums", "vocab_size")
+             "return_stats", "return_logit_sums", "vocab_size", "ignore_index")
+# The op's ignore_index under the frameworks' contracts, which have none: a value no label takes (int64's
+# smallest), so that every negative label, -100 included, is a bad label to the op's checks instead of an
+# ignored row that silently scores 0.
+NO_IGNORE_INDEX = -(2 ** 63)
 
 
 def check_op_options(options: dict, adapter: str) -> None:
-    """Options forwarded to `linear_logprobs_entropy` may tune it (backend, cache_bytes, check_labels,
-    compact_ignored) but not change the framework's contract, which the adapter fixes."""
+    """Options forwarded to `linear_logprobs_entropy` may tune it (backend, cache_bytes, compact_ignored)
+    but not change the framework's contract, which the adapter fixes."""
     bad = sorted(set(options) & set(_RESERVED))
     if bad:
         raise TypeError(f"{adapter}: {bad} are set by the adapter from the framework's own arguments")
 
 
-def token_rows(hidden: torch.Tensor, labels: torch.Tensor, rows_per_label: int, adapter: str):
-    """hidden [..., H] -> [rows, H] and labels [...] -> [rows · rows_per_label]: the frameworks pass
-    [T, 1, H] hidden with [1, T] or [T, 1] labels, which only agree once flattened."""
+def consistency_options(invariant, logits_precision, adapter: str) -> dict:
+    """The op's `invariant` and `logits_precision`, type-checked here and passed on unchanged (the op
+    validates the values)."""
+    if invariant is not None and not isinstance(invariant, bool):
+        raise TypeError(f"{adapter}: invariant must be None, True or False, got {invariant!r}")
+    if not isinstance(logits_precision, str):
+        raise TypeError(f"{adapter}: logits_precision must be a str ('fp32' or 'bf16'), got {logits_precision!r}")
+    return dict(invariant=invariant, logits_precision=logits_precision)
+
+
+def _squeezed(shape) -> tuple:
+    return tuple(d for d in shape if d != 1)
+
+
+def token_rows(hidden: torch.Tensor, labels: torch.Tensor, adapter: str, seq_factor: int = 1):
+    """hidden [s, ..., H] -> [rows, H] and labels -> [rows · seq_factor], row for row. labels must have
+    hidden's leading shape (the first dimension times seq_factor: the full sequence under sequence
+    parallelism) up to size-1 dimensions, so that flattening pairs each label with its own row: the
+    frameworks pass [T, 1, H] hidden with [1, T], [T, 1] or [T] labels, and [B, S, H] with [B, S]. A
+    layout with the right element count but another order ([S, B] for [B, S, H]) is refused."""
     if not torch.is_tensor(hidden) or hidden.dim() < 2:
         raise ValueError(f"{adapter}: hidden must be a tensor [..., H], got {tuple(getattr(hidden, 'shape', ()))}")
-    h2 = hidden.reshape(-1, hidden.shape[-1])
-    y = labels.reshape(-1)
-    if y.numel() != h2.shape[0] * rows_per_label:
-        what = f"{h2.shape[0]} hidden rows"
-        if rows_per_label > 1:
-            what += f" × {rows_per_label} (sequence parallel)"
-        raise ValueError(f"{adapter}: labels {tuple(labels.shape)} hold {y.numel()} tokens, hidden "
-                         f"{tuple(hidden.shape)} gives {what}")
-    return h2, y
+    if not torch.is_tensor(labels):
+        raise TypeError(f"{adapter}: labels must be an integer tensor, got {type(labels).__name__}")
+    lead = tuple(hidden.shape[:-1])
+    expected = (lead[0] * seq_factor,) + lead[1:]
+    if _squeezed(labels.shape) != _squeezed(expected):
+        under_sp = f" (hidden's first dim × {seq_factor}: the full sequence under sequence parallel)" \
+            if seq_factor > 1 else ""
+        raise ValueError(f"{adapter}: labels {tuple(labels.shape)} must have hidden's leading shape "
+                         f"{expected}{under_sp}, size-1 dimensions aside; hidden {tuple(hidden.shape)}. Labels "
+                         "are paired with hidden's rows in order, so another layout of the same tokens (e.g. "
+                         "[S, B] labels for [B, S, H] hidden) would pair them wrongly")
+    return hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+
+
+def check_no_negative_labels(y: torch.Tensor, check_labels, tp: int, adapter: str) -> None:
+    """The frameworks' contracts have no ignore_index, so the op runs with NO_IGNORE_INDEX: a negative label
+    is a bad label like any out-of-range one (check_labels "sync", or True on CPU: the op raises on every
+    rank; "deferred", True on accelerators: NaN logprob and check_deferred() raises). Without tensor
+    parallelism, "sync" raises here first, saying why -100 is refused; under TP the op's check raises
+    (it runs on every rank in step, where an error raised here on some ranks only could leave the others
+    waiting in a collective)."""
+    if tp > 1 or checks.resolve_mode(check_labels, y.device) != "sync":
+        return
+    negative = y < 0
+    n = int(negative.sum())  # the host sync "sync" asks for
+    if n:
+        raise ValueError(f"{adapter}: labels hold {n} negative value(s) (first: {int(y[negative][0])}); the "
+                         "framework's contract has no ignore_index (-100 is not skipped): pass token ids in "
+                         "[0, vocab) and mask the tokens you do not want in the loss instead")
 
 
 def positive_float(value, name: str, adapter: str) -> float:

@@ -9,14 +9,24 @@ computed by areal_lce's fused op in one pass (no sequence chunks, no [chunk, V] 
 
 AReaL's contract (read from its source):
   output_layer: the Megatron ColumnParallelLinear LM head. Its `tp_group`, `sequence_parallel`,
-      `allreduce_dgrad` and `fp32_operands` say how hidden arrives and how d_hidden is reduced; a bias,
-      `gather_output` or `config.defer_embedding_wgrad_compute` are refused (AReaL refuses the last two).
+      `allreduce_dgrad` and `fp32_operands` say how hidden arrives and how d_hidden is reduced;
+      `gather_output` and `config.defer_embedding_wgrad_compute` are refused (as AReaL does), and so is
+      every layer whose logits are not (h·Wᵀ)·logit_scale, found by inspecting it: anything but
+      megatron-core's ColumnParallelLinear (AReaL's LM-head mixin on it allowed), a class or instance that
+      replaces its forward (Gemma2's logit soft-capping; AReaL marks those chunked_loss_supported=False)
+      or its _forward_impl, an added bias (skip_bias_add=False with a bias).
   hidden_states [s, b, H] (AReaL: [T, 1, H] packed): this rank's sequence shard [s/tp, b, H] under
       sequence parallel (gathered here, d_hidden reduce-scattered back), else the full sequence
       (d_hidden all-reduced over TP when `allreduce_dgrad`); under context parallelism, CP-local tokens.
   weight [V/tp, H]: this rank's vocab shard (the shared embedding when tied); every row is part of the
       softmax, Megatron's vocabulary padding included, as in AReaL.
-  labels: global ids, s·b of them in sequence-major order ([T] or [T, 1]); no ignore_index.
+  labels: global ids in hidden's leading shape [s, b] (under sequence parallel the full sequence's,
+      [s·tp, b]), size-1 dimensions aside ([T] or [T, 1] for [T, 1, H]); another layout of the same
+      count is refused. No ignore_index: a negative label (-100 included) is refused like an id >= vocab.
+  check_labels (this adapter's option, passed to the op): True (default) checks label values at the call
+      on CPU tensors ("sync": ValueError) and, on accelerators, without a host sync ("deferred": the bad
+      token's logprob is NaN and only `areal_lce.check_deferred()` raises, which AReaL does not call);
+      "sync" raises at the call on every device (one host sync per call); False checks nothing.
   temperature, logit_scale: floats > 0; logits z = (h·Wᵀ)·logit_scale / temperature.
   chunk_size: AReaL's sequence chunk; must be > 0, otherwise unused (the fused op bounds its own memory).
 Returns AReaL's `ChunkedLMHeadOutput` (this module's look-alike when AReaL is not installed): six fp32
@@ -40,7 +50,8 @@ import torch
 from .. import comms
 from ..api import check_temperature, linear_logprobs_entropy
 from ..types import VocabParallel
-from ._common import check_op_options, patch, positive_float, restore, token_rows
+from ._common import (NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, patch, positive_float, restore,
+                      token_rows)
 
 _NAME = "areal_lce.integrations.areal.chunked_lm_head_logprobs_entropy"
 PATCH_TARGET = ("areal.engine.megatron_engine", "chunked_lm_head_logprobs_entropy")
@@ -67,20 +78,61 @@ def output_type():
     return areal_type
 
 
+# The output layers whose logits the op computes exactly, r = (h·Wᵀ)·logit_scale: megatron-core's
+# ColumnParallelLinear with its own forward, whose _forward_impl is megatron's linear or AReaL's LM-head
+# mixin (the same GEMM, its output in the input dtype or fp32). Classes are matched by module and name,
+# so neither framework is imported here.
+_MEGATRON_LINEAR = ("megatron.core.tensor_parallel.layers", "ColumnParallelLinear")
+_AREAL_MIXIN = ("areal.models.mcore.vocab_parallel_head", "_AReaLVocabParallelLMHeadMixin")
+
+
+def _class_named(cls: type, module: str, qualname: str):
+    return next((c for c in cls.__mro__ if c.__module__ == module and c.__qualname__ == qualname), None)
+
+
+def _inexact_logits(output_layer) -> str:
+    """Why the op would not compute this output layer's logits exactly; "" when it does."""
+    cls = type(output_layer)
+    linear = _class_named(cls, *_MEGATRON_LINEAR)
+    if linear is None:
+        return (f"output_layer is a {cls.__module__}.{cls.__qualname__}, not megatron-core's ColumnParallelLinear "
+                "(or AReaL's LM head built on it)")
+    if getattr(output_layer, "chunked_loss_supported", True) is False:
+        return "AReaL marks it chunked_loss_supported=False: its class overrides forward"
+    replaced = [name for name in ("forward", "_forward_impl") if name in vars(output_layer)]
+    if replaced:
+        return f"its {replaced[0]} is replaced on the instance"
+    if cls.forward is not linear.forward:
+        owner = next(c for c in cls.__mro__ if "forward" in vars(c))
+        return (f"{owner.__qualname__} overrides ColumnParallelLinear.forward (e.g. Gemma2's logit soft-capping), "
+                "so its logits are not h·Wᵀ")
+    mixin = _class_named(cls, *_AREAL_MIXIN)
+    exact_impls = [vars(c).get("_forward_impl") for c in (linear, mixin) if c is not None]
+    if getattr(cls, "_forward_impl", None) not in exact_impls:
+        owner = next(c for c in cls.__mro__ if "_forward_impl" in vars(c))
+        return f"{owner.__qualname__} overrides _forward_impl, the layer's matrix multiply"
+    if not getattr(output_layer, "skip_bias_add", True) and getattr(output_layer, "bias", None) is not None:
+        return "it adds a bias to the logits"
+    return ""
+
+
 def _check_layer(output_layer) -> None:
     if getattr(output_layer, "gather_output", False):
         raise NotImplementedError(f"{_NAME}: needs a vocab-parallel output layer (gather_output=False)")
     if getattr(getattr(output_layer, "config", None), "defer_embedding_wgrad_compute", False):
         raise NotImplementedError(f"{_NAME}: incompatible with config.defer_embedding_wgrad_compute")
-    if not getattr(output_layer, "skip_bias_add", True) and getattr(output_layer, "bias", None) is not None:
-        raise NotImplementedError(f"{_NAME}: an LM-head bias is not supported by the fused op")
+    why = _inexact_logits(output_layer)
+    if why:
+        raise NotImplementedError(f"{_NAME}: the fused op computes logits (h·Wᵀ)·logit_scale only, and this "
+                                  f"output layer's differ: {why}. Turn AReaL's chunked LM head off for this "
+                                  "model (enable_chunked_logits: false) or do not apply the adapter")
 
 
 def chunked_lm_head_logprobs_entropy(output_layer, hidden_states: torch.Tensor, weight: torch.Tensor,
                                      labels: torch.Tensor, *, temperature: float, chunk_size: int,
-                                     logit_scale: float = 1.0, **op_options):
-    """AReaL's `chunked_lm_head_logprobs_entropy`; contract in the module docstring. `op_options` go to
-    `areal_lce.linear_logprobs_entropy` (backend, cache_bytes, check_labels, compact_ignored)."""
+                                     logit_scale: float = 1.0, check_labels=True, **op_options):
+    """AReaL's `chunked_lm_head_logprobs_entropy`; contract and `check_labels` in the module docstring.
+    `op_options` go to `areal_lce.linear_logprobs_entropy` (backend, cache_bytes, compact_ignored)."""
     check_op_options(op_options, _NAME)
     t = check_temperature(temperature, f"{_NAME}: temperature", allow_tensor=False)
     scale = positive_float(logit_scale, "logit_scale", _NAME)
@@ -90,7 +142,8 @@ def chunked_lm_head_logprobs_entropy(output_layer, hidden_states: torch.Tensor, 
     tp_group = getattr(output_layer, "tp_group", None)
     tp = comms.group_size(tp_group)
     sp = tp > 1 and bool(getattr(output_layer, "sequence_parallel", False))
-    h2, y = token_rows(hidden_states, labels, tp if sp else 1, _NAME)
+    h2, y = token_rows(hidden_states, labels, _NAME, seq_factor=tp if sp else 1)
+    check_no_negative_labels(y, check_labels, tp, _NAME)
     if getattr(output_layer, "fp32_operands", False):  # AReaL's enable_fp32_lm_head: fp32 GEMM operands
         h2, weight = h2.float(), weight.float()
     elif h2.dtype != weight.dtype:
@@ -101,7 +154,8 @@ def chunked_lm_head_logprobs_entropy(output_layer, hidden_states: torch.Tensor, 
         d_hidden = "all_reduce" if getattr(output_layer, "allreduce_dgrad", tp > 1) else "caller"
     vp = VocabParallel(tp_group if tp > 1 else None, d_hidden)
     out = linear_logprobs_entropy(h2, weight, y, temperature=t / scale, vocab_parallel=vp, return_stats=True,
-                                  return_logit_sums=True, **op_options)
+                                  return_logit_sums=True, ignore_index=NO_IGNORE_INDEX, check_labels=check_labels,
+                                  **op_options)
     vocab = weight.shape[0] * tp
     return output_type()(
         out.logprobs, out.entropy.detach(), out.min_logit * scale, out.max_logit * scale,

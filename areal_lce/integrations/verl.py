@@ -12,7 +12,10 @@ verl's contract, as its Megatron fused forward uses it (`fused_output_processor`
       parallel shards itself (`gather_from_sequence_parallel_region`) before the call; under context
       parallelism, this CP rank's tokens.
   weight [V/tp, H]: this rank's vocab shard (vocabulary padding rows are part of the softmax, as in verl).
-  labels: global token ids, any shape with T elements ([1, T] in the THD path); no ignore_index.
+  labels: global token ids in hidden's leading shape, size-1 dimensions aside ([1, T] for [T, 1, H] on the
+      THD path, [B, S] for [B, S, H] in the transformers models): another layout of the same count
+      ([S, B] for [B, S, H]) is refused, as it would pair labels with the wrong rows. No ignore_index:
+      a negative label (-100 included) is refused like an id >= vocab (see `check_labels` below).
   temperature: float; logits are h·Wᵀ / temperature.
   reduction: "none" -> per-token logprobs [T]; "sum" / "mean" -> their sum / mean over tokens (scalar).
   dist_process_group: the TP group (None: unsharded weight).
@@ -21,6 +24,11 @@ d_hidden is this rank's vocab-partial gradient, NOT reduced over TP: the backwar
 (a reduce-scatter) reduces it. verl forces sequence parallel when TP > 1; TP > 1 without it leaves
 d_hidden partial here exactly as verl's kernel does. d_weight is this rank's shard gradient, in the
 weight's dtype (verl's kernel returns the hidden's dtype; in verl the two are the same).
+
+check_labels (this adapter's option, passed to the op): True (default) checks label values at the call on
+CPU tensors ("sync": ValueError) and, on accelerators, without a host sync ("deferred": the bad token's
+logprob is NaN and only `areal_lce.check_deferred()` raises, which verl does not call); "sync" raises at
+the call on every device (one host sync per call); False checks nothing.
 """
 from __future__ import annotations
 
@@ -28,9 +36,10 @@ from typing import Optional
 
 import torch
 
+from .. import comms
 from ..api import check_temperature, linear_logprobs_entropy
 from ..types import VocabParallel
-from ._common import check_op_options, patch, restore, token_rows
+from ._common import NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, patch, restore, token_rows
 
 _NAME = "areal_lce.integrations.verl.linear_cross_entropy"
 # Where verl 0.9.1 looks `linear_cross_entropy` up at call time: the Megatron fused forward (its
@@ -48,21 +57,25 @@ def linear_cross_entropy(
     temperature: Optional[float] = 1.0,
     reduction: Optional[str] = "none",
     dist_process_group=None,
+    *,
+    check_labels=True,
     **op_options,
 ):
     """verl's `linear_cross_entropy(hidden, weight, labels, temperature, reduction, dist_process_group)`
-    -> (logprobs, entropy); contract in the module docstring. `op_options` go to
-    `areal_lce.linear_logprobs_entropy` (backend, cache_bytes, check_labels, compact_ignored)."""
+    -> (logprobs, entropy); contract and `check_labels` in the module docstring. `op_options` go to
+    `areal_lce.linear_logprobs_entropy` (backend, cache_bytes, compact_ignored)."""
     check_op_options(op_options, _NAME)
     t = check_temperature(temperature, f"{_NAME}: temperature", allow_tensor=False)
     if not isinstance(reduction, str) or reduction.lower() not in ("none", "sum", "mean"):
         raise ValueError(f"{_NAME}: reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
-    h2, y = token_rows(hidden, labels, 1, _NAME)
+    h2, y = token_rows(hidden, labels, _NAME)
+    check_no_negative_labels(y, check_labels, comms.group_size(dist_process_group), _NAME)
     if h2.dtype != weight.dtype:  # e.g. an fp32 residual stream: compute in the weight's dtype
         h2 = h2.to(weight.dtype)
     # verl's SP gather (or, without SP, its caller) reduces d_hidden: the op leaves it vocab-partial
     vp = VocabParallel(dist_process_group, d_hidden="caller")
-    out = linear_logprobs_entropy(h2, weight, y, temperature=t, vocab_parallel=vp, **op_options)
+    out = linear_logprobs_entropy(h2, weight, y, temperature=t, vocab_parallel=vp, ignore_index=NO_IGNORE_INDEX,
+                                  check_labels=check_labels, **op_options)
     logprobs = out.logprobs
     if reduction.lower() == "sum":
         logprobs = logprobs.sum()
