@@ -96,6 +96,11 @@ class TrainerConfig:
         default=0, metadata=_help("save a checkpoint every this many steps (0: only at the end)")
     )
     save_final: bool = field(default=True, metadata=_help("save a checkpoint after the last step"))
+    keep_last: int = field(
+        default=0, metadata=_help("after each save, delete this run's checkpoints but the newest this many "
+                                  "(0: keep all). Only complete checkpoints this run wrote are deleted (its id "
+                                  "in trainer_state.json, every file listed in their MANIFEST.json)")
+    )
     resume: Union[bool, str] = field(
         default=False,
         metadata=_help("true: resume from the last checkpoint in output_dir (error if none); 'auto': "
@@ -124,7 +129,7 @@ class TrainerConfig:
         split_global_batch(self.global_batch_size, self.micro_batch_size)  # for any data-parallel size
         if isinstance(self.resume, str) and self.resume != "auto":
             raise ConfigError(f"trainer.resume={self.resume!r}: expected true, false or 'auto'")
-        for name in ("save_interval", "stop_at"):
+        for name in ("save_interval", "stop_at", "keep_last"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"trainer.{name}={getattr(self, name)} must be >= 0")
         if self.log_interval < 1:

@@ -7,6 +7,8 @@ import warnings
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+from .. import durable
+
 LOG_KEYS = ("step", "loss", "entropy", "max_logit", "min_logit", "grad_norm", "lr", "tokens_per_s", "peak_mem_gib")
 PLOT_KEYS = ("loss", "entropy", "max_logit", "min_logit", "grad_norm", "lr", "tokens_per_s", "peak_mem_gib")
 
@@ -35,7 +37,8 @@ class MetricsLog:
     """Append-only `metrics.jsonl` (one JSON object per step). Inactive off rank 0.
 
     On a resumed run, lines past the resumed step (written by the killed run after its last
-    checkpoint) are dropped first, so the file reads as one uninterrupted run.
+    checkpoint) are dropped first, so the file reads as one uninterrupted run: the kept lines go to a
+    new file that replaces the old one atomically (never truncated in place).
     """
 
     def __init__(self, path, enabled: bool = True, resume_step: int = 0):
@@ -45,9 +48,9 @@ class MetricsLog:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step] if resume_step else []
-        with open(self.path, "w") as f:
-            for r in kept:
-                f.write(json.dumps(r) + "\n")
+        # a new file renamed over the old one: a kill at any moment leaves the old lines or the kept ones
+        text = "".join(json.dumps(r) + "\n" for r in kept)
+        durable.write_atomic(self.path, lambda f: f.write(text.encode("utf-8")))
 
     def write(self, record: dict) -> None:
         if not self.enabled:

@@ -4,7 +4,8 @@
 
 1. host      the job is built (tokenizer, data or task, checks against the parallel layout): a bad option
              fails here, before the run directory is touched or a model is built;
-2. run dir   trainer.resume picks the checkpoint to load (a fresh start clears old checkpoints); rank 0
+2. run dir   rank 0 locks it (run_dir.py); trainer.resume picks the checkpoint to load (a fresh start
+             refuses a directory holding another run's files, a resume names changed options); rank 0
              writes config.yaml;
 3. engines   `job.build_engines()`, then python's and torch's RNGs are seeded with trainer.seed (after
              the engines, whose set-up seeds torch with engine.seed);
@@ -29,6 +30,7 @@ from . import checkpoint as ckpt
 from .config import dump_yaml
 from .job import Job
 from .logging_utils import MetricsLog, ProgressBar, format_record, plot_metrics, read_metrics
+from .run_dir import close_run, open_run
 
 
 def run(cfg, make_job: Callable[..., Job]) -> dict:
@@ -47,9 +49,8 @@ def train(job: Job, cfg, dist_info) -> dict:
     """The loop itself (module docstring), on an initialised job and distributed set-up."""
     tr, is_main = cfg.trainer, dist_info.is_main
     out = Path(tr.output_dir)
-    resume_from = ckpt.resolve_resume(tr.resume, out)
-    if resume_from is None:
-        ckpt.clear_run_dir(out, is_main)
+    run_dir = open_run(cfg, out, is_main)  # rank 0 locks it; a fresh start refuses another run's files
+    resume_from = run_dir.resume_from
     config_text = dump_yaml(cfg)
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -87,4 +88,5 @@ def train(job: Job, cfg, dist_info) -> dict:
                                title=f"{job.plot_title} {out.name}")
             if png:
                 print(f"[{job.name}] wrote {out / 'metrics.jsonl'} and {png}", flush=True)
+    close_run(run_dir)
     return {"output_dir": str(out), "step": step, "records": records}

@@ -1,0 +1,305 @@
+"""What a run directory may hold and what a job does to it: checkpoints are read only when they match the
+manifest their job wrote (a crafted pickle never runs, a flipped byte is refused, a model that does not
+fit is named as such), a fresh start deletes nothing, one job at a time holds the directory (a kill -9
+frees it), trainer.keep_last deletes only this run's checkpoints, a resume names changed options, and
+metrics.jsonl is never truncated in place. One process (the loop on a model-free job, one tiny CPU engine);
+the `gpu` case saves and reloads megatron's mixed-precision optimizer state.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from areal_lce import durable
+from areal_lce.train import checkpoint as ckpt
+from areal_lce.train import loop
+from areal_lce.train.config import ConfigError, load_config
+from areal_lce.train.logging_utils import MetricsLog, read_metrics
+from areal_lce.train.run_dir import LOCK_FILE, RunLock, close_run, open_run
+
+from test_train_loop import CounterJob
+
+ONE_RANK = types.SimpleNamespace(is_main=True)
+
+
+def _cfg(out, *overrides):
+    return load_config(None, [f"trainer.output_dir={out}", "trainer.progress=false", "trainer.plot=false",
+                              "trainer.steps=5", "trainer.save_interval=1", *overrides])
+
+
+class _Payload:
+    """Unpickling it calls open(marker, 'w'): the marker file exists iff the pickle's code ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _craft(path: Path, marker: Path) -> None:
+    path.write_bytes(pickle.dumps({"model": _Payload(marker)}))
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------ the engine's files
+
+@pytest.fixture(scope="module")
+def engine_ckpt(tmp_path_factory):
+    """A tiny CPU engine after one step, saved (sealed) once; each test copies the directory."""
+    from areal_lce.megatron import MicroBatch
+    from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig
+    from areal_lce.megatron.engine import MegatronEngine
+
+    cfg = EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=32, num_layers=1), optim=OptimConfig(lr=1e-2))
+    e = MegatronEngine(cfg, vocab_size=200)
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    e.train_step([MicroBatch(ids, ids)], lambda stats, mb: (-stats.logprobs.mean(), {}))
+    path = tmp_path_factory.mktemp("engine") / "engine"
+    e.save(str(path))
+    return e, cfg, path
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir(parents=True)
+    for name, data in _tree(src).items():
+        (dst / name).write_bytes(data)
+    return dst
+
+
+def test_engine_files_load_only_when_they_match_the_manifest(engine_ckpt, tmp_path):
+    e, _cfg_, saved = engine_ckpt
+    marker = tmp_path / "code_ran"
+    files = sorted(_tree(saved))
+    assert files == [durable.MANIFEST, "rank00000.pt"]
+    e.load(str(saved))  # the engine's own files: accepted
+
+    # a crafted pickle in place of the rank file, the manifest left alone: refused before any unpickling
+    crafted = _copy(saved, tmp_path / "crafted")
+    _craft(crafted / "rank00000.pt", marker)
+    with pytest.raises(durable.IntegrityError, match=r"crafted/rank00000.pt: .*(bytes|sha256)"):
+        e.load(str(crafted))
+    # ... and with a manifest rewritten to match it (a manifest is no signature): weights_only refuses it
+    durable.write_manifest(crafted)
+    with pytest.raises(pickle.UnpicklingError, match="refused: it holds something other than tensors"):
+        e.load(str(crafted))
+    assert not marker.exists(), "the crafted pickle's code ran"
+
+    # one flipped byte: refused, naming the file
+    flipped = _copy(saved, tmp_path / "flipped")
+    data = bytearray((flipped / "rank00000.pt").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (flipped / "rank00000.pt").write_bytes(bytes(data))
+    with pytest.raises(durable.IntegrityError, match=r"flipped/rank00000.pt: sha256 differs"):
+        e.load(str(flipped))
+
+    # a file the job did not write, a missing manifest
+    extra = _copy(saved, tmp_path / "extra")
+    (extra / "rank00001.pt").write_bytes(b"x")
+    with pytest.raises(durable.IntegrityError, match=r"extra/rank00001.pt: not listed"):
+        e.load(str(extra))
+    (extra / "rank00001.pt").unlink()
+    (extra / durable.MANIFEST).unlink()
+    with pytest.raises(durable.IntegrityError, match=r"no MANIFEST.json"):
+        e.load(str(extra))
+
+
+def test_a_model_that_does_not_fit_is_named_not_taken_for_damage(engine_ckpt):
+    from areal_lce.megatron.engine import MegatronEngine
+    from areal_lce.megatron.state import CheckpointMismatch
+
+    _e, cfg, saved = engine_ckpt
+    other = MegatronEngine(cfg, vocab_size=300)  # padded vocabulary 384 rows instead of 256
+    with pytest.raises(CheckpointMismatch, match=r"'embedding.word_embeddings.weight' is \[256, \d+\] in the "
+                                                 r"checkpoint and \[384, \d+\] in the model"):
+        other.load(str(saved))
+
+
+def test_saved_state_is_checked_for_weights_only_loading():
+    from areal_lce.megatron.state import check_plain
+
+    check_plain({"a": [torch.ones(2), (1, 2.0, "x", None)], "b": {0: torch.float32}})
+    with pytest.raises(TypeError, match=r"state\['opt'\]\[1\] is a .*_Payload"):
+        check_plain({"opt": [1, _Payload(Path("x"))]})
+
+
+# ------------------------------------------------------------------------ checkpoints of a run
+
+class EngineJob(CounterJob):
+    """CounterJob around the real engine of `engine_ckpt` (its steps leave the engine as it is)."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self._engine = engine
+
+    def build_engines(self):
+        self.engine = self._engine
+
+    def step(self, step):
+        return {"value": float(step)}
+
+
+def test_resume_refuses_a_crafted_or_damaged_checkpoint(engine_ckpt, tmp_path):
+    run, marker = tmp_path / "run", tmp_path / "code_ran"
+    loop.train(EngineJob(engine_ckpt[0]), _cfg(run, "trainer.steps=2", "trainer.stop_at=1"), ONE_RANK)
+    step1 = ckpt.checkpoint_dir(run, 1)
+    assert sorted(_tree(step1)) == [ckpt.MARKER, durable.MANIFEST, "engine/MANIFEST.json", "engine/rank00000.pt",
+                                    ckpt.STATE_FILE]
+    _craft(step1 / "engine" / "rank00000.pt", marker)
+    with pytest.warns(RuntimeWarning, match="rank00000.pt"), \
+            pytest.raises(RuntimeError, match=r"no complete checkpoint .* can be loaded:\n.*rank00000.pt"):
+        loop.train(EngineJob(engine_ckpt[0]), _cfg(run, "trainer.steps=2", "trainer.resume=auto"), ONE_RANK)
+    # both manifests forged to match: torch.load(weights_only=True) still refuses it
+    durable.write_manifest(step1 / "engine")
+    durable.write_manifest(step1, exclude=(ckpt.MARKER,))
+    with pytest.warns(RuntimeWarning, match="refused: it holds something other than tensors"), \
+            pytest.raises(RuntimeError, match="no complete checkpoint"):
+        loop.train(EngineJob(engine_ckpt[0]), _cfg(run, "trainer.steps=2", "trainer.resume=auto"), ONE_RANK)
+    assert not marker.exists(), "the crafted pickle's code ran"
+
+    # the step directory's own files: a flipped byte in trainer_state.json, an extra file
+    state = step1 / ckpt.STATE_FILE
+    state.write_bytes(state.read_bytes().replace(b'"step": 1', b'"step": 2'))
+    with pytest.raises(durable.IntegrityError, match=r"trainer_state.json: sha256 differs"):
+        ckpt.load_checkpoint(engine_ckpt[0], step1)
+
+
+def test_fresh_start_deletes_nothing_and_refuses_another_runs_files(tmp_path):
+    run = tmp_path / "run"
+    loop.train(CounterJob(), _cfg(run, "trainer.stop_at=2"), ONE_RANK)
+    (ckpt.checkpoint_root(run) / "notes.txt").write_text("mine")
+    before = _tree(run)
+    with pytest.raises(ConfigError, match=rf"trainer.resume=false .* trainer.output_dir={run} holds another "
+                                          r"run's files \(checkpoints/notes.txt, checkpoints/step_00000001.*"
+                                          r"metrics.jsonl\); nothing was deleted.*trainer.resume=auto"):
+        loop.train(CounterJob(), _cfg(run), ONE_RANK)
+    after = _tree(run)
+    assert {k: v for k, v in after.items() if k != LOCK_FILE} == {k: v for k, v in before.items() if k != LOCK_FILE}
+    with RunLock(run).acquire():  # the refused run let the directory go
+        pass
+
+
+_HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.ftruncate(fd, 0); os.write(fd, f"pid {os.getpid()} on testhost".encode())
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_one_job_per_run_directory_and_kill_9_frees_it(tmp_path):
+    run = tmp_path / "run"
+    with RunLock(run).acquire() as held:
+        probe = subprocess.run([sys.executable, "-c", "import fcntl, os, sys\nfd = os.open(sys.argv[1], os.O_RDWR)\n"
+                                "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept OSError:\n"
+                                "    sys.exit(3)", str(run / LOCK_FILE)], timeout=30)
+        assert probe.returncode == 3  # the job's lock excludes another process
+        assert held.path.read_text().startswith(f"pid {os.getpid()} on ")
+
+    # a second job (another process holds the directory): refused before it touches anything
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(run / LOCK_FILE)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ConfigError, match=rf"trainer.output_dir={run} is in use by another job \(pid "
+                                              rf"{holder.pid} on testhost holds .*run.lock\)"):
+            loop.train(CounterJob(), _cfg(run), ONE_RANK)
+        assert not ckpt.checkpoint_root(run).exists() and not (run / "config.yaml").exists()
+        os.kill(holder.pid, signal.SIGKILL)  # kill -9: the kernel drops the lock with the process
+        holder.wait(timeout=30)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+    res = loop.train(CounterJob(), _cfg(run, "trainer.steps=2", "trainer.resume=auto"), ONE_RANK)
+    assert res["step"] == 2
+
+
+def test_keep_last_deletes_only_this_runs_old_checkpoints(tmp_path):
+    run = tmp_path / "run"
+    loop.train(CounterJob(), _cfg(run, "trainer.keep_last=2", "trainer.stop_at=3"), ONE_RANK)
+    assert [s for s, _ in ckpt.list_checkpoints(run)] == [2, 3]
+    # not this run's: a complete checkpoint without a manifest, and one of ours holding a file we did not write
+    alien = ckpt.checkpoint_dir(run, 1)
+    alien.mkdir()
+    (alien / ckpt.MARKER).write_text("ok\n")
+    (ckpt.checkpoint_dir(run, 2) / "notes.txt").write_text("mine")
+    loop.train(CounterJob(), _cfg(run, "trainer.keep_last=2", "trainer.resume=auto"), ONE_RANK)
+    assert [s for s, _ in ckpt.list_checkpoints(run)] == [1, 2, 4, 5]  # 3 went; 1 and 2 are not provably ours
+    assert (ckpt.checkpoint_dir(run, 2) / "notes.txt").read_text() == "mine"
+    assert not ckpt.checkpoint_dir(run, 3).exists()
+
+
+def test_resume_with_a_changed_config_names_the_options(tmp_path):
+    run = tmp_path / "run"
+    loop.train(CounterJob(), _cfg(run, "trainer.stop_at=2"), ONE_RANK)
+    for option, says in (("engine.model.num_layers=3", r"changed model \(engine.model.num_layers: 0 -> 3\)"),
+                         ("engine.parallel.tensor_parallel=2", r"engine.parallel.tensor_parallel: 1 -> 2\).*"
+                                                                r"checkpoints are saved per rank")):
+        with pytest.raises(ConfigError, match=rf"resuming .*step_00000002 with a {says}" if "model" in option
+                           else rf"resuming .*step_00000002 with changed engine.parallel options \({says}"):
+            loop.train(CounterJob(), _cfg(run, "trainer.resume=auto", option), ONE_RANK)
+    with pytest.warns(RuntimeWarning, match=r"changed options: engine.optim.lr: 1e-05 -> 0.002, "
+                                            r"engine.optim.total_steps: 5 -> 6, trainer.steps: 5 -> 6$"):
+        res = loop.train(CounterJob(), _cfg(run, "trainer.resume=auto", "engine.optim.lr=0.002",
+                                            "trainer.steps=6"), ONE_RANK)
+    assert res["step"] == 6
+
+
+def test_metrics_are_never_truncated_in_place(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    lines = "".join(f'{{"step": {s}, "loss": {s / 10}}}\n' for s in range(1, 6))
+    path.write_text(lines)
+
+    def killed(fd):  # the process dies while the kept lines are being written
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(os, "fsync", killed)
+    with pytest.raises(KeyboardInterrupt):
+        MetricsLog(path, resume_step=2)
+    assert path.read_text() == lines  # the old file is whole
+    monkeypatch.undo()
+    MetricsLog(path, resume_step=2)
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+
+
+# ------------------------------------------------------------------------ GPU: megatron's optimizer state
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_mixed_precision_optimizer_state_round_trips_weights_only(tmp_path):
+    """bf16 engine: megatron's Float16 optimizer (fp32 master weights, Adam moments) saved and reloaded
+    through torch.load(weights_only=True); the reloaded engine's next step equals the original's."""
+    from areal_lce.megatron import MicroBatch
+    from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig
+    from areal_lce.megatron.engine import MegatronEngine
+
+    def loss(stats, mb):
+        return -stats.logprobs.mean(), {}
+
+    cfg = EngineConfig(model=ModelConfig(preset="tiny", dtype="bf16", max_seq_len=64), optim=OptimConfig(lr=1e-3))
+    g = torch.Generator().manual_seed(0)
+    batches = [[MicroBatch(ids, ids)] for ids in (torch.randint(0, 500, (2, 32), generator=g) for _ in range(3))]
+    a = MegatronEngine(cfg, vocab_size=500)
+    assert a.megatron_optimizer, "expected megatron's optimizer on CUDA"
+    a.train_step(batches[0], loss)
+    a.save(str(tmp_path / "engine"))
+    state = torch.load(tmp_path / "engine" / "rank00000.pt", weights_only=True)
+    assert "fp32_from_fp16_params" in state["optimizer"], sorted(state["optimizer"])
+    b = MegatronEngine(EngineConfig(model=cfg.model, optim=cfg.optim, seed=99), vocab_size=500)
+    b.load(str(tmp_path / "engine"))
+    ra, rb = a.train_step(batches[1], loss), b.train_step(batches[1], loss)
+    assert ra["loss"] == rb["loss"] and ra["grad_norm"] == rb["grad_norm"], (ra, rb)
+    for n, p in a.parameters_named().items():
+        assert torch.equal(p, b.parameters_named()[n]), n
