@@ -5,6 +5,10 @@
 * NaN poisoning: every buffer a backend's kernels write (areal_lce.backends.base.alloc) starts as NaN
   (AREAL_LCE_POISON_OUTPUTS=1, read once when areal_lce.backends loads), so an output element a kernel
   fails to write fails the test that reads it. torchrun workers launched by the tests inherit it.
+* Under the interpreter, numpy's inf/NaN RuntimeWarnings from inside it are hidden (the poisoned
+  buffers make them on purpose); every other warning is shown.
+* Markers (pyproject.toml): `gpu` tests are skipped without CUDA; a test that launches several ranks
+  through helpers.launch.torchrun must carry `distributed` (the launcher refuses otherwise).
 """
 import os
 import shutil
@@ -24,6 +28,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_configure(config):
+    if os.environ.get("TRITON_INTERPRET") == "1":  # numpy runs the kernels on NaN-poisoned buffers: expected
+        config.addinivalue_line("filterwarnings", "ignore::RuntimeWarning:triton.runtime.interpreter")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    from helpers import launch  # before the test's fixtures: a module fixture may launch the ranks
+
+    launch.TEST_MARKERS = frozenset(m.name for m in item.iter_markers())
+
+
+def pytest_runtest_teardown(item):
+    from helpers import launch
+
+    launch.TEST_MARKERS = None
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -177,6 +177,7 @@ for fn, has_t in ((K.lce_fwd_kernel, True), (K.lce_bwd_dh_kernel, False), (K.lce
 """
 
 
+@pytest.mark.slow
 def test_kernels_compile_with_the_triton_compiler(tmp_path):
     """The interpreter checks values, not typing: compile the bf16 kernels for real (sm_80, offline,
     with the ptxas bundled in the triton wheel) so type errors in loop-carried values or masks show up.

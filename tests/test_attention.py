@@ -270,6 +270,7 @@ def _check_cp2(r: dict) -> None:
     assert g["bshd_contiguous_split_error"] > 1e-2 * g["logits_scale"], g
 
 
+@pytest.mark.distributed
 def test_context_parallel_two_ranks():
     """CP=2 on 2 gloo ranks: helpers == megatron's get_batch_on_this_cp_rank; GPTModel outputs (gathered)
     and CP-summed parameter gradients == CP=1, BSHD and THD (megatron's RoPE gets the zigzag positions)."""
@@ -283,6 +284,7 @@ LEGACY_DIR = os.environ.get("AREAL_LCE_MEGATRON_LEGACY", "") or (_SETUP_LEGACY i
 
 
 @pytest.mark.skipif(not LEGACY_DIR, reason="needs megatron-core 0.16.1 aside (.ci/setup.sh or AREAL_LCE_MEGATRON_LEGACY)")
+@pytest.mark.distributed
 def test_context_parallel_two_ranks_legacy_megatron():
     """The same cases on megatron-core 0.16.1 (its THD RoPE and split have the same contracts)."""
     r = worker_results(LEGACY_DIR)

@@ -41,6 +41,7 @@ def test_exact_reference_is_fp32_exact(with_ent):
         assert err < 1e-6, (k, err.item())  # a bf16 rounding anywhere would show as ~1e-3
 
 
+@pytest.mark.slow
 def test_run_measures_every_provider_against_the_reference(tmp_path, capsys):
     argv = ["--device", DEVICE, "--shapes", SHAPE, "--providers", "areal_triton,areal_torch,torch_eager",
             "--rep", "1", "--out", str(tmp_path)]
@@ -69,6 +70,7 @@ def test_run_measures_every_provider_against_the_reference(tmp_path, capsys):
     assert "triton breakdown" in printed and "vs targets" in printed
 
 
+@pytest.mark.slow
 def test_sweep_runs_every_candidate(tmp_path):
     assert bench_lce.main(["--device", DEVICE, "--sweep", "--shapes", SHAPE, "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
@@ -76,6 +78,7 @@ def test_sweep_runs_every_candidate(tmp_path):
     assert {(r["kind"], r["tma"], r["pps"]) for r in rows} >= {("fwd", False, 1), ("bwd", True, 2)}
 
 
+@pytest.mark.slow
 def test_bench_ignored_layouts_and_run(tmp_path):
     """benchmark.bench_ignored: its label layouts mask what they say, and one CPU run of every layout."""
     from benchmark import bench_ignored

@@ -73,6 +73,7 @@ def test_hf_checkpoint_matches_transformers_tp1(tmp_path, family, tied):
         assert e.generate(W.GREEDY_PROMPTS, W.GREEDY_TOKENS, temperature=0.0) == ref["greedy"]
 
 
+@pytest.mark.distributed
 def test_hf_checkpoint_matches_transformers_tp2():
     r = worker_results()["tp2-hf-checkpoint"]  # TP=2 with sequence parallelism
     assert "error" not in r, r.get("error")
@@ -164,6 +165,7 @@ def test_frozen_engine_has_no_grad_state_and_matches_the_trainable_one(tmp_path,
         live.load(str(tmp_path / "frozen"))
 
 
+@pytest.mark.slow
 def test_generate_is_seeded_and_stops_at_eos():
     e = _engine(ModelConfig(preset="tiny", max_seq_len=64), vocab=W.VOCAB)
     prompts = [[1, 2, 3], [4, 5]]
@@ -189,6 +191,7 @@ def test_lr_schedule():
         OptimConfig(warmup_steps=5, total_steps=5, lr_schedule="cosine")
 
 
+@pytest.mark.distributed
 def test_pipeline_parallel_two_stages():
     """PP=2 (Megatron's 1F1B schedule on gloo): statistics match transformers on the same checkpoint,
     training losses match the materialised route and PP=1, greedy generation matches PP=1."""
@@ -217,6 +220,7 @@ def test_sdpa_attention_matches_megatron_attention():
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "materialised"])
+@pytest.mark.slow
 def test_packed_matches_padded(fused):
     """engine.pack_sequences: the same right-padded micro-batches (rows of different lengths, a row
     without targets) train to the same per-step losses packed as THD and padded as BSHD."""

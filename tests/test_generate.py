@@ -132,6 +132,7 @@ def test_cached_attention_refuses_more_queries_than_keys():
     pytest.param("sdpa", "output_layer", id="sdpa-legacy_seam"),
     pytest.param("megatron", "auto", id="megatron_attention"),
 ])
+@pytest.mark.slow
 def test_kv_cache_matches_recompute(attention, seam, decode_batches):
     e = _engine(attention, seam)
     e.model.train()  # generate switches to eval and back
@@ -273,6 +274,7 @@ def test_kv_cache_tp2_sp_and_pp2():
     assert len(r) == 3 * (2 * 4 + 2)
 
 
+@pytest.mark.slow
 def test_grpo_tiny_same_metrics_with_and_without_kv_cache(tmp_path, decode_batches):
     from areal_lce.train import rl
     from areal_lce.train.config import load_config
@@ -292,6 +294,7 @@ def test_grpo_tiny_same_metrics_with_and_without_kv_cache(tmp_path, decode_batch
         assert {k: v for k, v in a.items() if k not in machine} == {k: v for k, v in b.items() if k not in machine}
 
 
+@pytest.mark.slow
 def test_rollout_benchmark_smoke(tmp_path, monkeypatch):
     """benchmark/bench_rollout.py on the tiny preset (the GPU run uses the same code path)."""
     import json

@@ -210,6 +210,7 @@ TP2_CASES = ["tp2-sp0-untied-auto", "tp2-sp0-tied-auto", "tp2-sp1-untied-auto", 
 
 
 @pytest.mark.parametrize("case", TP2_CASES)
+@pytest.mark.distributed
 def test_fused_matches_materialised_tp2(case):
     assert worker_results()["meta"]["auto_seam"] == capture.resolve_seam("auto")
     r = worker_results()[case]
@@ -221,6 +222,7 @@ def test_fused_matches_materialised_tp2(case):
     assert r["sp_active"] == float("-sp1-" in case), "sequence parallelism not in the expected state"
 
 
+@pytest.mark.distributed
 def test_fused_matches_materialised_tp2_bf16():
     r = worker_results()["tp2-sp1-tied-bf16"]
     assert "error" not in r, r.get("error")
@@ -229,18 +231,21 @@ def test_fused_matches_materialised_tp2_bf16():
     assert r["d_grad_rel"] <= 5e-2 and r["sp_active"] == 1.0 and r["head_grad_nonzero"] > 0, r
 
 
+@pytest.mark.distributed
 def test_training_losses_equal_tp2():
     r = worker_results()["tp2-train-sp1"]
     assert "error" not in r, r.get("error")
     assert r["max_rel_loss"] <= 1e-4, r
 
 
+@pytest.mark.distributed
 def test_packed_matches_padded_tp2_sp():
     r = worker_results()["tp2-pack-sp1"]
     assert "error" not in r, r.get("error")
     assert r["max_rel_loss_fused1"] <= 1e-5 and r["max_rel_loss_fused0"] <= 1e-5, r
 
 
+@pytest.mark.distributed
 def test_context_parallel_two_ranks_matches_cp1():
     r = worker_results()["cp2"]
     assert "error" not in r, r.get("error")
@@ -249,6 +254,7 @@ def test_context_parallel_two_ranks_matches_cp1():
         assert v <= limit, f"{k} = {v:.3e}"
 
 
+@pytest.mark.distributed
 def test_data_parallel_two_ranks():
     r = worker_results()["dp2"]
     assert "error" not in r, r.get("error")
@@ -263,6 +269,7 @@ LEGACY_DIR = os.environ.get("AREAL_LCE_MEGATRON_LEGACY", "") or (_SETUP_LEGACY i
 
 @pytest.mark.skipif(not LEGACY_DIR, reason="needs megatron-core 0.16.1 aside: run .ci/setup.sh, or set AREAL_LCE_MEGATRON_LEGACY to a "
                     "`pip install --no-deps --target DIR megatron-core==0.16.1` directory")
+@pytest.mark.distributed
 def test_worker_cases_on_legacy_megatron(tmp_path):
     """Every 2-rank case on megatron-core 0.16/0.17, where `auto` must pick the output_layer seam."""
     hf_dir = str(tmp_path / "hf")

@@ -342,6 +342,7 @@ def _case(name: str) -> dict:
     return res
 
 
+@pytest.mark.distributed
 def test_tp_rank_with_an_all_padding_shard_matches_the_reference():
     """vocab_size <= V_shard at TP=2: rank 1 owns no real token. Fused (torch, reference backends) and
     materialised routes against the unsharded fp64 reference, logprob-only and logprob+entropy losses."""
@@ -355,12 +356,14 @@ def test_tp_rank_with_an_all_padding_shard_matches_the_reference():
     assert all(r["d_weight_grad"] == 0.0 for r in res["1"].values())  # padding rows get exactly zero
 
 
+@pytest.mark.distributed
 def test_full_weight_with_tp_group_is_still_refused():
     for rank, r in _case("full_weight").items():
         assert "not the full weight" in r["refused"], (rank, r)
         assert r["zero_shard_error"] == "", (rank, r)  # an all-zero shard is not taken for a full weight
 
 
+@pytest.mark.distributed
 def test_tp_ranks_with_different_labels_get_a_clear_error_not_an_abort():
     for rank, r in _case("label_mismatch").items():
         assert "number of ignore_index labels differs across the tensor-parallel group" in r["ignore_pattern"]
@@ -369,6 +372,7 @@ def test_tp_ranks_with_different_labels_get_a_clear_error_not_an_abort():
         assert r["after_ok"] == 1.0  # the group is still in step
 
 
+@pytest.mark.distributed
 def test_sft_at_tp2_with_an_all_padding_lm_head_shard_trains_on_both_routes():
     from areal_lce.megatron.model import padded_vocab_size
 
@@ -378,6 +382,7 @@ def test_sft_at_tp2_with_an_all_padding_lm_head_shard_trains_on_both_routes():
     assert losses["True"] == pytest.approx(losses["False"], rel=1e-5), losses
 
 
+@pytest.mark.distributed
 def test_a_stalled_rank_makes_the_other_fail_within_the_timeout():
     """engine.parallel.timeout_s=6 (tests/reliability_worker.py): rank 1 sleeps; rank 0's world barrier and
     the op's all-reduce over Megatron's TP group must both raise after ~6 s, naming the collective."""

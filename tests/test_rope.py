@@ -85,6 +85,7 @@ def test_large_positions_fp32():
     torch.testing.assert_close(rope.FusedRotary.apply(t, f).double(), oracle(t, f), atol=3e-5, rtol=3e-5)
 
 
+@pytest.mark.slow
 def test_bf16_within_one_ulp():
     """bf16 in and out, fp32 inside: every output within one bf16 ulp of the fp64 formula (the interpreter
     truncates fp32 -> bf16; on a GPU, round-to-nearest against megatron's unfused rounding is
@@ -175,6 +176,7 @@ def test_install_fills_only_empty_slots(monkeypatch):
     assert not rope.install_rope_fusion() and rope_utils.fused_apply_rotary_pos_emb is te
 
 
+@pytest.mark.slow
 def test_packed_engine_step_equals_unfused(monkeypatch):
     """A packed (THD) engine with model.rope_fusion on (the kernel in megatron's slot, per-token angles)
     gives the unfused engine's statistics and gradient norm; the config says which ran."""

@@ -27,6 +27,7 @@ def _cfg(out, *overrides):
                               "engine.optim.warmup_steps=1", "trainer.sample_prompts=0", *overrides])
 
 
+@pytest.mark.slow
 def test_sft_runs_on_both_routes_and_writes_metrics(tmp_path, monkeypatch):
     calls = {"n": 0}
     real_run_fused = capture.run_fused
@@ -59,6 +60,7 @@ def test_sft_runs_on_both_routes_and_writes_metrics(tmp_path, monkeypatch):
     assert losses[True] == pytest.approx(losses[False], rel=1e-4, abs=1e-5), losses
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_reproduces_the_uninterrupted_run(tmp_path):
     common = ("trainer.steps=6", "trainer.save_interval=3", "engine.use_fused_linear_ce=true")
     full = sft.run(_cfg(tmp_path / "full", *common))
@@ -97,6 +99,7 @@ def test_incomplete_checkpoint_is_ignored(tmp_path):
 # half of the global batch) and CP=2 (each rank takes the zigzag half of every sequence); with DP and CP
 # the token-mean loss must equal the single-process run's.
 @pytest.mark.parametrize("tp,cp", [(2, 1), (1, 1), (1, 2)], ids=["tp2", "dp2", "cp2"])
+@pytest.mark.distributed
 def test_torchrun_launch(tmp_path, tp, cp):
     out = tmp_path / f"tp{tp}_cp{cp}"
     overrides = [f"engine.parallel.tensor_parallel={tp}", f"engine.parallel.context_parallel={cp}",

@@ -190,6 +190,7 @@ def _worker_cases(prefix):
 
 
 @pytest.mark.parametrize("case", _worker_cases("bshd") + _worker_cases("thd"))
+@pytest.mark.distributed
 def test_tp2_matches_megatron_oracle(case):
     r = worker_results()[case]
     assert "error" not in r, r.get("error")
@@ -198,18 +199,21 @@ def test_tp2_matches_megatron_oracle(case):
         assert v <= limit, f"{case} {k} = {v:.2e}"
 
 
+@pytest.mark.distributed
 def test_tp2_parallel_output_false():
     r = worker_results()["parallel_output_false"]
     assert "error" not in r, r.get("error")
     assert max(r.values()) <= ATOL, r
 
 
+@pytest.mark.distributed
 def test_tp2_sequence_parallel_length_error():
     r = worker_results()["sp_length_error"]
     assert "error" not in r, r.get("error")
     assert "sequence_parallel" in r["message"] and "multiple of 2" in r["message"], r
 
 
+@pytest.mark.distributed
 def test_documented_example_tp2_sp():
     r = worker_results()["example"]
     assert "error" not in r, r.get("error")

@@ -226,6 +226,7 @@ def test_no_group_no_collectives(fake_group):
     assert fake_group.calls == []
 
 
+@pytest.mark.distributed
 def test_torchrun_tp2_gloo():
     """2 gloo ranks on CPU: every case of the script against the fp64 oracle, then the bad-input errors."""
     # The Triton backends run here only through the interpreter (set by conftest on machines without a GPU).

@@ -40,6 +40,7 @@ compile_(K.local_labels_kernel, dict(BLOCK=1024))
 """
 
 
+@pytest.mark.slow
 def test_cuda_kernels_compile_for_sm90(tmp_path):
     pytest.importorskip("triton.backends.nvidia.compiler")  # absent where triton-ascend replaces triton
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -9,6 +9,10 @@ caller's PYTHONPATH, so every rank imports this checkout (and, with `pythonpath=
 megatron-core installed aside). A failed launch -- a non-zero exit, no result file, a timeout -- raises
 AssertionError with the tail of stdout and stderr. On timeout torchrun gets SIGTERM, which it passes on
 to its ranks, and SIGKILL if it has not stopped 30 s later.
+
+Under pytest, a launch of several ranks from a test without the `distributed` marker is refused (the
+inner loop `-m "not distributed and not slow"` must not start any): tests/conftest.py records the
+running test's markers in TEST_MARKERS.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from typing import Mapping, Optional, Sequence, Union
 
 REPO = Path(__file__).resolve().parents[2]
 TAIL = 6000  # characters of stdout and of stderr shown when a launch fails
+TEST_MARKERS: Optional[frozenset] = None  # the running pytest item's marker names (None outside pytest)
 
 
 def torchrun(target: Union[str, os.PathLike], *args, nproc: int = 2, module: bool = False, timeout: float = 400,
@@ -36,6 +41,8 @@ def torchrun(target: Union[str, os.PathLike], *args, nproc: int = 2, module: boo
                 process group behind it)
     Returns the parsed result when `result` is given, else the subprocess.CompletedProcess (stdout, stderr).
     """
+    if nproc > 1 and TEST_MARKERS is not None and "distributed" not in TEST_MARKERS:
+        raise AssertionError(f"a test launches {nproc} ranks of {target} without @pytest.mark.distributed")
     extra = [pythonpath] if isinstance(pythonpath, (str, os.PathLike)) else list(pythonpath)
     full_env = dict(os.environ, OMP_NUM_THREADS="1")
     full_env.update(env or {})
