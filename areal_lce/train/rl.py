@@ -146,7 +146,7 @@ class RLJob:
         reward = cfg.rl.reward_fn or self.task.default_reward
         return (f"task {cfg.rl.task} {cfg.rl.task_options or ''}, reward {reward}, advantage {self.advantage}, "
                 f"{run_banner(self.policy, self.tok)}, rollout: "
-                f"{'KV cache' if cfg.engine.kv_cache else 'full recompute'}")
+                f"{'KV cache' if cfg.engine.kv_cache and self.policy.dist.cp_size == 1 else 'full recompute'}")
 
     def finish(self, output_dir) -> None:
         pass
