@@ -254,6 +254,44 @@ def test_generate_refuses_prompts_the_model_cannot_take():
     assert [len(x) for x in out] == [1, 1]
 
 
+# generate(return_logprobs=True): the same tokens as without, and each token's logprob as the trainer
+# computes it (token_stats on prompt + response at the sampling temperature). fp32 on CPU: the two differ
+# by the rounding of the trunk's forwards in other shapes (the KV cache's steps vs one full forward);
+# a token scored at the wrong position or temperature is off by O(1).
+@pytest.mark.parametrize("kv", [True, False], ids=["kv_cache", "recompute"])
+def test_generate_returns_the_trainers_logprobs(kv):
+    e = _engine()
+    e.cfg.kv_cache = kv
+    plain = e.generate(PROMPTS, 6, temperature=0.7, top_p=0.9, generator=torch.Generator().manual_seed(4))
+    out = e.generate(PROMPTS, 6, temperature=0.7, top_p=0.9, generator=torch.Generator().manual_seed(4),
+                     return_logprobs=True)
+    assert isinstance(out, G.Generation) and out.tokens == plain
+    assert [len(x) for x in out.logprobs] == [len(x) for x in out.tokens]
+    width = max(len(p) + len(r) for p, r in zip(PROMPTS, out.tokens))
+    ids = torch.zeros(len(PROMPTS), width, dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    for i, (p, r) in enumerate(zip(PROMPTS, out.tokens)):
+        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+        labels[i, len(p) - 1:len(p) + len(r) - 1] = torch.tensor(r)
+    trained = e.token_stats(ids, labels, temperature=0.7, grad=False).logprobs
+    for i, (p, lp) in enumerate(zip(PROMPTS, out.logprobs)):
+        ref = trained[i, len(p) - 1:len(p) - 1 + len(lp)]
+        assert torch.allclose(torch.tensor(lp), ref, rtol=0, atol=1e-4), (i, lp, ref.tolist())
+    greedy = e.generate(PROMPTS, 3, temperature=0.0, return_logprobs=True)
+    assert all(x == 0.0 for lp in greedy.logprobs for x in lp)  # greedy picks with probability 1
+
+
+def test_sampling_follows_the_heads_logits_precision():
+    """logits_precision="bf16": the sampler draws from the logits rounded to bf16, as the head computes
+    them; "fp32" (and None, the op's default) from the fp32 logits as they are."""
+    from areal_lce.megatron.sampling import sampling_logits
+
+    logits = torch.tensor([[1.0 + 2 ** -12, 3.0, -0.3]])
+    assert torch.equal(sampling_logits(logits, None), logits) and torch.equal(sampling_logits(logits, "fp32"), logits)
+    assert torch.equal(sampling_logits(logits, "bf16"), logits.bfloat16().float())
+    assert not torch.equal(logits.bfloat16().float(), logits)
+
+
 def test_kv_cache_option():
     assert EngineConfig().kv_cache is True
     assert "KV cache" in EngineConfig.__dataclass_fields__["kv_cache"].metadata["help"]
@@ -289,6 +327,9 @@ def test_grpo_tiny_same_metrics_with_and_without_kv_cache(tmp_path, decode_batch
         forwards.append(len(decode_batches))
     assert forwards[0] >= 3 and forwards[1] == forwards[0]  # the cache ran with kv_cache=true only
     machine = {"gen_time_s", "step_time_s", "peak_mem_gib"}  # wall clock and process RSS
+    # the rollout's logprobs come from the cache's hidden states or the recomputed ones: equal to rounding
+    machine |= {"train_rollout_logprob_abs_diff_max", "train_rollout_logprob_abs_diff_mean",
+                "importance_ratio_abs_dev_max"}
     assert [r["step"] for r in records[True]] == [1, 2, 3]
     for a, b in zip(records[True], records[False]):
         assert {k: v for k, v in a.items() if k not in machine} == {k: v for k, v in b.items() if k not in machine}

@@ -54,6 +54,65 @@ def test_fused_and_materialised_routes_agree_on_rl_loss_and_grads(monkeypatch):
     assert len({round(x, 6) for x in losses}) == 3, losses
 
 
+# Zero-mismatch RL: the sampler's logprobs (sampling.token_logprobs, what generate returns) and the
+# trainer's (the op on a packed micro-batch) come from the same hidden states in different row counts
+# and positions, among ignored rows. With invariant=True the head promises the same bits, so the
+# mismatch metrics read exactly 0.
+@pytest.mark.parametrize("logits_precision", ["fp32", "bf16"])
+def test_rollout_mismatch_is_zero_with_the_invariant_head(logits_precision):
+    import areal_lce
+    from areal_lce.megatron.sampling import token_logprobs
+    from areal_lce.train.rl_losses import rollout_mismatch
+
+    g = torch.Generator().manual_seed(0)
+    n, h, v, vocab = 37, 64, 1024, 1000  # a padded vocabulary, as megatron's
+    hidden = torch.randn(n, h, generator=g).bfloat16()
+    weight = (torch.randn(v, h, generator=g) * 0.3).bfloat16()
+    weight[:8] = hidden[:8] * 0.5  # peaked rows: a few tokens dominate
+    rows = torch.tensor([4, 5, 6, 20, 31])  # the sampler's decode batch: 5 rows of the trainer's 37
+    tokens = torch.randint(0, vocab, (rows.numel(),), generator=g)
+    options = dict(temperature=0.7, vocab_size=vocab, backend="torch", invariant=True,
+                   logits_precision=logits_precision)
+    sampled = token_logprobs(hidden[rows], weight, tokens, **options)
+    labels = torch.full((n,), -100)
+    labels[rows] = tokens
+    trained = areal_lce.linear_logprobs_entropy(hidden, weight, labels, **options).logprobs
+    rollout = torch.zeros(n)
+    rollout[rows] = sampled
+    m = rollout_mismatch(trained[None], rollout[None], (labels != -100)[None])
+    assert m["tokens"] == rows.numel()
+    assert m["abs_diff_max"] == 0 and m["abs_diff_sum"] == 0 and m["ratio_dev_max"] == 0, m
+
+
+def test_rollout_logprob_rows_follow_the_labels():
+    prompts, responses = [[1, 2, 3], [4], [5, 6]], [[7, 8], [9, 10, 11], []]
+    logprobs = [[-0.5, -1.5], [-2.0, -2.5, -3.0], []]
+    batch = rl.rollout_batch(prompts, responses, pad_id=0, pad_to_multiple_of=4)
+    rows = rl.rollout_logprob_rows(batch, prompts, logprobs)
+    assert rows.shape == batch.labels.shape
+    for i, (r, lp) in enumerate(zip(responses, logprobs)):
+        at = (batch.labels[i] != -100).nonzero().squeeze(1)
+        assert batch.labels[i, at].tolist() == r and rows[i, at].tolist() == lp
+        assert (rows[i].abs().sum() == sum(abs(x) for x in lp))
+
+
+@pytest.mark.slow
+def test_grpo_logs_the_train_rollout_mismatch(tmp_path):
+    out = tmp_path / "mismatch"
+    small = ("rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=4", "trainer.micro_batch_size=2")
+    records = rl.run(_cfg(out, "trainer.steps=2", "trainer.save_interval=0", "trainer.save_final=false",
+                          *small))["records"]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        dmax, dmean = r["train_rollout_logprob_abs_diff_max"], r["train_rollout_logprob_abs_diff_mean"]
+        ratio = r["importance_ratio_abs_dev_max"]
+        assert all(math.isfinite(x) and x >= 0 for x in (dmax, dmean, ratio)), r
+        # fp32 on CPU: the KV-cache rollout and the update's recompute differ by rounding only (a token
+        # scored at the wrong position, or at another temperature, is off by O(1))
+        assert dmean <= dmax < 1e-3 and ratio < 1e-3, r
+    assert "train_rollout_logprob_abs_diff_max" in read_metrics(out / "metrics.jsonl")[0]
+
+
 # 40 GRPO steps of configs/grpo_tiny.yaml ("Say A:" / "Say B:"). Recorded run (docs/rl.md): mean reward
 # of steps 1-3 is 0.006, of steps 38-40 0.98. Always saying one letter earns at most 0.5, so passing
 # 0.75 also shows the policy reads the prompt's letter.

@@ -248,9 +248,13 @@ class LastTokenContext:
 
 
 def _last_token_logits(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx: LastTokenContext):
-    """[s_local, b, H] hidden -> full-vocabulary [b, V_pad] fp32 logits at ctx.positions (no grad),
-    on every TP rank. Only b rows of logits are ever built. Under context parallelism the hidden states
-    of this CP rank's zigzag chunks are gathered back into sequence order first (BSHD)."""
+    """[s_local, b, H] hidden -> [b, V_pad + H] fp32 at ctx.positions (no grad), on every TP rank:
+      [:, :V_pad]  the full-vocabulary logits, the fp32 accumulation of h·Wᵀ (not rounded to the weight's
+                   dtype: a bf16 sampler rounds them itself, as the op's logits_precision="bf16" does);
+      [:, V_pad:]  the hidden states they come from, in the weight's dtype (held exactly in fp32), from
+                   which generation takes the sampled tokens' logprobs through the training head.
+    Only b rows of logits are ever built. Under context parallelism the hidden states of this CP rank's
+    zigzag chunks are gathered back into sequence order first (BSHD)."""
     from megatron.core import tensor_parallel
 
     from .context_parallel import gather_from_context_parallel
@@ -261,11 +265,14 @@ def _last_token_logits(hidden: torch.Tensor, weight: torch.Tensor, output_layer,
     if ctx.cp_group is not None:
         hidden = gather_from_context_parallel(hidden.transpose(0, 1), ctx.cp_group).transpose(0, 1)
     rows = torch.arange(hidden.shape[1], device=hidden.device)
-    picked = hidden[ctx.positions.to(hidden.device), rows]  # [b, H]
-    logits = (picked.to(weight.dtype) @ weight.t()).float()  # [b, V_pad / tp]
+    picked = hidden[ctx.positions.to(hidden.device), rows].to(weight.dtype)  # [b, H]
+    if picked.is_cuda and picked.dtype in (torch.bfloat16, torch.float16):
+        logits = torch.mm(picked, weight.t(), out_dtype=torch.float32)  # [b, V_pad / tp], fp32 accumulation
+    else:
+        logits = picked.float() @ weight.float().t()  # products of bf16 / fp32 values are exact in fp32
     if tp > 1:
         logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits.contiguous(), group=tp_group)
-    return logits
+    return torch.cat([logits, picked.float()], dim=-1)
 
 
 def last_token_output_processor(*, hidden_states, output_layer, output_weight, context, scale_logits=None,

@@ -5,7 +5,9 @@ with fixed-shape decode steps that CUDA graphs replay, and the full-recompute re
 `Route`, `DistInfo`, vocabulary and length limits); nothing here calls back into the engine. Every
 forward goes through `next_token_logits`: one model call through the route's last-token processor
 (the LM head builds logits for the last position only), under pipeline parallelism one forward-only
-micro-batch through megatron's schedule.
+micro-batch through megatron's schedule. It returns a `NextToken`: the fp32 logits and the last hidden
+states they come from, which `sampled_logprobs` hands to the training head for the sampled tokens'
+logprobs (sampling.py).
 
 KV cache (`CachedSteps`), all megatron-core machinery: `StaticInferenceContext` passed as
 `GPTModel.forward(inference_context=...)`; each `Attention` allocates its K/V buffers
@@ -31,7 +33,8 @@ KV cache (`CachedSteps`), all megatron-core machinery: `StaticInferenceContext` 
            rows inside the batch compute on unread.
   * graphs   `cuda_graphs=True` on CUDA with TP = PP = 1: a size's first step runs eagerly (lazy
            initialisation), the next is captured and every later one replays; elsewhere (CPU, TP or PP
-           > 1) the same fixed-shape step runs eagerly. A replay's logits are overwritten by the next.
+           > 1) the same fixed-shape step runs eagerly. A replay's logits and hidden states are
+           overwritten by the next (the sampled tokens' logprobs are taken before it).
   * TP / PP  each rank caches its own K/V heads, each stage its own layers; logits are gathered over TP
            and shared over the pipeline group, so every rank samples the same tokens. Sequence
            parallelism is off while generating (generate.py).
@@ -39,13 +42,14 @@ KV cache (`CachedSteps`), all megatron-core machinery: `StaticInferenceContext` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, NamedTuple, Optional
 
 import torch
 
 from .batch import prepare as prepare_batch
 from .parallel import DistInfo
 from .route import Route
+from .sampling import token_logprobs
 from .schedule import from_last_stage, run_schedule
 
 
@@ -68,28 +72,65 @@ class GenerationModel:
         return self.dist.device
 
 
-def next_token_logits(gm: GenerationModel, ids, pos, mask, last: torch.Tensor, **model_kwargs) -> torch.Tensor:
-    """[b, vocab] fp32 logits at position `last[i]` of each row i, on every rank (see the module doc)."""
-    b, v = ids.shape[0], gm.vocab_size
+class NextToken(NamedTuple):
+    """The LM head's output for generation, one row per sequence: `logits` [n, vocab] fp32 over the true
+    vocabulary (the fp32 accumulation of h·Wᵀ) and `hidden` [n, H] fp32, the last hidden states they come
+    from (the head's input, exactly), for the sampled tokens' logprobs."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+    def rows(self, index) -> "NextToken":
+        return NextToken(self.logits[index], self.hidden[index])
+
+
+def _next_token(gm: GenerationModel, out: torch.Tensor) -> NextToken:
+    """Split the last-token processor's [b, V_pad + H] output (capture.py)."""
+    return NextToken(out[:, :gm.vocab_size], out[:, out.shape[1] - gm.gpt.config.hidden_size:])
+
+
+def next_token_logits(gm: GenerationModel, ids, pos, mask, last: torch.Tensor, **model_kwargs) -> NextToken:
+    """Logits and hidden states at position `last[i]` of each row i, on every rank (see the module doc)."""
+    b = ids.shape[0]
     if gm.dist.pp_size == 1:
-        return gm.route.last_token_logits(gm.model, gm.gpt, last, ids, pos, mask, **model_kwargs)[:, :v]
+        return _next_token(gm, gm.route.last_token_logits(gm.model, gm.gpt, last, ids, pos, mask, **model_kwargs))
     store = {}
 
     def forward(_i, _item, model):
         def keep(out):
-            store["logits"] = out[:, :v].float()
+            store["out"] = out.float()
             return out.float().sum() * 0.0
         return gm.route.last_token_logits(model, gm.gpt, last, ids, pos, mask, **model_kwargs), keep
 
     run_schedule(gm.model, [None], forward, seq_length=ids.shape[1], micro_batch_size=b, forward_only=True)
-    return from_last_stage(store["logits"] if "logits" in store else torch.zeros(b, v, device=gm.device),
-                           gm.dist.pp_group)
+    width = gm.gpt.vocab_size + gm.gpt.config.hidden_size  # padded vocabulary + hidden
+    out = store["out"] if "out" in store else torch.zeros(b, width, device=gm.device)
+    return _next_token(gm, from_last_stage(out, gm.dist.pp_group))
+
+
+def sampled_logprobs(gm: GenerationModel, hidden: torch.Tensor, tokens: torch.Tensor, *, temperature: float,
+                     invariant: Optional[bool], logits_precision: Optional[str]) -> torch.Tensor:
+    """[n] fp32 logprobs of the sampled `tokens` from the `hidden` states of their `NextToken`, by the
+    training head (`sampling.token_logprobs`) with this rank's LM-head weight (the output layer's, or the
+    shared embedding's when tied, as GPTModel picks it) over the TP group; computed on the last pipeline
+    stage and shared over the pipeline, so every rank holds them."""
+    d, gpt = gm.dist, gm.gpt
+    if d.pp_size > 1 and not d.is_last_stage:
+        lp = torch.zeros(tokens.shape, dtype=torch.float32, device=gm.device)
+    else:
+        weight = (gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights
+                  else gpt.output_layer.weight)
+        lp = token_logprobs(hidden, weight, tokens, temperature=temperature, vocab_size=gm.vocab_size,
+                            backend=gm.route.backend, invariant=invariant, logits_precision=logits_precision,
+                            tp_group=d.tp_group if d.tp_size > 1 else None)
+    return from_last_stage(lp, d.pp_group) if d.pp_size > 1 else lp
 
 
 @torch.no_grad()
-def recompute_next_logits(gm: GenerationModel, seqs: List[List[int]]) -> torch.Tensor:
-    """Reference route: full-vocabulary fp32 logits [n, vocab] of the token after each sequence, on every
-    rank, re-running each whole sequence. Only the n last-position rows of logits are computed."""
+def recompute_next_logits(gm: GenerationModel, seqs: List[List[int]]) -> NextToken:
+    """Reference route: the `NextToken` (full-vocabulary fp32 logits [n, vocab], hidden states) of the token
+    after each sequence, on every rank, re-running each whole sequence. Only the n last-position rows of
+    logits are computed."""
     lengths = [len(x) for x in seqs]
     ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
     for i, x in enumerate(seqs):
@@ -153,8 +194,8 @@ class CachedSteps:
             self._hook.remove()
         self.graphs.clear()
 
-    def __call__(self, live: List[int], new: List[List[int]]) -> torch.Tensor:
-        """[len(live), vocab] logits of the live sequences (prompt + new tokens), in `live`'s order."""
+    def __call__(self, live: List[int], new: List[List[int]]) -> NextToken:
+        """The `NextToken` of the live sequences (prompt + new tokens), in `live`'s order."""
         if self.ctx.sequence_len_offset == 0:
             return self._prefill()
         b = decode_batch(len(live), self.n)
@@ -165,10 +206,11 @@ class CachedSteps:
         self.ids[:b].copy_(torch.tensor(tokens, dtype=torch.long))
         out = self._decode(b)
         at = [row[p] for p in live]
-        return out[: len(live)] if at == list(range(len(live))) else out[torch.tensor(at, device=out.device)]
+        in_order = at == list(range(len(live)))
+        return out.rows(slice(0, len(live)) if in_order else torch.tensor(at, device=self.gm.device))
 
     # ---------------------------------------------------------------------------- prefill
-    def _prefill(self) -> torch.Tensor:
+    def _prefill(self) -> NextToken:
         dev, w = self.gm.device, self.width
         ids = torch.zeros(self.n, w, dtype=torch.long)
         for i, p in enumerate(self.prompts):
@@ -190,7 +232,7 @@ class CachedSteps:
         return out
 
     # ---------------------------------------------------------------------------- decode
-    def _decode(self, b: int) -> torch.Tensor:
+    def _decode(self, b: int) -> NextToken:
         if not self.use_graphs:
             return self._step(b)
         if b not in self.graphs:  # first step at this size: eager (cuBLAS / cuDNN handles, lazy inits)
@@ -206,7 +248,7 @@ class CachedSteps:
         graph.replay()
         return out
 
-    def _step(self, b: int) -> torch.Tensor:
+    def _step(self, b: int) -> NextToken:
         """One fixed-shape decode step on cache rows [0, b): device-side slot t, no host reads."""
         last = self.S - 1
         self.rope_index[last:].copy_(self.t)
@@ -230,7 +272,7 @@ class CachedSteps:
         self.pad.copy_(self.pad.index_select(0, idx))
         self.rows = [self.rows[r] for r in order[:b]]
 
-    def _forward(self, ids: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, mask: Optional[torch.Tensor]) -> NextToken:
         b, sq = ids.shape
         if self.ctx.sequence_len_offset == 0:
             pos = self.slots[:sq].unsqueeze(0).expand(b, sq)

@@ -286,19 +286,21 @@ class MegatronEngine:
     @cpu_shims()
     def generate(self, prompts: List[List[int]], max_new_tokens: int, *, temperature: float = 1.0,
                  top_p: float = 1.0, eos_id: Optional[int] = None,
-                 generator: Optional[torch.Generator] = None) -> List[List[int]]:
+                 generator: Optional[torch.Generator] = None, return_logprobs: bool = False):
         """Sample continuations (new tokens only) from the current policy; identical on every TP rank
         when the CPU `generator` is seeded identically (default: seeded from cfg.seed and the call count).
         Sampling runs on the engine's device; only the chosen token ids reach the host. With
         cfg.kv_cache the prompts are prefilled once and each new token reads cached keys/values
-        (megatron-core's static inference context); else every step re-runs the whole prefix (generate.py)."""
+        (megatron-core's static inference context); else every step re-runs the whole prefix (generate.py).
+        Returns the token lists, or with `return_logprobs` a `Generation` (tokens, the sampler's logprobs by
+        the training head: generate.py)."""
         generation.check_request(prompts, max_new_tokens, temperature, top_p)
         if generator is None:
             generator = torch.Generator().manual_seed(self.cfg.seed * 1000003 + self._gen_calls)
         self._gen_calls += 1
         return generation.generate_tokens(self.generation_model(), prompts, max_new_tokens, kv_cache=self.cfg.kv_cache,
                                           temperature=temperature, top_p=top_p, eos_id=eos_id, generator=generator,
-                                          cuda_graphs=self.cfg.decode_cuda_graphs)
+                                          cuda_graphs=self.cfg.decode_cuda_graphs, return_logprobs=return_logprobs)
 
     # ------------------------------------------------------------------------------ state
     def parameters_named(self) -> Dict[str, torch.nn.Parameter]:

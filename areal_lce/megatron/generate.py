@@ -3,9 +3,12 @@
 `generate_tokens` runs on a `GenerationModel` (the narrow view of the engine that `MegatronEngine.generate`
 builds; nothing here calls back into the engine). One sampling loop drives either route: each step a
 route returns the fp32 next-token logits of the live sequences (in order, full vocabulary, on every
-rank; the LM head builds them for the last position only), `sample_tokens` picks the tokens on the
-device and only their ids reach the host. Both routes see the same uniforms from the same host
-generator, so they give the same tokens wherever their logits agree (fp32: to rounding).
+rank; the LM head builds them for the last position only) with the hidden states they come from,
+`sample_tokens` picks the tokens on the device from the logits in the training head's logits precision
+and only their ids reach the host. With `return_logprobs` the training head (the op) gives the sampled
+tokens' logprobs from those hidden states, copied to the host once at the end (sampling.py). Both
+routes see the same uniforms from the same host generator, so they give the same tokens wherever their
+logits agree (fp32: to rounding).
 
   * `kv_cache=True` (`engine.kv_cache`, the default): `decode.CachedSteps`, prefill once on megatron-core's
     static inference context, then one fixed-shape step per token, replayed from CUDA graphs where
@@ -23,15 +26,15 @@ import contextlib
 import math
 import numbers
 import warnings
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 
-from .decode import CachedSteps, GenerationModel, recompute_next_logits
-from .sampling import sample_tokens
+from .decode import CachedSteps, GenerationModel, recompute_next_logits, sampled_logprobs
+from .sampling import sample_tokens, sampling_logits
 
-__all__ = ["GenerationModel", "check_prompts", "check_request", "generate_tokens", "kv_cache_supported",
-           "sample_loop"]
+__all__ = ["Generation", "GenerationModel", "check_prompts", "check_request", "generate_tokens",
+           "kv_cache_supported", "sample_loop"]
 
 # core attentions that honour the KV-cache contract (decode shapes + a per-sequence boolean mask)
 CACHE_ATTENTIONS = ("SDPAttention", "DotProductAttention")
@@ -74,55 +77,94 @@ def check_prompts(prompts: List[List[int]], max_seq_len: int, vocab_size: int) -
                              f"model's vocabulary [0, {vocab_size})")
 
 
+class Generation(NamedTuple):
+    """`generate(..., return_logprobs=True)`: the new tokens per prompt and each token's logprob as the
+    sampler drew it: log softmax(h·Wᵀ / temperature)[token] by the training head (`linear_logprobs_entropy`
+    on the hidden state the sampled logits came from, the same logits precision and invariance option;
+    sampling.py), of the full softmax (not renormalised over top_p); 0 at temperature 0 (greedy)."""
+
+    tokens: List[List[int]]
+    logprobs: List[List[float]]
+
+
 @torch.no_grad()
 def generate_tokens(gm: GenerationModel, prompts: List[List[int]], max_new_tokens: int, *, kv_cache: bool,
                     temperature: float, top_p: float, eos_id: Optional[int], generator: torch.Generator,
-                    cuda_graphs: bool = True) -> List[List[int]]:
+                    cuda_graphs: bool = True, return_logprobs: bool = False, invariant: Optional[bool] = None,
+                    logits_precision: Optional[str] = None):
     """New tokens per prompt (stopping after `eos_id`, at max_new_tokens, or when the longest live
     sequence reaches gm.max_seq_len), through the KV cache when `kv_cache` and the model allow, its
-    decode steps replayed from CUDA graphs when `cuda_graphs` and the model allow (decode.py).
+    decode steps replayed from CUDA graphs when `cuda_graphs` and the model allow (decode.py); with
+    `return_logprobs` a `Generation` (tokens and the sampler's logprobs). The tokens are drawn from the
+    head's fp32 logits in `logits_precision`; `invariant` and `logits_precision` are the training head's
+    options (None: those of gm.route, i.e. engine.lce, else the op's defaults).
     The request is checked by the caller (`check_request`); the prompts against the model here."""
     prompts = [[int(t) for t in p] for p in prompts]
     check_prompts(prompts, gm.max_seq_len, gm.vocab_size)
+    invariant = getattr(gm.route, "invariant", None) if invariant is None else invariant
+    logits_precision = getattr(gm.route, "logits_precision", None) if logits_precision is None else logits_precision
     cached = kv_cache and kv_cache_supported(gm)
     was_training = gm.model.training
     gm.model.eval()
     max_seq_len = gm.max_seq_len
+    logprobs_of = None
+    if return_logprobs:
+        def logprobs_of(hidden, tokens):
+            return sampled_logprobs(gm, hidden, tokens, temperature=temperature, invariant=invariant,
+                                    logits_precision=logits_precision)
 
     def recompute(live, new):
         return recompute_next_logits(gm, [prompts[i] + new[i] for i in live])
+
+    def loop(next_token):
+        out = sample_loop(next_token, prompts, max_new_tokens, max_seq_len, temperature, top_p, eos_id, generator,
+                          logits_precision=logits_precision, logprobs_of=logprobs_of)
+        return out if return_logprobs else out.tokens
 
     try:
         with sequence_parallel_off(gm.gpt) if cached else contextlib.nullcontext():
             # at most max_seq_len - shortest prompt steps: the loop stops when a live sequence reaches it
             steps = min(max_new_tokens, max_seq_len - min(len(p) for p in prompts))
             if not cached:
-                return sample_loop(recompute, prompts, max_new_tokens, max_seq_len, temperature, top_p, eos_id,
-                                   generator)
+                return loop(recompute)
             with CachedSteps(gm, prompts, steps, cuda_graphs=cuda_graphs) as step:
-                return sample_loop(step, prompts, max_new_tokens, max_seq_len, temperature, top_p, eos_id,
-                                   generator)
+                return loop(step)
     finally:
         if was_training:
             gm.model.train()
 
 
-def sample_loop(next_logits: Callable, prompts, max_new_tokens: int, max_seq_len: int, temperature: float,
-                top_p: float, eos_id: Optional[int], generator: torch.Generator) -> List[List[int]]:
-    """`next_logits(live, new)` -> [len(live), vocab] logits of the live sequences (prompt + new tokens)."""
+def sample_loop(next_token: Callable, prompts, max_new_tokens: int, max_seq_len: int, temperature: float,
+                top_p: float, eos_id: Optional[int], generator: torch.Generator, *,
+                logits_precision: Optional[str] = None, logprobs_of: Optional[Callable] = None) -> Generation:
+    """`next_token(live, new)` -> the `NextToken` (logits, hidden states) of the live sequences (prompt +
+    new tokens); the tokens are drawn from its logits in `logits_precision`. `logprobs_of(hidden, tokens)`
+    -> [n] logprobs of the sampled tokens, kept on the device until one copy at the end (None: the
+    Generation's logprobs are None)."""
     new: List[List[int]] = [[] for _ in prompts]
+    taken = []  # (live, [len(live)] device logprobs) of each step
     live = list(range(len(prompts)))
     for _ in range(max_new_tokens):
         if not live or max(len(prompts[i]) + len(new[i]) for i in live) >= max_seq_len:
             break
-        toks = sample_tokens(next_logits(live, new), temperature, top_p, generator).tolist()
+        head = next_token(live, new)
+        tokens = sample_tokens(sampling_logits(head.logits, logits_precision), temperature, top_p, generator)
+        if logprobs_of is not None:
+            taken.append((live, logprobs_of(head.hidden, tokens)))
         still = []
-        for i, t in zip(live, toks):
+        for i, t in zip(live, tokens.tolist()):
             new[i].append(t)
             if eos_id is None or t != eos_id:
                 still.append(i)
         live = still
-    return new
+    if logprobs_of is None:
+        return Generation(new, None)
+    logprobs: List[List[float]] = [[] for _ in prompts]
+    values = iter(torch.cat([lp.float() for _, lp in taken]).tolist() if taken else [])
+    for step_live, _ in taken:
+        for i in step_live:
+            logprobs[i].append(next(values))
+    return Generation(new, logprobs)
 
 
 def kv_cache_supported(gm: GenerationModel) -> bool:

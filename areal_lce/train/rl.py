@@ -6,8 +6,9 @@ take `prompts_per_step / dp` prompts):
 1. prompts  `rl.task` samples `prompts_per_step` prompts from an RNG seeded by (seed, step), so a
             resumed run draws the same prompts; each is repeated `group_size` times.
 2. rollout  `policy.generate` samples responses from the current Megatron policy (temperature, top-p,
-            stop at EOS) with a torch.Generator seeded by (seed, step, dp_rank); `rl.reward_fn` scores
-            each decoded response.
+            stop at EOS) with a torch.Generator seeded by (seed, step, dp_rank), and returns the
+            sampler's logprobs of them (the training head's, docs/rl.md "Zero-mismatch RL");
+            `rl.reward_fn` scores each decoded response.
 3. logprobs `policy.token_stats(..., grad=False)` gives the behaviour logprobs (and the rollout's
             entropy and vocab max/min logits); `reference.token_stats(..., grad=False)` gives the frozen
             reference's. Both at the sampling temperature, through the fused op when
@@ -19,6 +20,10 @@ take `prompts_per_step / dp` prompts):
 5. update   `ppo_epochs` passes, each split into `minibatches` optimizer steps run as microbatches of
             `trainer.micro_batch_size` sequences through `policy.train_step(mbs, rl_loss)`; every
             microbatch carries `temperature`, so the trained logprobs are those of logits / T.
+            The first update's logprobs (the policy that sampled, before any optimizer step) against
+            the rollout's on the same response tokens give the mismatch metrics, every step:
+            train_rollout_logprob_abs_diff_max / _mean and importance_ratio_abs_dev_max
+            (max |exp(lp_train - lp_rollout) - 1|).
 
 Reference policy: a second, frozen `MegatronEngine(..., trainable=False)` built from the same config
 (the model only: no grad buffers, no optimizer), whose parameters are copied from the policy before any
@@ -40,7 +45,7 @@ from .config import RL_JOBS
 from .data import Example, check_token_ids, collate
 from .job import model_vocab_size, reduce_metrics, run_banner, sequence_multiple
 from .rewards import load_reward
-from .rl_losses import PolicyMicroBatch, batch_advantages, group_advantages, rl_loss
+from .rl_losses import PolicyMicroBatch, batch_advantages, group_advantages, rl_loss, rollout_mismatch
 from .tasks import build_task
 from .tokenizer import load_tokenizer
 
@@ -49,6 +54,8 @@ RL_LOG_KEYS = ("step", "reward", "entropy", "kl", "clip_frac", "approx_kl", "res
 RL_PLOT_KEYS = ("reward", "entropy", "kl", "clip_frac", "response_len", "max_logit", "min_logit", "grad_norm")
 # how the step's per-rank metrics become the job's (job.reduce_metrics); the others are data-parallel means
 _REDUCE = {"ratio_max": "max", "max_logit": "max", "ratio_min": "min", "min_logit": "min", "tokens": "sum"}
+# the train-vs-rollout metrics' parts, reduced over pipeline stages (only the last one runs the loss) and ranks
+_MISMATCH_REDUCE = {"abs_diff_max": "max", "abs_diff_sum": "sum", "tokens": "sum", "ratio_dev_max": "max"}
 
 
 def _seed(*parts: int) -> int:
@@ -77,6 +84,15 @@ def batched_token_stats(engine, batch: MicroBatch, ranges) -> dict:
         st = engine.token_stats(batch.input_ids[rows], batch.labels[rows], temperature=batch.temperature, grad=False)
         parts.append(torch.stack([getattr(st, name).detach().float() for name in names]))
     return dict(zip(names, torch.cat(parts, dim=1).cpu().unbind(0)))
+
+
+def rollout_logprob_rows(batch: MicroBatch, prompt_ids: List[List[int]], logprobs: List[List[float]]) -> torch.Tensor:
+    """The sampler's logprobs laid out like `batch.labels` [B, S] (`rollout_batch`): response token k of
+    row i is the label at position len(prompt) - 1 + k; 0 elsewhere."""
+    out = torch.zeros(batch.labels.shape, dtype=torch.float32)
+    for i, (p, lp) in enumerate(zip(prompt_ids, logprobs)):
+        out[i, len(p) - 1:len(p) - 1 + len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    return out
 
 
 def logprob_ranges(batch: MicroBatch, budget, micro_batch_size: int, packed: bool) -> list:
@@ -171,13 +187,14 @@ class RLJob:
         prompt_ids = [self.encode_prompt(p.text) for p in items]
         gen = torch.Generator().manual_seed(_seed(seed, step, 2, d.dp_rank))
         eos = self.tok.eos_id if rl.stop_at_eos else None
-        responses = self.policy.generate(prompt_ids, rl.max_new_tokens, temperature=rl.temperature,
-                                         top_p=rl.top_p, eos_id=eos, generator=gen)
+        responses, logprobs = self.policy.generate(prompt_ids, rl.max_new_tokens, temperature=rl.temperature,
+                                                   top_p=rl.top_p, eos_id=eos, generator=gen, return_logprobs=True)
         texts = [self.tok.decode(r) for r in responses]
         rewards = torch.tensor([float(self.reward_fn(prompt=p.text, response=t, answer=p.answer))
                                 for p, t in zip(items, texts)], dtype=torch.float32)
         batch = rollout_batch(prompt_ids, responses, self.tok.pad_id, self.pad_mult, rl.temperature)
         return {"batch": batch, "rewards": rewards, "texts": texts, "items": items,
+                "rollout_logprobs": rollout_logprob_rows(batch, prompt_ids, logprobs),
                 "response_len": sum(len(r) for r in responses) / len(responses)}
 
     def step(self, step: int) -> dict:
@@ -195,15 +212,23 @@ class RLJob:
         else:
             adv = batch_advantages(rewards, std_norm=rl.adv_std_norm, eps=rl.adv_eps)
         full = PolicyMicroBatch(input_ids=batch.input_ids, labels=batch.labels, temperature=batch.temperature,
-                                old_logprobs=behav["logprobs"], ref_logprobs=ref["logprobs"], advantages=adv)
+                                old_logprobs=behav["logprobs"], ref_logprobs=ref["logprobs"], advantages=adv,
+                                rollout_logprobs=ro["rollout_logprobs"])
 
         sums: dict = {}
         count = 0
+        first_update: list = []  # rollout_mismatch of each micro-batch of the step's first update
+
+        def loss_fn(stats, mb):
+            if count == 0:  # the policy that sampled: no optimizer step yet
+                first_update.append(rollout_mismatch(stats.logprobs, mb.rollout_logprobs, mb.labels != -100))
+            return rl_loss(stats, mb, rl)
+
         gen = torch.Generator().manual_seed(_seed(self.cfg.trainer.seed, step, 3, self.dist.dp_rank))
         for _ in range(rl.ppo_epochs):
             order = torch.randperm(rewards.numel(), generator=gen)
             for mbs in minibatch_plan(full, order, rl.minibatches, self.micro):
-                out = self.policy.train_step(mbs, lambda stats, mb: rl_loss(stats, mb, rl))
+                out = self.policy.train_step(mbs, loss_fn)
                 for k, v in out.items():
                     if isinstance(v, (int, float)) and not isinstance(v, bool):
                         sums[k] = sums.get(k, 0.0) + float(v)
@@ -233,10 +258,27 @@ class RLJob:
         }
         rec = reduce_metrics(local, _REDUCE, self.dist)  # the rest: means over data-parallel ranks
         tokens = int(round(rec.pop("tokens")))
+        rec.update(self.mismatch_metrics(first_update))
         rec.update(lr=upd.get("lr", 0.0), peak_mem_gib=upd.get("peak_mem_gib", 0.0), tokens=tokens,
                    gen_time_s=t_gen, step_time_s=time.perf_counter() - t0,
                    sample=repr(ro["items"][0].text + ro["texts"][0]))
         return rec
+
+    def mismatch_metrics(self, parts: list) -> dict:
+        """The first update's `rollout_mismatch` parts (one per micro-batch on the last pipeline stage, none
+        elsewhere) -> the job's train-vs-rollout metrics."""
+        if parts:
+            keys = list(_MISMATCH_REDUCE)
+            rows = torch.stack([torch.stack([p[k] for k in keys]) for p in parts]).cpu()  # one copy to the host
+            local = {k: float(rows[:, j].max() if _MISMATCH_REDUCE[k] == "max" else rows[:, j].sum())
+                     for j, k in enumerate(keys)}
+        else:  # a stage without the LM head: the reductions' identities
+            local = {k: float("-inf") if op == "max" else 0.0 for k, op in _MISMATCH_REDUCE.items()}
+        m = reduce_metrics(local, _MISMATCH_REDUCE, self.dist, over_pipeline=self.dist.pp_size > 1)
+        n = m["tokens"]
+        return {"train_rollout_logprob_abs_diff_max": m["abs_diff_max"] if n else 0.0,
+                "train_rollout_logprob_abs_diff_mean": m["abs_diff_sum"] / n if n else 0.0,
+                "importance_ratio_abs_dev_max": m["ratio_dev_max"] if n else 0.0}
 
 
 def run(cfg) -> dict:

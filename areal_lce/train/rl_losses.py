@@ -5,6 +5,8 @@ communication. `rl_loss` is the `loss_fn` handed to `MegatronEngine.train_step`;
 rollout tensors the RL loop puts in each `PolicyMicroBatch`:
 
   old_logprobs  [B, S] behaviour-policy logprobs (no grad, same temperature)
+  rollout_logprobs  [B, S] the sampler's own logprobs of the response tokens (`generate(...,
+                return_logprobs=True)`), for the train-vs-rollout metrics (`rollout_mismatch`)
   ref_logprobs  [B, S] frozen reference-policy logprobs (no grad), needed when kl_coef > 0
   advantages    [B]    one advantage per sequence (broadcast over its response tokens)
   num_tokens    total response tokens of the minibatch this microbatch belongs to
@@ -34,18 +36,34 @@ class PolicyMicroBatch(MicroBatch):
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
     ref_logprobs: Optional[torch.Tensor] = None
+    rollout_logprobs: Optional[torch.Tensor] = None
     num_tokens: Optional[int] = None
     num_seqs: Optional[int] = None
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("old_logprobs", "ref_logprobs"):
+        for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != tuple(self.labels.shape):
                 raise ValueError(f"PolicyMicroBatch.{name} {tuple(t.shape)} must match labels {tuple(self.labels.shape)}")
         if self.advantages.shape[0] != self.rows:
             raise ValueError(f"PolicyMicroBatch.advantages {tuple(self.advantages.shape)}: one value per row "
                              f"({self.rows}) expected")
+
+
+def rollout_mismatch(logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
+                     ) -> Dict[str, torch.Tensor]:
+    """How far the trainer's logprobs [B, S] are from the sampler's on the same response tokens (`mask`),
+    as 0-d fp64 device tensors to reduce over micro-batches and ranks: `abs_diff_max` and `abs_diff_sum` of
+    |lp_train - lp_rollout|, `tokens` (the count), `ratio_dev_max` = max |exp(lp_train - lp_rollout) - 1|
+    (the importance ratio's distance from 1). Maxima are 0 over no token."""
+    mask = mask.to(logprobs.device)
+    d = (logprobs.detach().double() - rollout_logprobs.to(logprobs.device).double()).masked_fill(~mask, 0.0)
+    zero = d.new_zeros(())
+    return {"abs_diff_max": d.abs().amax() if d.numel() else zero,
+            "abs_diff_sum": d.abs().sum(),
+            "tokens": mask.sum().double(),
+            "ratio_dev_max": torch.expm1(d).abs().amax() if d.numel() else zero}
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, std_norm: bool = True,
