@@ -73,7 +73,7 @@ def test_graph_replay_logits_equal_eager_step(engine):
         step.ids.copy_(torch.arange(len(PROMPTS), device="cuda").view(-1, 1) + 30)
         t0 = step.t.clone()
         caches = [tuple(b.clone() for b in kv) for kv in step.ctx.key_value_memory_dict.values()]
-        eager = step._step(len(PROMPTS)).clone()
+        eager = step._step(len(PROMPTS)).logits.clone()
         eager_caches = [tuple(b.clone() for b in kv) for kv in step.ctx.key_value_memory_dict.values()]
         # back to the state before the eager step, then capture + replay the same step
         step.t.copy_(t0)
@@ -81,7 +81,7 @@ def test_graph_replay_logits_equal_eager_step(engine):
             for b, s in zip(kv, saved):
                 b.copy_(s)
         step.graphs[len(PROMPTS)] = None  # warmed up: the next _decode captures
-        graphed = step._decode(len(PROMPTS)).clone()
+        graphed = step._decode(len(PROMPTS)).logits.clone()
         torch.testing.assert_close(graphed, eager, rtol=1e-6, atol=1e-6)
         assert int(step.t) == int(t0) + 1
         for kv, want in zip(step.ctx.key_value_memory_dict.values(), eager_caches):
