@@ -1,7 +1,10 @@
-"""The device's memory budget for the op's logits cache (`cache_bytes="auto"`): CUDA, Ascend NPU, CPU."""
+"""The device's memory budget for the op's logits cache (`cache_bytes="auto"`): CUDA, Ascend NPU, CPU;
+and the one CUDA-only notice hidden on a CPU run."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import warnings
 
 import torch
 
@@ -24,3 +27,14 @@ def auto_cache_bytes(device: torch.device) -> int:
     module = torch.cuda if device.type == "cuda" else torch.npu
     index = device.index if device.index is not None else module.current_device()
     return max(AUTO_CACHE_MIN_BYTES, min(AUTO_CACHE_MAX_BYTES, _total_memory(device.type, index) // 8))
+
+
+@contextlib.contextmanager
+def cuda_advice_hidden_on_cpu(device: torch.device):
+    """Inside the block, on a CPU device only, hide megatron-core's advice to set CUDA_DEVICE_MAX_CONNECTIONS=1
+    (its tensor- and sequence-parallel linears give it on their first forward, whatever the device; a CPU
+    run has nothing to set). Elsewhere the advice stands: on a GPU it is worth acting on."""
+    with warnings.catch_warnings():
+        if device.type == "cpu":
+            warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS", category=UserWarning)
+        yield

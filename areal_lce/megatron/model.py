@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import glob
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Dict
 
@@ -172,27 +173,29 @@ def build_transformer_config(arch: ArchSpec, parallel: ParallelConfig, dtype: to
 
     cpu = not torch.cuda.is_available()
     cp = getattr(parallel, "context_parallel", 1)
-    return TransformerConfig(
-        num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
-        num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
-        hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=parallel.tensor_parallel,
-        pipeline_model_parallel_size=parallel.pipeline_parallel,
-        sequence_parallel=parallel.sequence_parallel, context_parallel_size=cp,
-        # context parallelism of the local spec's SDPAttention: K/V all-gathered over the CP group
-        cp_comm_type="all_gather" if cp > 1 else None,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
-        use_cpu_initialization=cpu, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=rope_fusion, cross_entropy_loss_fusion=False,
-        attention_softmax_in_fp32=True,
-        recompute_granularity="full" if recompute else None, recompute_method="uniform" if recompute else None,
-        recompute_num_layers=1 if recompute else None,
-        # CPU/gloo: plain isend/irecv between pipeline stages (no batched p2p + device sync).
-        batch_p2p_comm=not cpu,
-    )
+    with warnings.catch_warnings():  # megatron-core 0.19's own default cuda_graph_modules: nothing to act on
+        warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
+        return TransformerConfig(
+            num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
+            num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
+            normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, gated_linear_unit=True,
+            activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
+            hidden_dropout=0.0, attention_dropout=0.0,
+            tensor_model_parallel_size=parallel.tensor_parallel,
+            pipeline_model_parallel_size=parallel.pipeline_parallel,
+            sequence_parallel=parallel.sequence_parallel, context_parallel_size=cp,
+            # context parallelism of the local spec's SDPAttention: K/V all-gathered over the CP group
+            cp_comm_type="all_gather" if cp > 1 else None,
+            params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
+            use_cpu_initialization=cpu, gradient_accumulation_fusion=False, persist_layer_norm=False,
+            bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+            apply_rope_fusion=rope_fusion, cross_entropy_loss_fusion=False,
+            attention_softmax_in_fp32=True,
+            recompute_granularity="full" if recompute else None, recompute_method="uniform" if recompute else None,
+            recompute_num_layers=1 if recompute else None,
+            # CPU/gloo: plain isend/irecv between pipeline stages (no batched p2p + device sync).
+            batch_p2p_comm=not cpu,
+        )
 
 
 def build_gpt_model(arch: ArchSpec, model_cfg: ModelConfig, parallel: ParallelConfig, dtype: torch.dtype):
@@ -234,7 +237,9 @@ def build_gpt_model(arch: ArchSpec, model_cfg: ModelConfig, parallel: ParallelCo
             layer_specs=[layer_spec] * get_num_layers_to_build(config), layer_norm=norm
         )
     vocab = padded_vocab_size(arch.vocab_size, model_cfg.make_vocab_size_divisible_by, parallel.tensor_parallel)
-    with cpu_shims():  # on a CPU-only host: tied embeddings under PP, megatron moves the copy to CUDA
+    with cpu_shims(), warnings.catch_warnings():  # cpu_shims: on a CPU-only host, tied embeddings under PP
+        # megatron's local spec builds its MLP without ffn_hidden_size (it falls back to the config's, ours)
+        warnings.filterwarnings("ignore", message="MLP requires ffn_hidden_size", category=DeprecationWarning)
         model = GPTModel(
             config=config, transformer_layer_spec=layer_spec, vocab_size=vocab,
             max_sequence_length=max(model_cfg.max_seq_len, 1),

@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from ..device import cuda_advice_hidden_on_cpu
 from . import checkpoint as ckpt
 from .config import dump_yaml
 from .job import Job
@@ -40,7 +41,8 @@ def run(cfg, make_job: Callable[..., Job]) -> dict:
 
     dist_info = init_distributed(cfg.engine.parallel, seed=cfg.engine.seed)
     try:
-        return train(make_job(cfg, dist_info), cfg, dist_info)
+        with cuda_advice_hidden_on_cpu(dist_info.device):  # megatron's first TP/SP forward advises a CUDA setting
+            return train(make_job(cfg, dist_info), cfg, dist_info)
     finally:
         destroy_distributed()
 
