@@ -7,12 +7,14 @@ runs as a graph break. Both run the same forward and backward code.
 """
 from __future__ import annotations
 
+import functools
 import numbers
+import warnings
 from typing import Optional, Union
 
 import torch
 
-from . import checks, comms, library
+from . import checks, comms, exact, library
 from .checks import check_temperature, inv_temperature  # noqa: F401  (public here too: the adapters use it)
 from .backends import get_backend, resolve_backend
 from .device import auto_cache_bytes
@@ -92,11 +94,65 @@ def _vocab_parallel(vocab_parallel, tp_group, sequence_parallel, reduce_d_hidden
     return vocab_parallel
 
 
+# invariant=None resolves per backend: on where the backend implements the contract at no measured cost
+# (docs/op.md "Consistency"), off for the fp64 checking path and the materialised reference
+INVARIANT_DEFAULT = {"triton": True, "torch": True, "reference": False, "triton_ascend": False}
+LOGITS_PRECISIONS = ("fp32", "bf16")
+
+
+def resolve_invariant(invariant, name: str, dtype: torch.dtype) -> bool:
+    """The invariance option of one call on backend `name` (None: that backend's default)."""
+    if invariant is not None and not isinstance(invariant, bool):
+        raise TypeError(f"invariant must be None, True or False, got {invariant!r}")
+    if invariant is None:
+        return INVARIANT_DEFAULT.get(name, False) and dtype != torch.float64
+    if invariant and name == "triton_ascend":
+        raise ValueError("invariant=True is not implemented by the triton_ascend backend: pass invariant=None "
+                         "or False there (its results are deterministic, not batch-invariant)")
+    if invariant and dtype == torch.float64:
+        raise ValueError("invariant=True takes bf16 / fp16 / fp32 inputs (its segment partials are fp32); "
+                         "fp64 inputs are for checking: pass invariant=None or False")
+    return invariant
+
+
+def check_logits_precision(logits_precision) -> str:
+    if logits_precision not in LOGITS_PRECISIONS:
+        raise ValueError(f"logits_precision must be one of {LOGITS_PRECISIONS}, got {logits_precision!r}")
+    return logits_precision
+
+
+def check_invariant_layout(v_shard: int, tp: int, vocab_size: int, asked: bool = True) -> bool:
+    """Invariant mode's segments must tile every shard: shard starts at multiples of exact.SEG. Where they
+    do not, invariant=True raises; the default (invariant=None) warns once and runs the online merge."""
+    if tp > 1 and v_shard % exact.SEG:
+        if not asked:
+            _warn_layout_once(v_shard, tp)
+            return False
+        raise ValueError(f"invariant=True needs every vocab shard to start at a multiple of {exact.SEG} global ids, "
+                         f"but the shards hold {v_shard} rows each (tp={tp}): pad the vocabulary to a multiple "
+                         f"of {exact.SEG}·tp (megatron's make_vocab_size_divisible_by={exact.SEG} or a multiple "
+                         "of it does), or pass invariant=False")
+    if vocab_size >= exact.MAX_VOCAB:
+        if not asked:
+            return False
+        raise ValueError(f"invariant=True supports vocab_size < {exact.MAX_VOCAB}, got {vocab_size}")
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_layout_once(v_shard: int, tp: int) -> None:
+    warnings.warn(f"areal_lce: vocab shards of {v_shard} rows (tp={tp}) do not start at multiples of {exact.SEG} "
+                  "global ids, so the default invariant mode is off for these calls (logprobs may change with "
+                  f"the batch and the TP degree); pad the vocabulary to a multiple of {exact.SEG}·tp, or pass "
+                  "invariant=False to silence this", RuntimeWarning, stacklevel=4)
+
+
 @torch.compiler.assume_constant_result
-def _resolve(backend: str, device: torch.device, dtype: torch.dtype, cache_bytes, check_labels, compact_ignored):
-    """(backend name, cache budget in bytes, check mode, compact_ignored): host-side choices that depend on
-    the device only (torch.compile evaluates this once while tracing and keeps the result as a constant).
-    compact_ignored None: partition unless the backend skips ignored rows itself."""
+def _resolve(backend: str, device: torch.device, dtype: torch.dtype, cache_bytes, check_labels, compact_ignored,
+             invariant=None):
+    """(backend name, cache budget in bytes, check mode, compact_ignored, invariant): host-side choices that
+    depend on the device only (torch.compile evaluates this once while tracing and keeps the result as a
+    constant). compact_ignored None: partition unless the backend skips ignored rows itself."""
     if cache_bytes == "auto":
         cache_bytes = auto_cache_bytes(device)
     elif isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
@@ -106,7 +162,8 @@ def _resolve(backend: str, device: torch.device, dtype: torch.dtype, cache_bytes
     name = resolve_backend(backend, device, dtype)
     if compact_ignored is None:
         compact_ignored = not get_backend(name).skips_ignored_rows
-    return name, cache_bytes, checks.resolve_mode(check_labels, device), compact_ignored
+    return (name, cache_bytes, checks.resolve_mode(check_labels, device), compact_ignored,
+            resolve_invariant(invariant, name, dtype))
 
 
 @torch.compiler.disable
@@ -129,6 +186,8 @@ def linear_logprobs_entropy(
     vocab_parallel: Optional[VocabParallel] = None,
     check_labels: Union[bool, str] = True,
     compact_ignored: Optional[bool] = None,
+    invariant: Optional[bool] = None,
+    logits_precision: str = "fp32",
     tp_group=None,
     sequence_parallel: Optional[bool] = None,
     reduce_d_hidden: Optional[bool] = None,
@@ -175,6 +234,18 @@ def linear_logprobs_entropy(
         and shard size, with one all-reduce of 2 int64 per call and no further host sync: "sync" raises
         on every rank at the call; "deferred" makes every logprob of the call NaN and check_deferred()
         names the disagreement. Off: the shard size is checked once per group only.
+    invariant: the consistency contract (docs/op.md "Consistency"). True: each token's logprob, entropy,
+        max / min logit, lse and logit sums are bitwise identical whatever else is in the call (row count,
+        position and order, ignored neighbours, compact_ignored, cache_bytes, padding rows past
+        vocab_size, the tensor-parallel degree with shards at multiples of 128 ids, SP on or off), for a
+        fixed weight, temperature, vocab_size, logits_precision and backend: every 128-id segment of the
+        vocabulary is reduced on its own and the segments are summed in 64-bit fixed point (exact.py).
+        None (default): on for the triton and torch backends (bf16 / fp16 / fp32 inputs), off for
+        reference, fp64 inputs and triton_ascend (which refuses True). False: the online-softmax merge.
+        Gradients are deterministic either way, not batch-invariant.
+    logits_precision: "fp32" (default): logits are the fp32 accumulation of the GEMM (what an fp32 / tf32
+        LM-head engine computes). "bf16": each raw logit is rounded to bf16 before the temperature, as a
+        bf16-head engine (vLLM / SGLang defaults) does; the gradient treats the rounding as identity.
     Determinism: bitwise-identical outputs and gradients run to run for the same inputs and backend.
     Host syncs: none with the defaults on accelerators (CUDA-graph capturable), apart from one-time checks
     per group (the shard size agrees; with vocab_size <= V_shard, weight is not the full weight).
@@ -184,8 +255,10 @@ def linear_logprobs_entropy(
     tp = 1 if vp is None else vp.size
     group = None if tp == 1 else vp.group
     _check_tensors(hidden, weight, labels, vp is not None and vp.sequence_parallel, tp)
-    name, cache_bytes, check, compact_ignored = _resolve(backend, hidden.device, hidden.dtype, cache_bytes,
-                                                         check_labels, compact_ignored)
+    check_logits_precision(logits_precision)
+    asked = invariant is not None
+    name, cache_bytes, check, compact_ignored, invariant = _resolve(
+        backend, hidden.device, hidden.dtype, cache_bytes, check_labels, compact_ignored, invariant)
     v_shard = weight.shape[0]
     v_total = v_shard * tp
     if vocab_size is None:
@@ -209,17 +282,16 @@ def linear_logprobs_entropy(
     h2 = hidden.reshape(-1, hidden.shape[-1])
     h2 = h2 if h2.is_contiguous() else h2.contiguous()
     w = weight if weight.is_contiguous() else weight.contiguous()
+    if invariant:
+        invariant = check_invariant_layout(v_shard, tp, vocab_size, asked)
+    # every option of the call in one place: LCEParams' fields (library.encode for the custom ops)
+    options = dict(inv_t=inv_t_scalar, ignore_index=ignore_index, vocab_size=vocab_size, vocab_start=vocab_start,
+                   shard_valid=shard_valid, cache_bytes=cache_bytes, backend=name, compact_ignored=compact_ignored,
+                   check_labels=check, logit_sums=sums, invariant=invariant, logits_precision=logits_precision)
     if tp == 1:
-        diff, stats = library.lce(h2, w, y, inv_t, inv_t_scalar=inv_t_scalar, ignore_index=ignore_index,
-                                  vocab_size=vocab_size, shard_valid=shard_valid, cache_bytes=cache_bytes,
-                                  backend=name, compact_ignored=compact_ignored, check_labels=check,
-                                  logit_sums=sums)
+        diff, stats = library.lce(h2, w, y, inv_t, library.encode(**options))
     else:
-        params = LCEParams(
-            inv_t=inv_t_scalar, ignore_index=ignore_index, vocab_size=vocab_size, vocab_start=vocab_start,
-            shard_valid=shard_valid, cache_bytes=cache_bytes, backend=name, vocab_parallel=vp, tp_size=tp,
-            compact_ignored=compact_ignored, check_labels=check, logit_sums=sums)
-        diff, stats = _tensor_parallel(h2, w, y, inv_t, params)
+        diff, stats = _tensor_parallel(h2, w, y, inv_t, LCEParams(**options, vocab_parallel=vp, tp_size=tp))
     shape = labels.shape
     rows = [r.view(shape) for r in stats.unbind(0)]  # max_logit, min_logit, lse[, sum_logit, sumsq_logit]
     return LCEOutput(diff[0].view(shape), diff[1].view(shape),

@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import checks, comms
+from . import checks, comms, exact
 from .backends import get_backend
 from .backends.base import ShardStats
 from .types import LCEParams
@@ -50,6 +50,25 @@ def merge_shard_stats(st: ShardStats, group, inv_t) -> ShardStats:
     comms.all_reduce_sum_(packed, group)
     return ShardStats(m=big_m, s=packed[0], a=packed[1], zy=packed[2], mn=mn, mx=big_mx,
                       lsum=packed[3] if sums else None, lsq=packed[4] if sums else None)
+
+
+def merge_exact(st: ShardStats, params: LCEParams, inv_t) -> exact.Finished:
+    """Invariant mode (exact.py): the shard's segment partials folded into int64 sums and merged over the
+    group, exactly. Two collectives, as merge_shard_stats: MAX of [max, -min], SUM of the packed int64."""
+    mx, mn = st.mx, st.mn
+    if params.tp_size > 1:
+        # 1 collective: MAX of the raw [mx, -mn] (exact in any order)
+        mm = torch.stack([mx, -mn])
+        comms.all_reduce_max_(mm, params.tp_group)
+        mx, mn = mm[0], -mm[1]
+    scales = torch.stack(exact.sum_scales(mx, mn)) if params.logit_sums else None
+    fold = getattr(get_backend(params.backend), "fold_segments", None) or exact.fold_segments
+    packed = exact.pack(fold(st.seg, mx, inv_t, scales), st.zy)
+    if params.tp_size > 1:
+        # 1 collective: SUM of the packed int64 [s, a, bad, label-logit bits(, Σr, Σr²)]: integer sums are
+        # exact, so the result does not depend on the order the library adds the ranks in
+        comms.all_reduce_sum_(packed, params.tp_group)
+    return exact.finish(packed, mx, mn, inv_t, scales)
 
 
 def finish_stats(st: ShardStats):
@@ -181,15 +200,21 @@ def lce_forward(hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bo
     else:
         h_c, y_c, t_c = _partitioned(part, labels, inv_t, hidden)
     st = get_backend(params.backend).forward(h_c, weight, y_c, t_c, params, keep_cache=keep_cache)
-    # one shard holds the whole vocabulary: its statistics are already the merged ones (m = mx · inv_t
-    # exactly, base.py), so the merge, an identity then, is skipped with its dozen [N] kernels
-    merged = st if params.tp_size == 1 else merge_shard_stats(st, params.tp_group,
-                                                              params.inv_t if t_c is None else t_c)
-    lp, ent, lse = finish_stats(merged)
+    if params.invariant:
+        fin = merge_exact(st, params, params.inv_t if t_c is None else t_c)
+        lp, ent, lse, mx, mn = fin.lp, fin.ent, fin.lse, fin.mx, fin.mn
+        sums = (fin.lsum, fin.lsq) if params.logit_sums else ()
+    else:
+        # one shard holds the whole vocabulary: its statistics are already the merged ones (m = mx · inv_t
+        # exactly, base.py), so the merge, an identity then, is skipped with its dozen [N] kernels
+        merged = st if params.tp_size == 1 else merge_shard_stats(st, params.tp_group,
+                                                                  params.inv_t if t_c is None else t_c)
+        lp, ent, lse = finish_stats(merged)
+        mx, mn = merged.mx, merged.mn
+        sums = (merged.lsum, merged.lsq) if params.logit_sums else ()
     valid = labels != params.ignore_index
     outs = []
-    sums = (merged.lsum, merged.lsq) if params.logit_sums else ()
-    for group in ((lp, ent), (merged.mx, merged.mn, lse) + sums):
+    for group in ((lp, ent), (mx, mn, lse) + sums):
         o = torch.stack(group)
         if part is not None:
             o = o.index_select(1, part.dest)  # back to the caller's row order
@@ -218,12 +243,17 @@ def lce_backward(h_c, weight, labels, inv_t, lse_ent, cache, g_diff: torch.Tenso
     else:
         _, y_c, t_c = _partitioned(part, labels, inv_t)
         g = torch.where(part.live, g.index_select(1, part.order), 0.0)
-    dh, dw = get_backend(params.backend).backward(
+    backend = get_backend(params.backend)
+    dh, dw = backend.backward(
         h_c, weight, y_c, t_c, params, cache, lse_ent[0], lse_ent[1], g[0].contiguous(), g[1].contiguous(),
         need_dh, need_dw)
     if need_dh:
         if part is not None:
             dh = dh.index_select(0, part.dest)
+        elif not backend.skips_ignored_rows:
+            # rows in place on a backend that computes them: an ignored row's 0 · NaN (a NaN hidden) must
+            # not reach its d_hidden (the contract of api.py), so select rather than trust the zero grad
+            dh = torch.where((labels != params.ignore_index)[:, None], dh, 0.0)
         if params.d_hidden == "reduce_scatter":
             # reduce-scatter: vocab-partial full-sequence grads -> this rank's shard of the total
             dh = comms.reduce_scatter_rows(dh, params.tp_group)
@@ -268,8 +298,9 @@ class LinearLogprobsEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, inv_t, params: LCEParams):
         keep = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         f = lce_forward(hidden, weight, labels, inv_t, params, keep_cache=keep)
-        # f.diff is saved for once_differentiable: it ties a create_graph=True gradient to the graph
-        ctx.save_for_backward(f.h_c, weight, labels, inv_t, f.lse_ent, f.diff)
+        # hidden is saved for once_differentiable only (with weight it ties a create_graph=True gradient to
+        # the graph); no output is saved, so outputs may be edited in place before backward
+        ctx.save_for_backward(f.h_c, weight, labels, inv_t, f.lse_ent, hidden)
         ctx.params, ctx.cache, ctx.hidden_dtype = params, f.cache, hidden.dtype
         ctx.mark_non_differentiable(f.stats)
         return f.diff, f.stats

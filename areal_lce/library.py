@@ -1,9 +1,14 @@
 """The fused op as torch.library custom ops, for every call without tensor parallelism.
 
-    areal_lce::lce_forward   (hidden, weight, labels, inv_t?, options...) -> (diff [2, N], stats [3, N]
+    areal_lce::lce_forward   (hidden, weight, labels, inv_t?, options, keep_cache) -> (diff [2, N], stats [3, N]
                               ([5, N] with logit_sums), h_c, lse_ent [2, N], cache)
-    areal_lce::lce_backward  (g_diff [2, N]?, h_c, weight, labels, inv_t?, lse_ent, cache, options...)
-                              -> (d_hidden, d_weight)
+    areal_lce::lce_backward  (g_diff [2, N]?, h_c, weight, labels, inv_t?, lse_ent, cache, options, need_dh,
+                              need_dw) -> (d_hidden, d_weight)
+
+`options` is the call's LCEParams (every field but the process group, which a TP call never brings
+here) as one JSON string: an option added to LCEParams travels through both ops without touching
+their signatures. api.py builds it once per call in a function torch.compile evaluates at trace time
+(`encode`), so under torch.compile it is a constant of the graph.
 
 Both are opaque to torch.compile: a fake (meta) implementation gives the output shapes from the input
 shapes alone (the logits cache's through the backend's `cache_spec`), and `register_autograd` ties the
@@ -21,6 +26,8 @@ Second-order gradients are refused, as on the autograd.Function path: the backwa
 function.once_differentiable, with the differentiable output `diff` saved so that a gradient taken with
 create_graph=True is tied to a node that raises when differentiated again.
 """
+import functools
+import json
 from typing import Optional, Tuple
 
 import torch
@@ -30,12 +37,15 @@ from .backends import get_backend
 from .function import lce_backward, lce_forward, once_differentiable
 from .types import LCEParams
 
+@torch.compiler.assume_constant_result
+def encode(**options) -> str:
+    """The options string of one call: LCEParams' fields (but the TP ones) as sorted JSON."""
+    return json.dumps(options, sort_keys=True)
 
-def _params(inv_t_scalar, ignore_index, vocab_size, shard_valid, cache_bytes, backend, compact_ignored,
-            check_labels, logit_sums=False) -> LCEParams:
-    return LCEParams(inv_t=inv_t_scalar, ignore_index=ignore_index, vocab_size=vocab_size,
-                     vocab_start=0, shard_valid=shard_valid, cache_bytes=cache_bytes, backend=backend,
-                     compact_ignored=compact_ignored, check_labels=check_labels, logit_sums=logit_sums)
+
+@functools.lru_cache(maxsize=1024)
+def decode(options: str) -> LCEParams:
+    return LCEParams(**json.loads(options))
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -43,64 +53,54 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 
 @torch.library.custom_op("areal_lce::lce_forward", mutates_args=())
-def lce_forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_t: Optional[Tensor],
-                   inv_t_scalar: Optional[float], ignore_index: int, vocab_size: int, shard_valid: int,
-                   cache_bytes: int, backend: str, compact_ignored: bool, check_labels: str,
-                   keep_cache: bool, logit_sums: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    params = _params(inv_t_scalar, ignore_index, vocab_size, shard_valid, cache_bytes, backend, compact_ignored,
-                     check_labels, logit_sums)
+def lce_forward_op(hidden: Tensor, weight: Tensor, labels: Tensor, inv_t: Optional[Tensor], options: str,
+                   keep_cache: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    params = decode(options)
     f = lce_forward(hidden, weight, labels, inv_t, params, keep_cache)
-    h_c = f.h_c if compact_ignored else hidden.new_empty(0)
+    h_c = f.h_c if params.compact_ignored else hidden.new_empty(0)
     cache = f.cache if f.cache is not None else hidden.new_empty(0, dtype=torch.float32)
     return f.diff, f.stats, h_c, f.lse_ent, cache
 
 
 @lce_forward_op.register_fake
-def _(hidden, weight, labels, inv_t, inv_t_scalar, ignore_index, vocab_size, shard_valid, cache_bytes, backend,
-      compact_ignored, check_labels, keep_cache, logit_sums=False):
+def _(hidden, weight, labels, inv_t, options, keep_cache):
     n, h = hidden.shape
     acc = _acc(hidden.dtype)
-    params = _params(inv_t_scalar, ignore_index, vocab_size, shard_valid, cache_bytes, backend, compact_ignored,
-                     check_labels, logit_sums)
-    spec = get_backend(backend).cache_spec(n, h, weight.shape[0], hidden.dtype, params, keep_cache)
+    params = decode(options)
+    spec = get_backend(params.backend).cache_spec(n, h, weight.shape[0], hidden.dtype, params, keep_cache)
     cache = hidden.new_empty(spec[0], dtype=spec[1]) if spec is not None else hidden.new_empty(0, dtype=torch.float32)
-    h_c = hidden.new_empty(hidden.shape) if compact_ignored else hidden.new_empty(0)
-    return (hidden.new_empty((2, n), dtype=acc), hidden.new_empty((5 if logit_sums else 3, n), dtype=acc), h_c,
-            hidden.new_empty((2, n), dtype=acc), cache)
+    h_c = hidden.new_empty(hidden.shape) if params.compact_ignored else hidden.new_empty(0)
+    return (hidden.new_empty((2, n), dtype=acc), hidden.new_empty((5 if params.logit_sums else 3, n), dtype=acc),
+            h_c, hidden.new_empty((2, n), dtype=acc), cache)
 
 
 @torch.library.custom_op("areal_lce::lce_backward", mutates_args=())
 def lce_backward_op(g_diff: Tensor, h_c: Tensor, weight: Tensor, labels: Tensor, inv_t: Optional[Tensor],
-                    lse_ent: Tensor, cache: Tensor, inv_t_scalar: Optional[float], ignore_index: int,
-                    vocab_size: int, shard_valid: int, cache_bytes: int, backend: str, compact_ignored: bool,
-                    need_dh: bool, need_dw: bool) -> Tuple[Tensor, Tensor]:
-    params = _params(inv_t_scalar, ignore_index, vocab_size, shard_valid, cache_bytes, backend, compact_ignored,
-                     "off")
-    dh, dw = lce_backward(h_c, weight, labels, inv_t, lse_ent, cache if cache.numel() else None, g_diff, params,
-                          need_dh, need_dw, h_c.dtype)
+                    lse_ent: Tensor, cache: Tensor, options: str, need_dh: bool, need_dw: bool) -> Tuple[Tensor, Tensor]:
+    dh, dw = lce_backward(h_c, weight, labels, inv_t, lse_ent, cache if cache.numel() else None, g_diff,
+                          decode(options), need_dh, need_dw, h_c.dtype)
     return (dh if dh is not None else h_c.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
 
 
 @lce_backward_op.register_fake
-def _(g_diff, h_c, weight, labels, inv_t, lse_ent, cache, inv_t_scalar, ignore_index, vocab_size, shard_valid,
-      cache_bytes, backend, compact_ignored, need_dh, need_dw):
+def _(g_diff, h_c, weight, labels, inv_t, lse_ent, cache, options, need_dh, need_dw):
     return (h_c.new_empty(h_c.shape) if need_dh else h_c.new_empty(0),
             weight.new_empty(weight.shape) if need_dw else weight.new_empty(0))
 
 
-_OPTIONS = slice(4, 11)  # inv_t_scalar .. compact_ignored among the forward op's inputs
-_N_INPUTS = 14  # hidden, weight, labels, inv_t, 8 options, keep_cache, logit_sums
+_N_INPUTS = 6  # hidden, weight, labels, inv_t, options, keep_cache
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, labels, inv_t = inputs[:4]
+    hidden, weight, labels, inv_t, options, _ = inputs
     diff, stats, h_c, lse_ent, cache = output
     ctx.mark_non_differentiable(stats, h_c, lse_ent, cache)
     ctx.set_materialize_grads(False)
-    compact = inputs[10]
-    # diff is saved for once_differentiable only (it ties a create_graph=True gradient to the graph)
-    ctx.save_for_backward(h_c if compact else hidden, weight, labels, inv_t, lse_ent, cache, diff)
-    ctx.options = inputs[_OPTIONS]
+    # hidden is saved a second time for once_differentiable only: with weight it ties a create_graph=True
+    # gradient to the graph. No output is saved, so outputs may be edited in place before backward.
+    ctx.save_for_backward(h_c if decode(options).compact_ignored else hidden, weight, labels, inv_t, lse_ent,
+                          cache, hidden)
+    ctx.options = options
 
 
 @once_differentiable
@@ -109,20 +109,17 @@ def _backward(ctx, g_diff, *_non_differentiable):
     need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if g_diff is None or not (need_dh or need_dw):
         return (None,) * _N_INPUTS
-    dh, dw = lce_backward_op(g_diff, h_c, weight, labels, inv_t, lse_ent, cache, *ctx.options, need_dh, need_dw)
+    dh, dw = lce_backward_op(g_diff, h_c, weight, labels, inv_t, lse_ent, cache, ctx.options, need_dh, need_dw)
     return (dh if need_dh else None, dw if need_dw else None) + (None,) * (_N_INPUTS - 2)
 
 
 lce_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def lce(hidden: Tensor, weight: Tensor, labels: Tensor, inv_t: Optional[Tensor], *, inv_t_scalar: Optional[float],
-        ignore_index: int, vocab_size: int, shard_valid: int, cache_bytes: int, backend: str,
-        compact_ignored: bool, check_labels: str, logit_sums: bool = False) -> Tuple[Tensor, Tensor]:
+def lce(hidden: Tensor, weight: Tensor, labels: Tensor, inv_t: Optional[Tensor], options: str) -> Tuple[Tensor, Tensor]:
     """(diff [2, N], stats [3, N] or [5, N] with logit_sums) of the op without TP through the custom ops
-    (api.py validated)."""
+    (api.py validated and encoded the options)."""
     keep = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    diff, stats, _, _, _ = lce_forward_op(hidden, weight, labels, inv_t, inv_t_scalar, ignore_index, vocab_size,
-                                          shard_valid, cache_bytes, backend, compact_ignored, check_labels, keep,
-                                          logit_sums)
+    diff, stats, _, _, _ = lce_forward_op(hidden, weight, labels, inv_t, options, keep)
     return diff, stats
+

@@ -11,9 +11,36 @@ from typing import Optional, Union
 
 import torch
 
-from . import comms
+from . import checks, comms, exact
 from .checks import inv_temperature
-from .types import LCEOutput
+from .types import LCEOutput, LCEParams, VocabParallel
+
+
+def _exact_values(raw, y, it, start: int, valid_cols: int, ignore_index: int, tp_group):
+    """(logprob, entropy, max, min, lse) of the invariant mode (exact.py) from this shard's raw fp32 logits
+    [N, valid_cols] (the shard starts at global id `start`), merged over tp_group. No gradient."""
+    from .function import merge_exact
+
+    n = raw.shape[0]
+    width = exact.segments(valid_cols) * exact.SEG
+    r = torch.nn.functional.pad(raw, (0, width - valid_cols)) if width > valid_cols else raw
+    inv = it.reshape(-1) if torch.is_tensor(it) else it
+    seg = exact.segment_stats_torch(r, inv, valid_cols, False) if valid_cols else raw.new_zeros(3, 0, n)
+    if valid_cols:
+        mx, mn = raw.amax(-1), raw.amin(-1)
+        local = y - start
+        own = (local >= 0) & (local < valid_cols)
+        zy = torch.where(own, raw.gather(1, local.clamp(0, valid_cols - 1)[:, None]).squeeze(1), 0.0) * inv
+    else:
+        mx = raw.new_full((n,), float("-inf"))
+        mn = raw.new_full((n,), float("inf"))
+        zy = raw.new_zeros(n)
+    tp = comms.group_size(tp_group)
+    params = LCEParams(vocab_parallel=VocabParallel(tp_group) if tp > 1 else None, tp_size=tp, backend="torch",
+                       ignore_index=ignore_index, invariant=True)
+    from .backends.base import ShardStats
+    fin = merge_exact(ShardStats(m=None, s=None, a=None, zy=zy, mn=mn, mx=mx, seg=seg), params, inv)
+    return fin.lp, fin.ent, fin.mx, fin.mn, fin.lse
 
 
 def logprobs_entropy_from_logits(
@@ -24,8 +51,19 @@ def logprobs_entropy_from_logits(
     ignore_index: int = -100,
     vocab_size: Optional[int] = None,
     tp_group=None,
+    invariant: Optional[bool] = None,
+    logits_precision: str = "fp32",
+    check_labels: Union[bool, str] = True,
 ) -> LCEOutput:
     """logits [..., V_shard] (this rank's vocab shard under tp_group), labels [...] global ids.
+
+    logits_precision: "fp32" takes the logits as given (upcast to fp32); "bf16" rounds each to bf16 first,
+    as the fused op's option does (the rounding's gradient is identity). invariant (None = True, as the
+    fused op's torch backend): each row's values do not depend on the other rows or on the TP degree
+    (exact.py's segment sums; the gradient is the ordinary one, through torch autograd). The contract
+    covers these reductions given the logits: logits a model computes for a whole batch carry the batch
+    dependence of that GEMM. check_labels as the op's (a label outside [0, vocab_size) that is not
+    ignore_index raises, or with "deferred" gives NaN and check_deferred() raises).
 
     Returns fp32 logprobs, entropy (differentiable w.r.t. logits) and max_logit, min_logit (raw), lse
     (tempered), all 0 at ignore_index rows. Collectives under tp_group: MAX of the per-token max/min
@@ -33,13 +71,29 @@ def logprobs_entropy_from_logits(
     """
     if tuple(logits.shape[:-1]) != tuple(labels.shape):
         raise ValueError(f"logits leading shape {tuple(logits.shape[:-1])} must equal labels {tuple(labels.shape)}")
+    from .api import check_invariant_layout, check_logits_precision, resolve_invariant
+
+    check_logits_precision(logits_precision)
     tp = comms.group_size(tp_group)
     v_shard = logits.shape[-1]
     vocab_size = v_shard * tp if vocab_size is None else vocab_size
+    asked = invariant is not None
+    invariant = resolve_invariant(invariant, "torch", logits.dtype)
+    if invariant:
+        invariant = check_invariant_layout(v_shard, tp, vocab_size, asked)
     start = comms.group_rank(tp_group) * v_shard
     valid_cols = max(0, min(v_shard, vocab_size - start))
     raw = logits.float()[..., :valid_cols]
+    if logits_precision == "bf16":  # straight through: the values are the rounded ones, the gradient identity
+        raw = raw + (raw.to(torch.bfloat16).float() - raw).detach()
     inv_t_scalar, inv_t = inv_temperature(temperature, labels)
+    bad = None
+    mode = checks.resolve_mode(check_labels, logits.device)
+    if mode == "sync":
+        checks.check_now(labels.reshape(-1), None if inv_t is None else inv_t.reshape(-1), vocab_size, ignore_index)
+    elif mode == "deferred":
+        bad = checks.record(labels.reshape(-1), None if inv_t is None else inv_t.reshape(-1), vocab_size,
+                            ignore_index).view(labels.shape)
     it = inv_t_scalar if inv_t is None else inv_t.to(raw.device).view(labels.shape)[..., None]
     z = raw * it
     with torch.no_grad():
@@ -69,8 +123,22 @@ def logprobs_entropy_from_logits(
         # backward reaches the exp-sum's SUM collective exactly as the other ranks' backward does.
         picked = logp.sum(-1)
     lp = comms.all_reduce_sum_replicated_grad(torch.where(own, picked, torch.zeros_like(picked)), tp_group)
+    ent = -plogp
+    if invariant:
+        with torch.no_grad():
+            shape = labels.shape
+            ex = _exact_values(raw.detach().reshape(-1, valid_cols), y.reshape(-1),
+                               it.reshape(-1) if torch.is_tensor(it) else it, start, valid_cols, ignore_index,
+                               tp_group)
+            ex = [t.view(shape) for t in ex]
+        # the exact values, with the ordinary graph's gradient (x - x.detach() adds exactly 0)
+        lp = ex[0] + (lp - lp.detach())
+        ent = ex[1] + (ent - ent.detach())
+        big_mx, mn, lse = ex[2], ex[3], ex[4]
+    if bad is not None:
+        lp = lp.masked_fill(bad, float("nan"))
     zero = torch.zeros_like(lse)
     return LCEOutput(
-        torch.where(valid, lp, zero), torch.where(valid, -plogp, zero),
+        torch.where(valid, lp, zero), torch.where(valid, ent, zero),
         torch.where(valid, big_mx, zero).detach(), torch.where(valid, mn, zero).detach(),
         torch.where(valid, lse, zero).detach())

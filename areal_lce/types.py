@@ -102,6 +102,12 @@ class LCEParams:
     #                               resolves its default per backend (False for triton: it skips them itself)
     check_labels: str = "off"  # label/temperature value checks: "sync" | "deferred" | "off" (checks.py)
     logit_sums: bool = False  # backends also accumulate Σ_j r_j and Σ_j r_j² of the raw logits
+    invariant: bool = False  # per-segment partials + exact fixed-point merge (exact.py): bitwise batch/TP-invariant
+    logits_precision: str = "fp32"  # "bf16": each raw logit rounded to bf16 after the fp32 accumulation
+
+    @property
+    def bf16_logits(self) -> bool:
+        return self.logits_precision == "bf16"
 
     @property
     def tp_group(self):

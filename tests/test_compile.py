@@ -12,7 +12,7 @@ import torch._dynamo
 import torch._dynamo.testing
 
 import areal_lce
-from areal_lce.library import lce_backward_op, lce_forward_op
+from areal_lce.library import encode, lce_backward_op, lce_forward_op
 
 from test_tp import fake_group  # noqa: F401  (fixture: a recording 2-rank TP group)
 
@@ -108,14 +108,16 @@ def test_opcheck_forward_and_backward_ops():
     hidden, weight, _, labels, temp = _inputs(n=9, v=65)
     h = hidden.requires_grad_()
     w = weight.requires_grad_()
-    for inv_t, cache_bytes, compact in ((None, 0, True), (1.0 / temp, 1 << 20, True), (None, 0, False)):
-        args = (h, w, labels, inv_t, 1 / 0.7 if inv_t is None else None, IGNORE, 65, 65, cache_bytes,
-                "torch", compact, "off", True)
-        torch.library.opcheck(lce_forward_op, args)
-        torch.library.opcheck(lce_forward_op, args + (True,))  # logit_sums: stats [5, N]
-    diff, stats, h_c, lse_ent, cache = lce_forward_op(*args[:-1], False)
-    bargs = (torch.randn(2, 9), hidden.detach(), weight.detach(), labels, None, lse_ent, cache, 1 / 0.7,
-             IGNORE, 65, 65, 0, "torch", False, True, True)
+    for inv_t, cache_bytes, compact, inv in ((None, 0, True, False), (1.0 / temp, 1 << 20, True, False),
+                                             (None, 0, False, False), (None, 0, True, True)):
+        opts = dict(inv_t=1 / 0.7 if inv_t is None else None, ignore_index=IGNORE, vocab_size=65, vocab_start=0,
+                    shard_valid=65, cache_bytes=cache_bytes, backend="torch", compact_ignored=compact,
+                    check_labels="off", invariant=inv, logits_precision="fp32")
+        for sums in (False, True):  # logit_sums: stats [5, N]
+            torch.library.opcheck(lce_forward_op, (h, w, labels, inv_t, encode(**opts, logit_sums=sums), True))
+    options = encode(**opts, logit_sums=False)
+    diff, stats, h_c, lse_ent, cache = lce_forward_op(h, w, labels, None, options, False)
+    bargs = (torch.randn(2, 9), hidden.detach(), weight.detach(), labels, None, lse_ent, cache, options, True, True)
     torch.library.opcheck(lce_backward_op, bargs, test_utils=("test_schema", "test_faketensor"))
 
 

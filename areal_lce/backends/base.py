@@ -37,6 +37,15 @@ Ignored rows (label == params.ignore_index) reach backward with g_lp = g_ent = 0
          give them d_logits exactly 0 whatever their hidden, inv_t, lse or ent values (NaN included), so
          they need no compaction. It must not count them on the host: that would be a sync.
 
+Invariant mode (params.invariant, exact.py): forward returns the per-segment partials `seg` [3, G, N]
+  (raw max, s, a of each 128-column segment of the shard's valid columns; [5, G, N] with logit sums)
+  with mx, mn, zy per row, and m = s = a = None. Each segment is reduced in an order that depends on
+  nothing but the backend (not on N, the row's position, the split or the shard start).
+  fold_segments(seg, mx, inv_t, scales) -> int64 [3 or 5, N], the arithmetic of exact.fold_segments
+  (the torch version is the default for backends without their own).
+params.bf16_logits: every raw logit is rounded to bf16 right after the fp32 accumulation, before the
+  temperature, in forward and in backward's recompute (the rounding's gradient is taken as identity).
+
 cache_spec(n, h, v_shard, dtype, params, keep_cache) -> (shape, dtype) of the cache forward() keeps for
   these sizes, or None: forward decides with it, and the op's fake (meta) implementation allocates with
   it, so the two agree.
@@ -75,6 +84,8 @@ class ShardStats:
     cache: Any = None
     lsum: Optional[torch.Tensor] = None  # Σ raw logits, only with params.logit_sums
     lsq: Optional[torch.Tensor] = None  # Σ raw logits², only with params.logit_sums
+    seg: Optional[torch.Tensor] = None  # invariant mode: fp32 [3 or 5, G, N] segment partials (exact.py);
+    #                                     then m, s, a are None and mx, mn, zy are this shard's exact values
 
 
 class Backend(Protocol):

@@ -25,11 +25,18 @@ def shard_logits(hidden, weight, inv_t, params: LCEParams, raw: Optional[torch.T
     """fp32 (fp64 for fp64 inputs) tempered logits of this shard, padding columns set to -inf.
     `raw`: this shard's raw logits h·Wᵀ when already computed (else computed here)."""
     acc = _acc_dtype(hidden)
-    z = hidden.to(acc) @ weight.to(acc).t() if raw is None else raw
+    z = _raw(hidden, weight, params) if raw is None else raw
     z = z * (inv_t.to(acc)[:, None] if inv_t is not None else params.inv_t)
     if params.shard_valid < weight.shape[0]:
         z[:, params.shard_valid:] = float("-inf")
     return z
+
+
+def _raw(hidden, weight, params: LCEParams) -> torch.Tensor:
+    """Raw logits h·Wᵀ in the accumulation dtype, rounded to bf16 and back with logits_precision="bf16"."""
+    acc = _acc_dtype(hidden)
+    r = hidden.to(acc) @ weight.to(acc).t()
+    return r.to(torch.bfloat16).to(acc) if params.bf16_logits else r
 
 
 def label_onehot_index(labels: torch.Tensor, params: LCEParams) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -79,11 +86,15 @@ class ReferenceBackend:
 
     def cache_spec(self, n, h, v_shard, dtype, params, keep_cache):
         """The materialised logits themselves, whenever backward will run (cache_bytes is not consulted)."""
-        return ((n, v_shard), torch.float64 if dtype == torch.float64 else torch.float32) if keep_cache else None
+        if not keep_cache or params.invariant:
+            return None
+        return (n, v_shard), torch.float64 if dtype == torch.float64 else torch.float32
 
     def forward(self, hidden, weight, labels, inv_t, params, keep_cache) -> ShardStats:
-        acc = _acc_dtype(hidden)
-        raw = hidden.to(acc) @ weight.to(acc).t()
+        if params.invariant:  # the fixed-shape blocks of the torch backend (the logits are not kept)
+            from .torch_chunked import invariant_forward
+            return invariant_forward(hidden, weight, labels, inv_t, params)
+        raw = _raw(hidden, weight, params)
         z = shard_logits(hidden, weight, inv_t, params, raw=raw)
         st = stats_from_logits(z, raw, labels, params)
         if params.logit_sums:  # raw logits of the valid columns only

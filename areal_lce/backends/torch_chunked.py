@@ -16,8 +16,16 @@ from typing import Optional
 
 import torch
 
+from .. import exact
 from ..types import LCEParams
 from .base import ShardStats, alloc
+
+# Invariant mode: every logits GEMM has the shape [INV_ROWS, H] x [H, INV_COLS], whatever N and the shard:
+# rows in fixed blocks (the last one zero-padded), columns in blocks aligned to global multiples of
+# INV_COLS (zero rows of W stand in for columns outside the shard). A row's fp32 GEMM result changes with
+# the number of rows in the product on CPU BLAS; with one shape everywhere it does not.
+INV_ROWS = 32
+INV_COLS = 1024  # a multiple of exact.SEG
 
 
 def _chunks(n: int, size: int):
@@ -66,21 +74,90 @@ def _inv_t(inv_t: Optional[torch.Tensor], params: LCEParams, t0: int, t1: int, d
     return inv_t[t0:t1, None].to(dtype) if inv_t is not None else params.inv_t
 
 
+def round_logits(r: torch.Tensor, params: LCEParams) -> torch.Tensor:
+    """logits_precision="bf16": each raw logit rounded to bf16 (then back to the accumulation dtype)."""
+    return r.to(torch.bfloat16).to(r.dtype) if params.bf16_logits else r
+
+
+def _row_block(x: torch.Tensor, t0: int, rows: int) -> torch.Tensor:
+    """Rows [t0, t0 + rows) of x, zero-padded to `rows` when x ends first."""
+    blk = x[t0:t0 + rows]
+    if blk.shape[0] == rows:
+        return blk
+    pad = x.new_zeros((rows - blk.shape[0],) + tuple(x.shape[1:]))
+    return torch.cat([blk, pad])
+
+
+def invariant_forward(hidden, weight, labels, inv_t, params: LCEParams) -> ShardStats:
+    """Segment partials (exact.py) from fixed-shape GEMM blocks (INV_ROWS, INV_COLS above)."""
+    n, h = hidden.shape
+    dev = hidden.device
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    vv, start = params.shard_valid, params.vocab_start
+    if start % exact.SEG:
+        raise ValueError(f"invariant mode: the shard starts at global id {start}, not a multiple of {exact.SEG}")
+    sums = params.logit_sums
+    G = exact.segments(vv)
+    seg = torch.empty((5 if sums else 3, G, n), dtype=torch.float32, device=dev)
+    mx = torch.full((n,), float("-inf"), dtype=torch.float32, device=dev)
+    mn = torch.full((n,), float("inf"), dtype=torch.float32, device=dev)
+    zy = torch.zeros(n, dtype=torch.float32, device=dev)
+    if vv == 0 or n == 0:  # a shard of padding only (or no rows): it contributes the merge's identities
+        return ShardStats(m=None, s=None, a=None, zy=zy, mn=mn, mx=mx, seg=seg)
+    local = labels - start
+    first = start - start % INV_COLS  # global start of the first column block touching the shard
+    w_blocks = []
+    for g0 in range(first, start + vv, INV_COLS):
+        lo, hi = max(g0, start), min(g0 + INV_COLS, start + vv)
+        wb = weight[lo - start:hi - start]
+        if hi - lo < INV_COLS:
+            pad = weight.new_zeros((INV_COLS, h))
+            pad[lo - g0:hi - g0] = wb
+            wb = pad
+        w_blocks.append((g0, lo, hi, wb.t() if _half_gemm(hidden) else wb.t().to(acc)))
+    for t0 in range(0, n, INV_ROWS):
+        t1 = min(n, t0 + INV_ROWS)
+        hb = _row_block(hidden, t0, INV_ROWS)
+        hb = hb if _half_gemm(hidden) else hb.to(acc)
+        it = _row_block(inv_t.to(torch.float32), t0, INV_ROWS) if inv_t is not None else params.inv_t
+        if torch.is_tensor(it):
+            it = torch.where(torch.arange(INV_ROWS, device=dev) < t1 - t0, it, torch.ones_like(it))
+        yb = local[t0:t1]
+        for g0, lo, hi, wt in w_blocks:
+            r = round_logits(_mm_f32(hb, wt), params).to(torch.float32)  # raw logits [INV_ROWS, INV_COLS]
+            part = exact.segment_stats_torch(r, it, hi - g0, sums)  # [k, INV_COLS / SEG, INV_ROWS]
+            j0 = (lo - g0) // exact.SEG  # segments before the shard start belong to another rank
+            gs = (lo - start) // exact.SEG
+            gn = exact.segments(hi - lo)
+            seg[:, gs:gs + gn, t0:t1] = part[:, j0:j0 + gn, : t1 - t0]
+            rv = r[: t1 - t0, lo - g0:hi - g0]
+            torch.maximum(mx[t0:t1], rv.amax(1), out=mx[t0:t1])
+            torch.minimum(mn[t0:t1], rv.amin(1), out=mn[t0:t1])
+            col = yb - (lo - start)
+            own = (col >= 0) & (col < hi - lo)
+            picked = rv.gather(1, col.clamp(0, hi - lo - 1)[:, None]).squeeze(1)
+            zy[t0:t1] += torch.where(own, picked, torch.zeros_like(picked))
+    it_all = inv_t.to(torch.float32) if inv_t is not None else params.inv_t
+    return ShardStats(m=None, s=None, a=None, zy=zy * it_all, mn=mn, mx=mx, seg=seg)
+
+
 class TorchChunkedBackend:
     name = "torch"
     skips_ignored_rows = False  # base.py: the Function compacts ignored rows by default
 
     def _logits(self, hidden, weight, inv_t, params, t0, t1, v0, v1):
-        z = _mm_f32(hidden[t0:t1], weight[v0:v1].t())
+        z = round_logits(_mm_f32(hidden[t0:t1], weight[v0:v1].t()), params)
         return z.mul_(_inv_t(inv_t, params, t0, t1, z.dtype))
 
     def cache_spec(self, n, h, v_shard, dtype, params: LCEParams, keep_cache):
         vv = params.shard_valid
-        if keep_cache and vv > 0 and n * vv * 4 <= params.cache_bytes:
+        if keep_cache and vv > 0 and n * vv * 4 <= params.cache_bytes and not params.invariant:
             return (n, vv), (torch.float64 if dtype == torch.float64 else torch.float32)
         return None
 
     def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool) -> ShardStats:
+        if params.invariant:
+            return invariant_forward(hidden, weight, labels, inv_t, params)
         n, dev = hidden.shape[0], hidden.device
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         vv = params.shard_valid
@@ -97,7 +174,7 @@ class TorchChunkedBackend:
         for t0, t1 in _chunks(n, n_chunk):
             mt, st, at, mxt = m[t0:t1], s[t0:t1], a[t0:t1], mx[t0:t1]
             for v0, v1 in _chunks(vv, v_chunk):
-                z = _mm_f32(hidden[t0:t1], weight[v0:v1].t())  # raw logits of this block
+                z = round_logits(_mm_f32(hidden[t0:t1], weight[v0:v1].t()), params)  # raw logits of this block
                 if lsum is not None:  # raw-logit sums from the same block, before temperature
                     lsum[t0:t1] += z.sum(1)
                     lsq[t0:t1] += (z * z).sum(1)

@@ -46,6 +46,18 @@ IGNORED = tl.constexpr(-2)  # local label of an ignore_index row (launch.py: _lo
 
 
 @triton.jit
+def round_bf16(x, BITWISE: tl.constexpr):
+    """fp32 -> nearest bf16 (ties to even) -> fp32, as torch's .to(bfloat16) rounds. BITWISE (the CPU
+    interpreter, whose bf16 conversion does not round to nearest): on the bit pattern; on the GPU the
+    hardware conversion."""
+    if BITWISE:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + (((b >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
 def _tile_coords(i_pid, n_blocks_n, n_blocks_v, GROUP_N: tl.constexpr):
     """Grouped program order: GROUP_N token blocks share each vocab tile while it is hot in L2."""
     width = GROUP_N * n_blocks_v
@@ -99,7 +111,7 @@ def _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, col0, H, k_hi, BLOCK_N: tl.co
 def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, N, V, H, b_y, b_it, b_c,
               b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq,
               MASKED: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, EVEN_K: tl.constexpr,
-              UPCAST: tl.constexpr,
+              UPCAST: tl.constexpr, BF16_LOGITS: tl.constexpr,
               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, CACHE_COLS: tl.constexpr):
     """Fold one [BLOCK_N, BLOCK_V] logits tile into the running statistics. MASKED only for the ragged
@@ -108,6 +120,8 @@ def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, N, V, H,
     o_vc = tl.minimum(o_v, V - 1).to(tl.int64)
     b_r = _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, v0, H, H, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, UPCAST,
                        DOT_PRECISION, USE_TMA)
+    if BF16_LOGITS:  # logits_precision="bf16": the raw logit as a bf16-head engine rounds it
+        b_r = round_bf16(b_r, UPCAST)
     if HAS_CACHE:
         p_c = _cache_tile(z_cache, o_n, v0, N, BLOCK_V, CACHE_COLS)
         if MASKED:
@@ -155,7 +169,7 @@ def _cache_tile(z_cache, o_n, col0, N, BLOCK_V: tl.constexpr, CACHE_COLS: tl.con
 def lce_fwd_kernel(
     h, w, d_h, d_w, y, inv_t, part, z_cache,
     N, H, V, SPLIT_V, n_splits, stride_part, inv_t_scalar,
-    HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr,
+    HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, BF16_LOGITS: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     CACHE_COLS: tl.constexpr,
@@ -195,12 +209,12 @@ def lce_fwd_kernel(
     for i_t in range(0, n_full):
         b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq = _fwd_tile(
             h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v_begin + i_t * BLOCK_V, v_end, N, V, H, b_y, b_it,
-            b_c, b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq, False, HAS_CACHE, HAS_SUMS, EVEN_K, UPCAST,
+            b_c, b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq, False, HAS_CACHE, HAS_SUMS, EVEN_K, UPCAST, BF16_LOGITS,
             DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, CACHE_COLS)
     if v_begin + n_full * BLOCK_V < v_end:
         b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq = _fwd_tile(
             h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v_begin + n_full * BLOCK_V, v_end, N, V, H, b_y, b_it,
-            b_c, b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq, True, HAS_CACHE, HAS_SUMS, EVEN_K, UPCAST,
+            b_c, b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq, True, HAS_CACHE, HAS_SUMS, EVEN_K, UPCAST, BF16_LOGITS,
             DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, CACHE_COLS)
 
     p_part = part + i_s * N + o_n
@@ -272,7 +286,7 @@ def lce_bwd_kernel(
     h, w, d_h, d_w, y, inv_t, lse, ent, g_lp, g_ent, z_cache, dl,
     N, H, V, v_begin, width, stride_dl, n_programs, inv_t_scalar,
     HAS_INV_T: tl.constexpr, USE_CACHE: tl.constexpr, EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, BF16_LOGITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     CACHE_COLS: tl.constexpr,
@@ -323,6 +337,8 @@ def lce_bwd_kernel(
             k_hi = tl.where(n_live > 0, H, 0)  # all rows ignored: no GEMM
             b_r = _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, v_begin + i_v * BLOCK_V, H, k_hi, BLOCK_N,
                                BLOCK_V, BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA)
+            if BF16_LOGITS:  # the forward's rounding; its gradient is taken as identity
+                b_r = round_bf16(b_r, UPCAST)
             b_x = b_r * (b_it * LOG2E)[:, None] - (b_lse * LOG2E)[:, None]
         b_p = tl.exp2(b_x)
         b_dl = -b_p * (b_A[:, None] + b_B[:, None] * b_x)

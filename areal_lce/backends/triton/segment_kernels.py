@@ -1,0 +1,261 @@
+"""Triton kernels of invariant mode (areal_lce/exact.py states the arithmetic and why it is exact).
+
+  lce_fwd_seg_kernel    one program = BLOCK_N tokens x one vocab split, as lce_fwd_kernel, but instead of
+                        an online softmax over the split it reduces each 128-column segment of the
+                        vocabulary on its own and stores the segment's (raw max, s, a[, Σr, Σr²]). A
+                        BLOCK_V = 256 tile is computed as two [BLOCK_N, 128] accumulators in one K loop
+                        (one h load feeds both dots), so the two halves of a tile are reduced by the
+                        same code on the same layout: a segment's bits do not depend on whether it is
+                        the first or the second half of a tile, i.e. on the shard start, nor on the
+                        split, the grid or N. Per split it also stores the raw min and the label logit.
+  lce_seg_reduce_kernel max of the segments' raw max, min over the splits, the label logit (exact).
+  lce_seg_fold_kernel   each segment's terms relative to the global max, converted to int64 with
+                        FRAC_BITS fractional bits and summed: exact, so any order gives the same bits.
+
+BF16_LOGITS rounds every raw logit to bf16 right after the fp32 accumulation (logits_precision="bf16").
+"""
+import triton
+import triton.language as tl
+
+from .kernels import IGNORED, LN2, LOG2E, _cache_tile, _tile_coords, round_bf16
+
+
+@triton.jit
+def _dot(b_h, b_w, b_acc, DOT_PRECISION: tl.constexpr, ROWWISE: tl.constexpr):
+    """b_acc + b_h · b_wᵀ. ROWWISE (the CPU interpreter): as a broadcast product summed over K, because the
+    interpreter's tl.dot is numpy's BLAS matmul, whose bits for a row change with its position in the
+    block; on the GPU every row of a tensor-core tile is accumulated alike."""
+    if ROWWISE:
+        return b_acc + tl.sum(b_h.to(tl.float32)[:, None, :] * b_w.to(tl.float32)[None, :, :], 2)
+    return tl.dot(b_h, tl.trans(b_w), b_acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _seg_logits(h, w, d_h, d_w, o_nc, o_vc0, o_vc1, row0, col0, H,
+                SEG: tl.constexpr, SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    """Raw logits of columns [col0, col0 + SEG) and (SUB == 2) [col0 + SEG, col0 + 2·SEG) as two fp32
+    [BLOCK_N, SEG] accumulators sharing each loaded h tile."""
+    b_acc0 = tl.zeros([BLOCK_N, SEG], dtype=tl.float32)
+    b_acc1 = tl.zeros([BLOCK_N, SEG], dtype=tl.float32)
+    if USE_TMA:
+        for k0 in range(0, H, BLOCK_K):
+            b_h = d_h.load([row0, k0])
+            b_w0 = d_w.load([col0, k0])
+            if UPCAST:
+                b_h = b_h.to(tl.float32)
+                b_w0 = b_w0.to(tl.float32)
+            b_acc0 = _dot(b_h, b_w0, b_acc0, DOT_PRECISION, UPCAST)
+            if SUB == 2:
+                b_w1 = d_w.load([col0 + SEG, k0])
+                if UPCAST:
+                    b_w1 = b_w1.to(tl.float32)
+                b_acc1 = _dot(b_h, b_w1, b_acc1, DOT_PRECISION, UPCAST)
+    else:
+        p_h = h + o_nc[:, None] * H
+        p_w0 = w + o_vc0[:, None] * H
+        p_w1 = w + o_vc1[:, None] * H
+        for k0 in range(0, H, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                b_h = tl.load(p_h + o_k[None, :])
+                b_w0 = tl.load(p_w0 + o_k[None, :])
+            else:
+                m_k = o_k < H
+                b_h = tl.load(p_h + o_k[None, :], mask=m_k[None, :], other=0.0)
+                b_w0 = tl.load(p_w0 + o_k[None, :], mask=m_k[None, :], other=0.0)
+            if UPCAST:
+                b_h = b_h.to(tl.float32)
+                b_w0 = b_w0.to(tl.float32)
+            b_acc0 = _dot(b_h, b_w0, b_acc0, DOT_PRECISION, UPCAST)
+            if SUB == 2:
+                if EVEN_K:
+                    b_w1 = tl.load(p_w1 + o_k[None, :])
+                else:
+                    b_w1 = tl.load(p_w1 + o_k[None, :], mask=(o_k < H)[None, :], other=0.0)
+                if UPCAST:
+                    b_w1 = b_w1.to(tl.float32)
+                b_acc1 = _dot(b_h, b_w1, b_acc1, DOT_PRECISION, UPCAST)
+    return b_acc0, b_acc1
+
+
+@triton.jit
+def _seg_fold(b_r, c0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn, b_zy,
+              UPCAST: tl.constexpr, MASKED: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, BF16_LOGITS: tl.constexpr,
+              SEG: tl.constexpr, CACHE_COLS: tl.constexpr):
+    """Reduce one [BLOCK_N, SEG] raw-logits segment (local columns c0 + [0, SEG), valid below v_end) and
+    store its partials at segment index g (only when g < G: a tile's second half may lie past the shard)."""
+    o_v = c0 + tl.arange(0, SEG)
+    if BF16_LOGITS:
+        b_r = round_bf16(b_r, UPCAST)
+    if HAS_CACHE:
+        p_c = _cache_tile(z_cache, o_n, c0, N, SEG, CACHE_COLS)
+        tl.store(p_c, b_r * b_it[:, None], mask=m_n[:, None] & (o_v < v_end)[None, :])
+    b_zy += tl.sum(tl.where(o_v[None, :] == b_y[:, None], b_r, 0.0), 1)
+    if MASKED:
+        m_v = (o_v < v_end)[None, :]
+        b_mn = tl.minimum(b_mn, tl.min(tl.where(m_v, b_r, float("inf")), 1))
+        b_rm = tl.where(m_v, b_r, float("-inf"))
+    else:
+        b_mn = tl.minimum(b_mn, tl.min(b_r, 1))
+        b_rm = b_r
+    b_max = tl.max(b_rm, 1)
+    b_d = (b_rm - b_max[:, None]) * b_c[:, None]
+    b_e = tl.exp2(b_d)
+    # d·e: masked columns give (-inf)·0; a valid column whose e underflows gives -0.0, which changes no
+    # sum that also holds the max column's +0.0 term: the where() is needed on the masked path only
+    if MASKED:
+        b_de = tl.sum(tl.where(b_e == 0.0, 0.0, b_d * b_e), 1)
+    else:
+        b_de = tl.sum(b_d * b_e, 1)
+    m_st = m_n & (g < G)
+    p = seg + g * N + o_n
+    tl.store(p, b_max, mask=m_st)
+    tl.store(p + stride_seg, tl.sum(b_e, 1), mask=m_st)
+    tl.store(p + 2 * stride_seg, b_de * LN2, mask=m_st)
+    if HAS_SUMS:
+        if MASKED:
+            b_rs = tl.where((o_v < v_end)[None, :], b_r, 0.0)
+        else:
+            b_rs = b_r
+        tl.store(p + 3 * stride_seg, tl.sum(b_rs, 1), mask=m_st)
+        tl.store(p + 4 * stride_seg, tl.sum(b_rs * b_rs, 1), mask=m_st)
+    return b_mn, b_zy
+
+
+@triton.jit
+def lce_fwd_seg_kernel(
+    h, w, d_h, d_w, y, inv_t, seg, part, z_cache,
+    N, H, V, G, SPLIT_V, n_splits, stride_seg, stride_part, inv_t_scalar,
+    HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, BF16_LOGITS: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    SEG: tl.constexpr, SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    CACHE_COLS: tl.constexpr,
+):
+    """seg: fp32 [3, G, N] (raw max, s, a) per 128-column segment of this shard's V valid columns,
+    [5, G, N] with HAS_SUMS; part: fp32 [2, n_splits, N] (raw min, raw label logit) per split. SPLIT_V is a
+    multiple of SUB·SEG. A token block whose rows are all ignored folds no tile (its values stay unset;
+    the caller ignores those rows)."""
+    i_pid = tl.program_id(0)
+    n_blocks_n = tl.cdiv(N, BLOCK_N)
+    i_n, i_s = _tile_coords(i_pid, n_blocks_n, n_splits, GROUP_N)
+    row0 = i_n * BLOCK_N
+    o_n = row0.to(tl.int64) + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_nc = tl.minimum(o_n, N - 1)
+    b_y = tl.load(y + o_nc)
+    if HAS_INV_T:
+        b_it = tl.load(inv_t + o_nc)
+    else:
+        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + inv_t_scalar
+    b_c = b_it * LOG2E
+    b_zy = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_mn = tl.full([BLOCK_N], float("inf"), dtype=tl.float32)
+
+    TILE: tl.constexpr = SUB * SEG
+    v_begin = i_s * SPLIT_V
+    v_end = tl.minimum(v_begin + SPLIT_V, V)
+    v_end = tl.where(tl.max(((b_y != IGNORED) & m_n).to(tl.int32), 0) > 0, v_end, v_begin)  # all ignored
+    for i_t in range(0, tl.cdiv(v_end - v_begin, TILE)):
+        col0 = v_begin + i_t * TILE
+        o_v0 = col0 + tl.arange(0, SEG)
+        o_v1 = o_v0 + SEG
+        b_r0, b_r1 = _seg_logits(h, w, d_h, d_w, o_nc, tl.minimum(o_v0, V - 1).to(tl.int64),
+                                 tl.minimum(o_v1, V - 1).to(tl.int64), row0, col0, H, SEG, SUB, BLOCK_N,
+                                 BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA)
+        g = col0 // SEG
+        if col0 + TILE <= v_end:
+            b_mn, b_zy = _seg_fold(b_r0, col0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c,
+                                   z_cache, b_mn, b_zy, UPCAST, False, HAS_CACHE, HAS_SUMS, BF16_LOGITS, SEG, CACHE_COLS)
+            if SUB == 2:
+                b_mn, b_zy = _seg_fold(b_r1, col0 + SEG, v_end, g + 1, G, seg, stride_seg, o_n, m_n, N, b_y, b_it,
+                                       b_c, z_cache, b_mn, b_zy, UPCAST, False, HAS_CACHE, HAS_SUMS, BF16_LOGITS, SEG,
+                                       CACHE_COLS)
+        else:
+            b_mn, b_zy = _seg_fold(b_r0, col0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c,
+                                   z_cache, b_mn, b_zy, UPCAST, True, HAS_CACHE, HAS_SUMS, BF16_LOGITS, SEG, CACHE_COLS)
+            if SUB == 2:
+                if col0 + SEG < v_end:
+                    b_mn, b_zy = _seg_fold(b_r1, col0 + SEG, v_end, g + 1, G, seg, stride_seg, o_n, m_n, N, b_y,
+                                           b_it, b_c, z_cache, b_mn, b_zy, UPCAST, True, HAS_CACHE, HAS_SUMS,
+                                           BF16_LOGITS, SEG, CACHE_COLS)
+    p_part = part + i_s * N + o_n
+    tl.store(p_part, b_mn, mask=m_n)
+    tl.store(p_part + stride_part, b_zy * b_it, mask=m_n)
+
+
+@triton.jit
+def lce_seg_reduce_kernel(seg, part, out, N, G, n_splits, stride_part, BLOCK_N: tl.constexpr):
+    """out fp32 [3, N] = (raw max over the segments, raw min over the splits, tempered label logit):
+    maxima, minima and a sum of one nonzero value, all exact in any order."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    b_mx = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    for g in range(0, G):
+        b_mx = tl.maximum(b_mx, tl.load(seg + g * N + o_n, mask=m_n, other=float("-inf")))
+    b_mn = tl.full([BLOCK_N], float("inf"), dtype=tl.float32)
+    b_zy = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i_s in range(0, n_splits):
+        p = part + i_s * N + o_n
+        b_mn = tl.minimum(b_mn, tl.load(p, mask=m_n, other=float("inf")))
+        b_zy += tl.load(p + stride_part, mask=m_n, other=0.0)
+    tl.store(out + o_n, b_mx, mask=m_n)
+    tl.store(out + N + o_n, b_mn, mask=m_n)
+    tl.store(out + 2 * N + o_n, b_zy, mask=m_n)
+
+
+@triton.jit
+def _fixed(x, SCALE: tl.constexpr):
+    b_ok = (x == x) & (tl.abs(x) < float("inf"))
+    return tl.where(b_ok, x * SCALE, 0.0).to(tl.int64), (~b_ok).to(tl.int64)
+
+
+@triton.jit
+def lce_seg_fold_kernel(seg, mx, inv_t, scales, q, N, G, stride_seg, inv_t_scalar,
+                        HAS_INV_T: tl.constexpr, HAS_SUMS: tl.constexpr, SCALE: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """q int64 [3, N] = (Σ s-terms, Σ a-terms, non-finite terms), [5, N] with HAS_SUMS (+ Σ r, Σ r² terms
+    scaled by scales [2, N]); mx: the global raw max. The arithmetic of exact.fold_segments."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    b_mx = tl.load(mx + o_n, mask=m_n, other=0.0)
+    if HAS_INV_T:
+        b_c = tl.load(inv_t + o_n, mask=m_n, other=1.0) * LOG2E
+    else:
+        b_c = tl.zeros([BLOCK_N], dtype=tl.float32) + inv_t_scalar * LOG2E
+    b_qs = tl.zeros([BLOCK_N], dtype=tl.int64)
+    b_qa = tl.zeros([BLOCK_N], dtype=tl.int64)
+    b_bad = tl.zeros([BLOCK_N], dtype=tl.int64)
+    b_ql = tl.zeros([BLOCK_N], dtype=tl.int64)
+    b_qq = tl.zeros([BLOCK_N], dtype=tl.int64)
+    if HAS_SUMS:
+        b_sl = tl.load(scales + o_n, mask=m_n, other=0.0)
+        b_sq = tl.load(scales + N + o_n, mask=m_n, other=0.0)
+    for g in range(0, G):
+        p = seg + g * N + o_n
+        b_rm = tl.load(p, mask=m_n, other=0.0)
+        b_s = tl.load(p + stride_seg, mask=m_n, other=0.0)
+        b_a = tl.load(p + 2 * stride_seg, mask=m_n, other=0.0)
+        b_empty = b_s == 0.0
+        b_d2 = tl.where(b_empty, 0.0, (b_rm - b_mx) * b_c)
+        b_w = tl.exp2(b_d2)
+        q0, e0 = _fixed(b_s * b_w, SCALE)
+        q1, e1 = _fixed(tl.where(b_empty, 0.0, b_w * (b_a + (b_d2 * LN2) * b_s)), SCALE)
+        b_qs += q0
+        b_qa += q1
+        b_bad += e0 + e1
+        if HAS_SUMS:
+            q2, e2 = _fixed(tl.load(p + 3 * stride_seg, mask=m_n, other=0.0) * b_sl, 1.0)
+            q3, e3 = _fixed(tl.load(p + 4 * stride_seg, mask=m_n, other=0.0) * b_sq, 1.0)
+            b_ql += q2
+            b_qq += q3
+            b_bad += e2 + e3
+    p_q = q + o_n
+    tl.store(p_q, b_qs, mask=m_n)
+    tl.store(p_q + N, b_qa, mask=m_n)
+    tl.store(p_q + 2 * N, b_bad, mask=m_n)
+    if HAS_SUMS:
+        tl.store(p_q + 3 * N, b_ql, mask=m_n)
+        tl.store(p_q + 4 * N, b_qq, mask=m_n)

@@ -1,0 +1,160 @@
+"""Invariant mode's arithmetic: per-segment partials folded into exact fixed-point sums.
+
+A token's logprob / entropy / lse are sums over the vocabulary. Floating-point sums depend on their
+order, and the order of the usual online-softmax merge follows the vocab split the kernel picked for
+this row count, the tile grid, and the tensor-parallel shard boundaries. Invariant mode removes every
+one of those dependencies:
+
+1. The vocabulary is cut into fixed segments of SEG = 128 global ids, [128·g, 128·g + 128). Megatron
+   pads the vocabulary to a multiple of 128·tp (`make_vocab_size_divisible_by`), so every TP shard is a
+   whole number of segments on any TP degree. A backend reduces each segment on its own, in an order
+   fixed by the backend and its tile shape (never by N, by the split, or by where the segment sits in a
+   shard), to the segment's raw max `rmax_g`, `s_g = Σ exp(z_j - m_g)`, `a_g = Σ (z_j - m_g) exp(z_j - m_g)`
+   with m_g = rmax_g · inv_t (and the raw sums Σ r_j, Σ r_j² with logit sums). Columns at ids >=
+   vocab_size are left out, which is what every TP degree's padding needs.
+2. max and min are exact in any order: the global raw max `mx` (a MAX over the TP group) and the
+   tempered max M = mx · inv_t are the same bits on every split and TP degree.
+3. Relative to M each segment's term is bounded: s_g · exp(m_g - M) lies in [0, 128] and
+   exp(m_g - M) · (a_g + (m_g - M) · s_g) = Σ (z_j - M) exp(z_j - M) lies in [-128/e, 0]. Each term is
+   converted to a 64-bit integer with FRAC_BITS = 40 fractional bits (truncated toward zero) and the
+   integers are summed: integer addition is exact and associative, so the sum over segments, over
+   programs and over TP ranks (an int64 all-reduce SUM) has one value whatever its order. The
+   quantisation step 2^-40 is 2^-16 of an fp32 ulp at 1.0, and the exp-sum is >= 1 (the max column's
+   term is exactly 1): it never shows after the final rounding to fp32 except at rounding ties.
+4. The raw logit sums use the same integers, scaled by a power of two taken from the exact row
+   extremum R = max(|mx|, |mn|): term / 2^E with R < 2^E (2^2E for the squares).
+
+The label logit needs no care: exactly one column in the whole vocabulary contributes, so its sum in
+any order is that value; across TP ranks it travels as its fp32 bit pattern inside the int64 SUM
+(the other ranks add 0).
+
+Limits: vocab_size < 2^22 keeps every integer sum below 2^63 (MAX_VOCAB). Nothing here communicates.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+SEG = 128  # vocabulary segment width in global ids
+FRAC_BITS = 40  # fixed-point fractional bits of the folded terms
+MAX_VOCAB = 1 << 22  # 128-wide terms below 2^(7+40) each: the sum of 2^15 segments stays below 2^62
+LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
+_E_MIN, _E_MAX = -40, 60  # clamp of the logit-sum exponent (|logits| between 2^-40 and 2^60)
+
+
+def segments(valid: int) -> int:
+    """Segments covering `valid` columns starting at a segment boundary."""
+    return -(-valid // SEG)
+
+
+class Folded(NamedTuple):
+    """The int64 rows of one shard (or, after the SUM over the TP group, of the whole vocabulary)."""
+
+    q: torch.Tensor  # int64 [4, N] (s, a, bad, zy bits) or [6, N] with logit sums (+ Σ r, Σ r²)
+
+
+def sum_scales(mx: torch.Tensor, mn: torch.Tensor):
+    """(2^(FRAC_BITS - E), 2^(FRAC_BITS - 2E)) per row as fp32, with R = max(|mx|, |mn|) < 2^E: the
+    scales of the raw logit sums. E comes from the exact global extremum, so every rank and split
+    agrees on it."""
+    r = torch.maximum(mx.abs(), mn.abs()).to(torch.float64)
+    r = torch.where(torch.isfinite(r), r, torch.zeros_like(r))
+    _, e = torch.frexp(r)  # r = f · 2^e, 0.5 <= f < 1 (e = 0 for r = 0)
+    e = e.clamp(_E_MIN, _E_MAX).to(torch.float64)
+    return torch.exp2(FRAC_BITS - e).float(), torch.exp2(FRAC_BITS - 2 * e).float()
+
+
+def fold_segments(seg: torch.Tensor, mx: torch.Tensor, inv_t, scales=None) -> torch.Tensor:
+    """Fold one shard's segment partials into int64 sums (torch version; the triton backend has the same
+    arithmetic in a kernel).
+
+    seg: fp32 [3, G, N] (rmax, s, a) or [5, G, N] (+ Σ r, Σ r²), a = Σ (z - m_g) exp(z - m_g) in natural
+    units; mx: the global raw max [N]; inv_t: [N] fp32 or a float; scales: sum_scales(...) when seg has 5
+    rows. Returns int64 [3, N] (s, a, bad) or [5, N] (+ Σ r, Σ r²); bad counts the non-finite terms."""
+    rmax, s, a = seg[0], seg[1], seg[2]
+    c = (inv_t * LOG2E) if not torch.is_tensor(inv_t) else (inv_t.float() * LOG2E)
+    d2 = (rmax - mx) * c  # base-2 shift of each segment to the global max, <= 0
+    empty = s == 0
+    d2 = torch.where(empty, torch.zeros_like(d2), d2)
+    w = torch.exp2(d2)
+    ts = s * w
+    ta = torch.where(empty, torch.zeros_like(a), w * (a + (d2 * LN2) * s))
+    one = float(2 ** FRAC_BITS)
+    terms = [ts * one, ta * one]
+    if seg.shape[0] == 5:
+        terms += [seg[3] * scales[0], seg[4] * scales[1]]
+    t = torch.stack(terms)
+    finite = torch.isfinite(t)
+    # truncation toward zero; exact for terms >= 2^-16 (their fp32 value is already a multiple of 2^-40)
+    q = torch.where(finite, t, torch.zeros_like(t)).to(torch.int64).sum(1)
+    bad = (~finite).sum((0, 1)).to(torch.int64)
+    return torch.cat([q[:2], bad[None], q[2:]])
+
+
+def pack(q: torch.Tensor, zy: torch.Tensor) -> torch.Tensor:
+    """[s, a, bad, zy bits(, Σ r, Σ r²)] int64: the one tensor the TP group sums."""
+    bits = zy.contiguous().view(torch.int32).to(torch.int64)
+    return torch.cat([q[:3], bits[None], q[3:]])
+
+
+class Finished(NamedTuple):
+    lp: torch.Tensor
+    ent: torch.Tensor
+    lse: torch.Tensor
+    mx: torch.Tensor
+    mn: torch.Tensor
+    lsum: Optional[torch.Tensor]
+    lsq: Optional[torch.Tensor]
+
+
+def finish(packed: torch.Tensor, mx: torch.Tensor, mn: torch.Tensor, inv_t, scales=None) -> Finished:
+    """(logprob, entropy, lse, max, min[, Σ r, Σ r²]) from the summed integers and the global extrema:
+    log S and A / S in fp64, rounded once to fp32. Rows with a non-finite term get NaN everywhere."""
+    f = 2.0 ** -FRAC_BITS
+    s = packed[0].to(torch.float64) * f
+    a = packed[1].to(torch.float64) * f
+    bad = packed[2] > 0
+    zy = packed[3].to(torch.int32).view(torch.float32)
+    big_m = (mx * inv_t).to(torch.float64)  # the tempered max, exactly as every segment saw it
+    log_s = torch.log(s)
+    lse64 = big_m + log_s
+    nan = torch.full_like(mx, float("nan"))
+
+    def out(x):
+        return torch.where(bad, nan, x.to(torch.float32))
+
+    lsum = lsq = None
+    if packed.shape[0] == 6:
+        lsum = out(packed[4].to(torch.float64) / scales[0].to(torch.float64))
+        lsq = out(packed[5].to(torch.float64) / scales[1].to(torch.float64))
+    return Finished(out(zy.to(torch.float64) - lse64), out(log_s - a / s), out(lse64), out(mx), out(mn),
+                    lsum, lsq)
+
+
+def segment_stats_torch(r: torch.Tensor, inv_t, valid_cols: int, sums: bool) -> torch.Tensor:
+    """Segment partials of one block of raw fp32 logits r [R, C] whose column 0 is a segment start and
+    C a multiple of SEG; columns >= valid_cols are padding. Returns fp32 [3 or 5, C / SEG, R]. Every
+    reduction runs over the last dimension of a [R, C / SEG, SEG] view, the same shape on every call, so
+    a segment's bits do not depend on where it sits."""
+    R, C = r.shape
+    if valid_cols < C:
+        col = torch.arange(C, device=r.device)
+        r_max_in = r.masked_fill(col >= valid_cols, float("-inf"))
+        r_sum_in = r.masked_fill(col >= valid_cols, 0.0)
+    else:
+        r_max_in = r_sum_in = r
+    v = r_max_in.view(R, C // SEG, SEG)
+    rmax = v.amax(-1)
+    c = inv_t * LOG2E if not torch.is_tensor(inv_t) else (inv_t.float() * LOG2E).view(R, 1, 1)
+    d2 = (v - rmax[..., None]) * c
+    e = torch.exp2(d2)
+    s = e.sum(-1)
+    a = torch.where(e == 0, torch.zeros_like(e), d2 * e).sum(-1) * LN2
+    rows = [rmax, s, a]
+    if sums:
+        u = r_sum_in.view(R, C // SEG, SEG)
+        rows += [u.sum(-1), (u * u).sum(-1)]
+    return torch.stack(rows).transpose(1, 2)  # [k, G, R]
