@@ -66,7 +66,19 @@ def areal_oracle(hidden, weight, labels, temperature, logit_scale, g_lp):
 
 
 @functools.lru_cache(maxsize=None)
+def column_parallel_linear():
+    """megatron-core's ColumnParallelLinear, imported without megatron's import-time notices (no Apex / TE on
+    this machine, its own deprecations)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from megatron.core.tensor_parallel import ColumnParallelLinear
+    return ColumnParallelLinear
+
+
+@functools.lru_cache(maxsize=None)
 def _layer_config(h: int):
+    column_parallel_linear()  # megatron imported quietly first
     from megatron.core.transformer import TransformerConfig
 
     with warnings.catch_warnings():  # megatron's own deprecation notes on its default cuda_graph_scope
@@ -79,9 +91,7 @@ def output_layer(h: int, v: int, cls=None, *, bias: bool = False, skip_bias_add:
     """A megatron-core ColumnParallelLinear LM head (or `cls`, a subclass) as AReaL passes it, built at TP = 1
     without any process group (the TP = 2 ones are built in tests/integrations_worker.py); `attrs` are set
     on it afterwards (e.g. fp32_operands, chunked_loss_supported)."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear
-
-    layer = (cls or ColumnParallelLinear)(h, v, config=_layer_config(h), init_method=torch.nn.init.zeros_,
+    layer = (cls or column_parallel_linear())(h, v, config=_layer_config(h), init_method=torch.nn.init.zeros_,
                                           bias=bias, skip_bias_add=skip_bias_add, gather_output=False,
                                           skip_weight_param_allocation=True)
     for name, value in attrs.items():
@@ -92,9 +102,7 @@ def output_layer(h: int, v: int, cls=None, *, bias: bool = False, skip_bias_add:
 def softcap_layer_class(cap: float):
     """An output layer that soft-caps its logits, cap·tanh(logits / cap), in its forward, as megatron-bridge's
     Gemma2 output layer does (AReaL then sets chunked_loss_supported=False on it)."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear
-
-    class Gemma2StyleOutputLayer(ColumnParallelLinear):
+    class Gemma2StyleOutputLayer(column_parallel_linear()):
         def forward(self, input_, weight=None, runtime_gather_output=None):
             logits, bias = super().forward(input_, weight, runtime_gather_output)
             return cap * torch.tanh(logits / cap), bias

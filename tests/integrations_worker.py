@@ -29,7 +29,8 @@ import _integrations as I  # noqa: E402
 from areal_lce.integrations import areal as lce_areal  # noqa: E402
 from areal_lce.integrations import verl as lce_verl  # noqa: E402
 
-T, H, V_SHARD = 12, 16, 37  # odd shard: labels at 36 / 37 sit on the shard edge
+T, H, V_SHARD = 12, 16, 37  # odd shard: labels at 36 / 37 sit on the shard edge (invariant=False: off the
+# 128-id grid the invariant mode needs); the invariant case uses megatron's padding, 128 ids per shard
 
 
 def inputs(seed: int):
@@ -52,7 +53,8 @@ def verl_case(group, reduction: str, backend: str) -> dict:
     h_loc = hidden[rows].clone().requires_grad_()
     w_loc = weight[cols].clone().requires_grad_()
     h_full = gather_from_sequence_parallel_region(h_loc, True, group)
-    lp, ent = lce_verl.linear_cross_entropy(h_full, w_loc, labels, 0.7, reduction, group, backend=backend)
+    lp, ent = lce_verl.linear_cross_entropy(h_full, w_loc, labels, 0.7, reduction, group, backend=backend,
+                                            invariant=False)
     lp_term = (lp * g_lp).sum() if reduction == "none" else g_lp * lp
     (lp_term + (ent * g_ent).sum()).backward()
     r_lp, r_ent, r_dh, r_dw = I.verl_reference(hidden, weight, labels, 0.7, g_lp, g_ent, reduction)
@@ -62,14 +64,14 @@ def verl_case(group, reduction: str, backend: str) -> dict:
                 d_weight=I.scaled_err(w_loc.grad, r_dw[cols]))
 
 
-def column_parallel_linear(group, sp: bool):
+def column_parallel_linear(group, sp: bool, vocab: int = 2 * V_SHARD):
     """megatron-core's ColumnParallelLinear LM head over `group` (tp_group given, no parallel_state)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer import TransformerConfig
 
     cfg = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, tensor_model_parallel_size=2,
                             sequence_parallel=sp, use_cpu_initialization=True, gradient_accumulation_fusion=False)
-    return ColumnParallelLinear(H, 2 * V_SHARD, config=cfg, init_method=lambda t: t, bias=False,
+    return ColumnParallelLinear(H, vocab, config=cfg, init_method=lambda t: t, bias=False,
                                 gather_output=False, skip_weight_param_allocation=True, tp_group=group)
 
 
@@ -82,7 +84,7 @@ def areal_case(group, sp: bool, backend: str) -> dict:
     h_in = hidden[rows].clone().requires_grad_()
     w_loc = weight[cols].clone().requires_grad_()
     out = lce_areal.chunked_lm_head_logprobs_entropy(layer, h_in, w_loc, labels.reshape(T, 1), temperature=0.7,
-                                                     chunk_size=4, logit_scale=1.3, backend=backend)
+                                                     chunk_size=4, logit_scale=1.3, backend=backend, invariant=False)
     (out.logprobs * g_lp).sum().backward()
     refs, r_dh, r_dw = I.areal_oracle(hidden, weight, labels, 0.7, 1.3, g_lp)
     errs = {name: I.scaled_err(o, r) for name, o, r in zip(I.AREAL_FIELDS, out, refs)}
@@ -105,7 +107,7 @@ def areal_sp_batch_case(group, backend: str) -> dict:
     h_in = hidden[rows].clone().requires_grad_()
     w_loc = weight[cols].clone().requires_grad_()
     call = lambda y: lce_areal.chunked_lm_head_logprobs_entropy(layer, h_in, w_loc, y, temperature=0.7,  # noqa: E731
-                                                                chunk_size=4, backend=backend)
+                                                                chunk_size=4, backend=backend, invariant=False)
     try:
         call(labels.t())
         transposed_accepted = 1.0
@@ -127,16 +129,45 @@ def negative_label_case(group) -> dict:
     cols = slice(dist.get_rank(group) * V_SHARD, (dist.get_rank(group) + 1) * V_SHARD)
     accepted = {}
     for name, call in (("verl", lambda: lce_verl.linear_cross_entropy(hidden, weight[cols], labels, 1.0, "none",
-                                                                       group)),
+                                                                       group, invariant=False)),
                        ("areal", lambda: lce_areal.chunked_lm_head_logprobs_entropy(
                            column_parallel_linear(group, False), hidden, weight[cols], labels.reshape(T, 1),
-                           temperature=1.0, chunk_size=4))):
+                           temperature=1.0, chunk_size=4, invariant=False))):
         try:
             call()
             accepted[f"{name}_accepted"] = 1.0
         except ValueError as e:
             accepted[f"{name}_accepted"] = float("-100" not in str(e))
     return accepted
+
+
+def invariant_case(group) -> dict:
+    """invariant=True through both adapters: TP = 2 (megatron-padded shards of 128 ids; verl through megatron's SP
+    gather, AReaL with and without sequence parallel) gives the TP = 1 call's outputs bitwise. Returns, per
+    adapter, the number of output tensors that differ in any bit."""
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    rank = dist.get_rank(group)
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(T, 1, H, generator=g) * 3
+    weight = torch.randn(256, H, generator=g) * 0.5
+    labels = torch.randint(0, 256, (T, 1), generator=g)
+    labels[:2, 0] = torch.tensor([127, 128])  # the shard edge
+    rows, cols = slice(rank * T // 2, (rank + 1) * T // 2), slice(rank * 128, (rank + 1) * 128)
+    opts = dict(backend="torch", invariant=True)
+    differ = {}
+    one = lce_verl.linear_cross_entropy(hidden, weight, labels.t(), 0.7, "none", None, **opts)
+    two = lce_verl.linear_cross_entropy(gather_from_sequence_parallel_region(hidden[rows], True, group),
+                                        weight[cols], labels.t(), 0.7, "none", group, **opts)
+    differ["verl"] = float(sum(not torch.equal(a, b) for a, b in zip(one, two)))
+    one = lce_areal.chunked_lm_head_logprobs_entropy(I.output_layer(H, 256), hidden, weight, labels, temperature=0.7,
+                                                     chunk_size=4, logit_scale=1.3, **opts)
+    for sp in (False, True):
+        two = lce_areal.chunked_lm_head_logprobs_entropy(
+            column_parallel_linear(group, sp, vocab=256), hidden[rows] if sp else hidden, weight[cols], labels,
+            temperature=0.7, chunk_size=4, logit_scale=1.3, **opts)
+        differ[f"areal_sp{int(sp)}"] = float(sum(not torch.equal(a, b) for a, b in zip(one, two)))
+    return differ
 
 
 def main() -> int:
@@ -150,6 +181,7 @@ def main() -> int:
             cases[f"areal-sp{int(sp)}-{backend}"] = (areal_case, (group, sp, backend))
         cases[f"areal-sp1-b2-{backend}"] = (areal_sp_batch_case, (group, backend))
     cases["negative-labels"] = (negative_label_case, (group,))
+    cases["invariant"] = (invariant_case, (group,))
     results = {}
     for name, (fn, args) in cases.items():
         try:

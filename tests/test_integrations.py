@@ -249,16 +249,69 @@ def test_check_labels_through_apply(monkeypatch):
         lce_areal.remove()
 
 
+# ------------------------------------------------------------------- consistency options reach the op
+
+def _op_lp(hidden, weight, labels, **kw):
+    """The op as both adapters call it at TP = 1 (temperature 0.9; AReaL's logit_scale 1)."""
+    return areal_lce.linear_logprobs_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+                                             temperature=0.9, **kw).logprobs
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_consistency_options_reach_the_op(adapter, backend):
+    """invariant and logits_precision are passed to the op unchanged: the adapter's logprobs equal the op's
+    with the same options bitwise, and bf16 logits are not the fp32 ones (the option is not dropped)."""
+    call = ADAPTERS[adapter]
+    as_called = dict(return_stats=True, return_logit_sums=True) if adapter == "areal" else {}
+    hidden, weight, labels, _, _ = _inputs(lead=(17, 1), v=200, seed=10)
+    hidden = hidden * 4  # logits of several units: their bf16 rounding moves the logprobs
+    got = {}
+    for invariant, precision in ((None, "fp32"), (None, "bf16"), (True, "bf16"), (False, "fp32")):
+        kw = dict(invariant=invariant, logits_precision=precision, backend=backend)
+        got[invariant, precision] = call(hidden, weight, labels, **kw)
+        assert torch.equal(got[invariant, precision], _op_lp(hidden, weight, labels, **kw, **as_called)), kw
+    assert not torch.equal(got[None, "bf16"], got[None, "fp32"])
+    with pytest.raises(ValueError, match="invariant"):  # the op refuses invariant=True on fp64 inputs
+        call(hidden.double(), weight.double(), labels, invariant=True, backend="torch")
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_consistency_options_type_checked(adapter):
+    call = ADAPTERS[adapter]
+    hidden, weight, labels, _, _ = _inputs()
+    with pytest.raises(TypeError, match="invariant must be None, True or False"):
+        call(hidden, weight, labels, invariant="yes")
+    with pytest.raises(TypeError, match="logits_precision must be a str"):
+        call(hidden, weight, labels, logits_precision=torch.bfloat16)
+    with pytest.raises(ValueError, match="logits_precision"):  # the value: the op's check
+        call(hidden, weight, labels, logits_precision="fp16")
+
+
+def test_consistency_options_through_apply(monkeypatch):
+    """apply(invariant=..., logits_precision=...) reaches the op through the patched names."""
+    for name in lce_verl.PATCH_TARGETS:
+        _fake_module(monkeypatch, name, "linear_cross_entropy")
+    _fake_module(monkeypatch, *lce_areal.PATCH_TARGET)
+    hidden, weight, labels, _, _ = _inputs(seed=11)
+    hidden = hidden * 4
+    want = _op_lp(hidden, weight, labels, invariant=False, logits_precision="bf16", backend="torch")
+    try:
+        lce_verl.apply(invariant=False, logits_precision="bf16", backend="torch")
+        lce_areal.apply(invariant=False, logits_precision="bf16", backend="torch")
+        verl_fn = sys.modules[lce_verl.PATCH_TARGETS[0]].linear_cross_entropy
+        areal_fn = getattr(sys.modules[lce_areal.PATCH_TARGET[0]], lce_areal.PATCH_TARGET[1])
+        assert torch.equal(verl_fn(hidden, weight, labels, 0.9, "none", None)[0], want)
+        assert torch.equal(areal_fn(_layer(), hidden, weight, labels, temperature=0.9, chunk_size=4).logprobs, want)
+    finally:
+        lce_verl.remove()
+        lce_areal.remove()
+
+
 # ------------------------------------------------------------------------------- AReaL: output layers
 
-def _column_parallel_linear():
-    from megatron.core.tensor_parallel import ColumnParallelLinear
-
-    return ColumnParallelLinear
-
-
 def _scaled_impl_class():
-    class ScaledImpl(_column_parallel_linear()):  # a head that scales its GEMM inside _forward_impl
+    class ScaledImpl(I.column_parallel_linear()):  # a head that scales its GEMM inside _forward_impl
         def _forward_impl(self, input, weight, *args, **kwargs):
             return 2.0 * super()._forward_impl(input, weight, *args, **kwargs)
 
@@ -291,7 +344,7 @@ def test_areal_refuses_layers_whose_logits_differ(case):
 EXACT_LAYERS = {
     "column_parallel_linear": lambda: _layer(),
     "bias_skipped": lambda: _layer(bias=True, skip_bias_add=True),  # the bias is returned, not added
-    "areal_lm_head": lambda: _layer(cls=I.areal_promoted(_column_parallel_linear())),
+    "areal_lm_head": lambda: _layer(cls=I.areal_promoted(I.column_parallel_linear())),
 }
 
 
@@ -361,6 +414,15 @@ def test_tp2_negative_labels_refused_on_every_rank():
     r = worker_results()["negative-labels"]
     assert "error" not in r, r.get("error")
     assert r == {"areal_accepted": 0.0, "verl_accepted": 0.0}, r
+
+
+@pytest.mark.distributed
+def test_tp2_invariant_equals_tp1_through_the_adapters():
+    """invariant=True reaches the op under TP as well: with megatron-padded 128-id shards, TP = 2 (verl through
+    megatron's SP gather; AReaL with and without sequence parallel) gives the TP = 1 outputs bitwise."""
+    r = worker_results()["invariant"]
+    assert "error" not in r, r.get("error")
+    assert r == {"areal_sp0": 0.0, "areal_sp1": 0.0, "verl": 0.0}, r
 
 
 # ------------------------------------------------------------------------------------------ patches

@@ -27,6 +27,11 @@ AReaL's contract (read from its source):
       on CPU tensors ("sync": ValueError) and, on accelerators, without a host sync ("deferred": the bad
       token's logprob is NaN and only `areal_lce.check_deferred()` raises, which AReaL does not call);
       "sync" raises at the call on every device (one host sync per call); False checks nothing.
+  invariant, logits_precision (this adapter's options, passed to the op, which validates them; docs/op.md
+      "Consistency"): None (the backend's default) / True / False: each token's outputs bitwise independent
+      of the rest of the call and of the TP degree; "fp32" (default: fp32 logits, as AReaL's own chunked
+      head and fp32-head rollout engines compute them) or "bf16" (each raw logit rounded to bf16 before
+      logit_scale and temperature, as a bf16-head engine does).
   temperature, logit_scale: floats > 0; logits z = (h·Wᵀ)·logit_scale / temperature.
   chunk_size: AReaL's sequence chunk; must be > 0, otherwise unused (the fused op bounds its own memory).
 Returns AReaL's `ChunkedLMHeadOutput` (this module's look-alike when AReaL is not installed): six fp32
@@ -43,15 +48,15 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
 from .. import comms
 from ..api import check_temperature, linear_logprobs_entropy
 from ..types import VocabParallel
-from ._common import (NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, patch, positive_float, restore,
-                      token_rows)
+from ._common import (NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, patch,
+                      positive_float, restore, token_rows)
 
 _NAME = "areal_lce.integrations.areal.chunked_lm_head_logprobs_entropy"
 PATCH_TARGET = ("areal.engine.megatron_engine", "chunked_lm_head_logprobs_entropy")
@@ -130,10 +135,12 @@ def _check_layer(output_layer) -> None:
 
 def chunked_lm_head_logprobs_entropy(output_layer, hidden_states: torch.Tensor, weight: torch.Tensor,
                                      labels: torch.Tensor, *, temperature: float, chunk_size: int,
-                                     logit_scale: float = 1.0, check_labels=True, **op_options):
-    """AReaL's `chunked_lm_head_logprobs_entropy`; contract and `check_labels` in the module docstring.
+                                     logit_scale: float = 1.0, check_labels=True, invariant: Optional[bool] = None,
+                                     logits_precision: str = "fp32", **op_options):
+    """AReaL's `chunked_lm_head_logprobs_entropy`; contract and the keyword options in the module docstring.
     `op_options` go to `areal_lce.linear_logprobs_entropy` (backend, cache_bytes, compact_ignored)."""
     check_op_options(op_options, _NAME)
+    consistency = consistency_options(invariant, logits_precision, _NAME)
     t = check_temperature(temperature, f"{_NAME}: temperature", allow_tensor=False)
     scale = positive_float(logit_scale, "logit_scale", _NAME)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
@@ -155,7 +162,7 @@ def chunked_lm_head_logprobs_entropy(output_layer, hidden_states: torch.Tensor, 
     vp = VocabParallel(tp_group if tp > 1 else None, d_hidden)
     out = linear_logprobs_entropy(h2, weight, y, temperature=t / scale, vocab_parallel=vp, return_stats=True,
                                   return_logit_sums=True, ignore_index=NO_IGNORE_INDEX, check_labels=check_labels,
-                                  **op_options)
+                                  **consistency, **op_options)
     vocab = weight.shape[0] * tp
     return output_type()(
         out.logprobs, out.entropy.detach(), out.min_logit * scale, out.max_logit * scale,

@@ -29,6 +29,11 @@ check_labels (this adapter's option, passed to the op): True (default) checks la
 CPU tensors ("sync": ValueError) and, on accelerators, without a host sync ("deferred": the bad token's
 logprob is NaN and only `areal_lce.check_deferred()` raises, which verl does not call); "sync" raises at
 the call on every device (one host sync per call); False checks nothing.
+invariant, logits_precision (passed to the op, which validates them; docs/op.md "Consistency"): None
+(the backend's default) / True / False: each token's outputs bitwise independent of the rest of the call
+and of the TP degree; "fp32" (default: fp32 logits, as an fp32-head rollout engine computes them) or
+"bf16" (each logit rounded to bf16 before the temperature, as a bf16-head engine: vLLM's and SGLang's
+defaults).
 """
 from __future__ import annotations
 
@@ -39,7 +44,8 @@ import torch
 from .. import comms
 from ..api import check_temperature, linear_logprobs_entropy
 from ..types import VocabParallel
-from ._common import NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, patch, restore, token_rows
+from ._common import (NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, patch,
+                      restore, token_rows)
 
 _NAME = "areal_lce.integrations.verl.linear_cross_entropy"
 # Where verl 0.9.1 looks `linear_cross_entropy` up at call time: the Megatron fused forward (its
@@ -59,12 +65,15 @@ def linear_cross_entropy(
     dist_process_group=None,
     *,
     check_labels=True,
+    invariant: Optional[bool] = None,
+    logits_precision: str = "fp32",
     **op_options,
 ):
     """verl's `linear_cross_entropy(hidden, weight, labels, temperature, reduction, dist_process_group)`
-    -> (logprobs, entropy); contract and `check_labels` in the module docstring. `op_options` go to
+    -> (logprobs, entropy); contract and the keyword options in the module docstring. `op_options` go to
     `areal_lce.linear_logprobs_entropy` (backend, cache_bytes, compact_ignored)."""
     check_op_options(op_options, _NAME)
+    consistency = consistency_options(invariant, logits_precision, _NAME)
     t = check_temperature(temperature, f"{_NAME}: temperature", allow_tensor=False)
     if not isinstance(reduction, str) or reduction.lower() not in ("none", "sum", "mean"):
         raise ValueError(f"{_NAME}: reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
@@ -75,7 +84,7 @@ def linear_cross_entropy(
     # verl's SP gather (or, without SP, its caller) reduces d_hidden: the op leaves it vocab-partial
     vp = VocabParallel(dist_process_group, d_hidden="caller")
     out = linear_logprobs_entropy(h2, weight, y, temperature=t, vocab_parallel=vp, ignore_index=NO_IGNORE_INDEX,
-                                  check_labels=check_labels, **op_options)
+                                  check_labels=check_labels, **consistency, **op_options)
     logprobs = out.logprobs
     if reduction.lower() == "sum":
         logprobs = logprobs.sum()
