@@ -1,7 +1,7 @@
 """cache_bytes="auto": the logits-cache budget min(4 GiB, device memory / 8), at least 1 GiB; 1 GiB on CPU.
 
 The cache is used exactly when this rank's fp32 logits (4·N·V_shard bytes) fit the budget; results
-are those of the recompute path. The engine option `engine.lce_cache_bytes` takes "auto" too.
+are those of the recompute path. The engine option `engine.lce.cache_bytes` takes "auto" too.
 """
 import pytest
 import torch
@@ -76,17 +76,17 @@ def test_bad_cache_bytes_is_named(bad):
 
 
 def test_engine_option_accepts_auto():
-    from areal_lce.megatron.config import EngineConfig
+    from areal_lce.megatron.config import EngineConfig, LCEConfig
     from areal_lce.train.config import ConfigError, JobConfig, load_config
 
-    assert EngineConfig(lce_cache_bytes="auto").lce_cache_bytes == "auto"
-    assert EngineConfig().lce_cache_bytes == 0
+    assert EngineConfig(lce=LCEConfig(cache_bytes="auto")).lce.cache_bytes == "auto"
+    assert EngineConfig().lce.cache_bytes == 0
     for bad in ("lots", -1):
-        with pytest.raises(ValueError, match="lce_cache_bytes"):
-            EngineConfig(lce_cache_bytes=bad)
-    cfg = load_config(None, ["engine.lce_cache_bytes=auto"], cls=JobConfig)
-    assert cfg.engine.lce_cache_bytes == "auto"
-    cfg = load_config(None, ["engine.lce_cache_bytes=1073741824"], cls=JobConfig)
-    assert cfg.engine.lce_cache_bytes == GiB
-    with pytest.raises((ConfigError, ValueError), match="lce_cache_bytes"):
-        load_config(None, ["engine.lce_cache_bytes=1.5"], cls=JobConfig)
+        with pytest.raises(ValueError, match="lce.cache_bytes"):
+            LCEConfig(cache_bytes=bad)
+    cfg = load_config(None, ["engine.lce.cache_bytes=auto"], cls=JobConfig)
+    assert cfg.engine.lce.cache_bytes == "auto"
+    cfg = load_config(None, ["engine.lce.cache_bytes=1073741824"], cls=JobConfig)
+    assert cfg.engine.lce.cache_bytes == GiB
+    with pytest.raises((ConfigError, ValueError), match="lce.cache_bytes"):
+        load_config(None, ["engine.lce.cache_bytes=1.5"], cls=JobConfig)

@@ -1,4 +1,4 @@
-"""engine.lce_compact_ignored: the engine's per-micro-batch choice of the fused op's `compact_ignored`.
+"""engine.lce.compact_ignored: the engine's per-micro-batch choice of the fused op's `compact_ignored`.
 
 RL batches mask their prompts, so most rows the LM head sees have no target; the op cannot count them
 without a host sync, but the engine builds its batches on the host and can. Checked here: the policy
@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core")
 from areal_lce.megatron import batch as B  # noqa: E402
 from areal_lce.megatron import capture  # noqa: E402
 from areal_lce.megatron import graphs as G  # noqa: E402
-from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig  # noqa: E402
+from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig  # noqa: E402
 from areal_lce.megatron.microbatch import MicroBatch  # noqa: E402
 from areal_lce.train.config import JobConfig  # noqa: E402
 from areal_lce.train.config_io import load_config  # noqa: E402
@@ -97,20 +97,20 @@ def test_graph_key_holds_the_choice():
 
 
 def test_config_validation():
-    assert EngineConfig().lce_compact_ignored == "auto"
+    assert EngineConfig().lce.compact_ignored == "auto"
     for ok in (True, False, "auto"):
-        assert EngineConfig(lce_compact_ignored=ok).lce_compact_ignored == ok
+        assert EngineConfig(lce=LCEConfig(compact_ignored=ok)).lce.compact_ignored == ok
     for bad in ("on", 1, None):
-        with pytest.raises(ValueError, match="lce_compact_ignored"):
-            EngineConfig(lce_compact_ignored=bad)
-    assert load_config(None, ["engine.lce_compact_ignored=false"], cls=JobConfig).engine.lce_compact_ignored is False
+        with pytest.raises(ValueError, match="lce.compact_ignored"):
+            LCEConfig(compact_ignored=bad)
+    assert load_config(None, ["engine.lce.compact_ignored=false"], cls=JobConfig).engine.lce.compact_ignored is False
 
 
 def _engine(option, fused=True):
     from areal_lce.megatron.engine import MegatronEngine
 
     cfg = EngineConfig(model=ModelConfig(preset="tiny", dtype="fp32", max_seq_len=256), optim=OptimConfig(lr=1e-3),
-                       use_fused_linear_ce=fused, lce_backend="torch", lce_compact_ignored=option, seed=5)
+                       use_fused_linear_ce=fused, lce=LCEConfig(backend="torch", compact_ignored=option), seed=5)
     return MegatronEngine(cfg, vocab_size=90)
 
 

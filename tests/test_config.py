@@ -121,6 +121,84 @@ def test_cross_field_checks_name_the_option(overrides, named):
         load_config(None, overrides)
 
 
+# ---------------------------------------------------------------- engine.lce: the LM head's options
+
+def test_lce_group_from_yaml_and_overrides(tmp_path):
+    p = _write(tmp_path, """
+engine:
+  lce:
+    backend: torch
+    cache_bytes: auto
+    compact_ignored: false
+    invariant: true
+    logits_precision: bf16
+""")
+    lce = load_config(p).engine.lce
+    assert (lce.backend, lce.cache_bytes, lce.compact_ignored, lce.invariant, lce.logits_precision) == (
+        "torch", "auto", False, True, "bf16")
+    lce = load_config(p, ["engine.lce.invariant=false", "engine.lce.logits_precision=fp32",
+                          "engine.lce.cache_bytes=4096"]).engine.lce
+    assert (lce.invariant, lce.logits_precision, lce.cache_bytes) == (False, "fp32", 4096)
+    assert load_config(p, ["engine.lce.invariant=null"]).engine.lce.invariant is None
+    default = JobConfig().engine.lce
+    assert (default.invariant, default.logits_precision) == (None, "fp32")  # None: the backend's default
+
+
+@pytest.mark.parametrize("override, named", [
+    ("engine.lce.logits_precision=fp16", "engine.lce.logits_precision"),
+    ("engine.lce.invariant=sometimes", "engine.lce.invariant"),
+    ("engine.lce.backend=torhc", "engine.lce.backend"),
+    ("engine.lce.cache_bytes=-1", "engine.lce.cache_bytes"),
+    ("engine.lce.compact_ignored=maybe", "engine.lce.compact_ignored"),
+    ("engine.lce.invarient=true", "engine.lce.invarient"),
+])
+def test_bad_lce_option_is_named(override, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+# the spellings before the engine.lce group: (old key, new key, value as text, value)
+OLD_SPELLINGS = [("lce_backend", "backend", "torch", "torch"), ("lce_cache_bytes", "cache_bytes", "4096", 4096),
+                 ("lce_compact_ignored", "compact_ignored", "false", False)]
+
+
+@pytest.mark.parametrize("old, new, text, value", OLD_SPELLINGS, ids=[o[0] for o in OLD_SPELLINGS])
+@pytest.mark.parametrize("where", ["yaml", "override", "python"])
+def test_old_lce_spelling_warns_naming_the_new_key_and_still_works(tmp_path, where, old, new, text, value):
+    from areal_lce.megatron.config import EngineConfig
+
+    with pytest.warns(FutureWarning, match=rf"engine\.{old} is deprecated.*engine\.lce\.{new}"):
+        if where == "yaml":
+            cfg = load_config(_write(tmp_path, f"engine:\n  {old}: {text}\n")).engine
+        elif where == "override":
+            cfg = load_config(None, [f"engine.{old}={text}"]).engine
+        else:
+            cfg = EngineConfig(**{old: value})
+    assert getattr(cfg.lce, new) == value and getattr(cfg, old) == value
+    # a run's saved config.yaml holds both spellings: it loads back to the same config
+    with pytest.warns(FutureWarning):
+        assert load_config(_write(tmp_path, dump_yaml(JobConfig(engine=cfg)))).engine == cfg
+
+
+def test_old_lce_spelling_conflicts_and_bad_values_are_named(tmp_path):
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match=r"engine\.lce_backend='torch' and "
+                                                    r"engine\.lce\.backend='reference' disagree"):
+        load_config(None, ["engine.lce_backend=torch", "engine.lce.backend=reference"])
+    with pytest.warns(FutureWarning):  # the same value twice is no conflict
+        assert load_config(None, ["engine.lce_backend=torch", "engine.lce.backend=torch"]).engine.lce.backend == "torch"
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match=r"engine\.lce_backend='torhc'"):
+        load_config(_write(tmp_path, "engine: {lce_backend: torhc}\n"))
+
+
+def test_shipped_configs_use_the_current_spellings():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        for path in CONFIGS:
+            load_config(path)
+
+
 def test_batch_splits_over_data_parallel_ranks():
     from areal_lce.train.config import split_global_batch
     from areal_lce.train.rl_config import RLConfig

@@ -17,7 +17,7 @@ import megatron_worker as W  # noqa: E402
 from test_megatron_capture import worker_results  # noqa: E402
 
 from areal_lce.megatron.microbatch import MicroBatch  # noqa: E402
-from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig  # noqa: E402
+from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig  # noqa: E402
 from areal_lce.megatron.engine import MegatronEngine, lr_at  # noqa: E402
 from areal_lce.megatron.model import padded_vocab_size, resolve_arch  # noqa: E402
 
@@ -25,7 +25,8 @@ HF_ATOL = 2e-5  # fp32; Megatron and transformers differ only in attention/matmu
 
 
 def _engine(model: ModelConfig, *, fused: bool = True, lr: float = 0.0, vocab=None) -> MegatronEngine:
-    cfg = EngineConfig(model=model, optim=OptimConfig(lr=lr), use_fused_linear_ce=fused, lce_backend="torch",
+    cfg = EngineConfig(model=model, optim=OptimConfig(lr=lr), use_fused_linear_ce=fused,
+                       lce=LCEConfig(backend="torch"),
                        pack_sequences=model.attention == "sdpa")  # megatron's attention takes no packed rows
     return MegatronEngine(cfg, vocab_size=vocab)
 
@@ -88,13 +89,13 @@ def test_save_load_roundtrip(tmp_path):
     mbs = [[MicroBatch(i, l)] for i, l in (W.batch(10 + k) for k in range(4))]
     model = ModelConfig(preset="tiny", max_seq_len=64)
     cfg = EngineConfig(model=model, optim=OptimConfig(lr=1e-2, warmup_steps=2, lr_schedule="cosine",
-                                                       total_steps=6, weight_decay=0.1), lce_backend="torch")
+                                                       total_steps=6, weight_decay=0.1), lce=LCEConfig(backend="torch"))
     e = MegatronEngine(cfg, vocab_size=W.VOCAB)
     for k in range(2):
         e.train_step(mbs[k], W.pg_loss)
     e.save(str(tmp_path / "ckpt"))
     cont = [e.train_step(mbs[k], W.pg_loss) for k in (2, 3)]
-    cfg2 = EngineConfig(model=model, optim=cfg.optim, lce_backend="torch", seed=99)  # different init
+    cfg2 = EngineConfig(model=model, optim=cfg.optim, lce=LCEConfig(backend="torch"), seed=99)  # different init
     e2 = MegatronEngine(cfg2, vocab_size=W.VOCAB)
     e2.load(str(tmp_path / "ckpt"))
     resumed = [e2.train_step(mbs[k], W.pg_loss) for k in (2, 3)]
@@ -132,7 +133,8 @@ def test_frozen_engine_has_no_grad_state_and_matches_the_trainable_one(tmp_path,
     from megatron.core.distributed import DistributedDataParallel
 
     model = ModelConfig(preset="tiny", max_seq_len=64)
-    cfg = EngineConfig(model=model, optim=OptimConfig(lr=1e-2), use_fused_linear_ce=fused, lce_backend="torch")
+    cfg = EngineConfig(model=model, optim=OptimConfig(lr=1e-2), use_fused_linear_ce=fused,
+                       lce=LCEConfig(backend="torch"))
     live = MegatronEngine(cfg, vocab_size=W.VOCAB)
     ids, labels = W.batch(7)
     live.train_step([MicroBatch(ids, labels)], W.pg_loss)  # weights away from the shared init
@@ -226,7 +228,7 @@ def test_packed_matches_padded(fused):
     without targets) train to the same per-step losses packed as THD and padded as BSHD."""
     def run(pack: bool):
         cfg = EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=64), optim=OptimConfig(lr=3e-3),
-                           use_fused_linear_ce=fused, lce_backend="torch", pack_sequences=pack)
+                           use_fused_linear_ce=fused, lce=LCEConfig(backend="torch"), pack_sequences=pack)
         e = MegatronEngine(cfg, vocab_size=W.VOCAB)
         losses = []
         for step in range(3):
@@ -242,6 +244,23 @@ def test_packed_matches_padded(fused):
         assert abs(a - b) <= 1e-5 * abs(b), (lp, lb)
     for name, x, y in zip(sp._fields, sp, sb):
         assert x.shape == y.shape and (x - y).abs().max().item() <= 1e-5, name
+
+
+def test_engine_lce_options_reach_the_head_of_either_route(monkeypatch):
+    """engine.lce.invariant and engine.lce.logits_precision: held by the engine's route and handed to the
+    head of the fused route (the op) and of the materialised route (logprobs_entropy_from_logits)."""
+    from test_token_stats import _spy_heads
+
+    lce = LCEConfig(backend="torch", invariant=True, logits_precision="bf16")
+    e = MegatronEngine(EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=64), lce=lce), vocab_size=W.VOCAB)
+    assert (e.route.backend, e.route.invariant, e.route.logits_precision) == ("torch", True, "bf16")
+    seen = _spy_heads(monkeypatch)
+    ids, labels = W.batch(7)
+    e.token_stats(ids, labels)
+    e.route = dataclasses.replace(e.route, fused=False)
+    e.token_stats(ids, labels)
+    options = {"invariant": True, "logits_precision": "bf16"}
+    assert seen == [("linear_logprobs_entropy", options), ("logprobs_entropy_from_logits", options)]
 
 
 def test_per_token_rope_matches_megatrons_per_sequence_rope():

@@ -175,6 +175,143 @@ def test_packed_next_token_labels():
         packed_next_token_labels(ids, torch.tensor([1, 5]))
 
 
+# ------------------------------------------------------------- the head's options (invariant, logits_precision)
+
+def _spy_heads(monkeypatch) -> list:
+    """Record the head options each route hands its head (the fused op or the materialised function)."""
+    seen = []
+    for name in ("linear_logprobs_entropy", "logprobs_entropy_from_logits"):
+        def spy(*args, _real=getattr(capture, name), _name=name, **kw):
+            seen.append((_name, {k: kw[k] for k in ("invariant", "logits_precision") if k in kw}))
+            return _real(*args, **kw)
+        monkeypatch.setattr(capture, name, spy)
+    return seen
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "materialised"])
+def test_token_stats_passes_the_head_options(monkeypatch, fused):
+    model = G.build_gpt()
+    ids, labels, _ = G.batch(0)
+    call = functools.partial(token_stats, model, ids, labels, vocab_size=G.VOCAB, fused=fused, backend="torch")
+    seen = _spy_heads(monkeypatch)
+    with torch.no_grad():
+        call()  # None: the op's own defaults, nothing passed
+        call(invariant=True, logits_precision="bf16")
+        call(invariant=False, logits_precision="fp32")
+    head = "linear_logprobs_entropy" if fused else "logprobs_entropy_from_logits"
+    assert seen == [(head, {}), (head, {"invariant": True, "logits_precision": "bf16"}),
+                    (head, {"invariant": False, "logits_precision": "fp32"})]
+    with pytest.raises(TypeError, match="invariant"):
+        call(invariant="yes")
+    with pytest.raises(ValueError, match="logits_precision"):  # the op's own check
+        call(logits_precision="fp16")
+
+
+GRID = 64  # the LM head's inputs on a 1/64 grid (_exact_head_model)
+T = 0.75  # rounding to bf16 comes before the temperature: a temperature != 1 tells the orders apart
+
+
+def _exact_head_model(dtype: torch.dtype):
+    """build_gpt (untied) whose LM head multiplies hidden states and weights on the 1/GRID grid, |h| <= 2 (a
+    hook on the final norm rounds its output there) and |w| <= 1: every logit is a sum of H = 64 products on
+    the 2^-12 grid below 2^7, exact in fp32 in any order, and the inputs are exact in bf16. So every route
+    and the fp64 reference start from the same logits; they differ only in the softmax's rounding.
+    Returns the model and a dict that receives the head's hidden states ([s, b, H]) of each call."""
+    model = G.build_gpt()
+    with torch.no_grad():
+        w = model.output_layer.weight
+        w.copy_(torch.randint(-GRID, GRID + 1, w.shape, generator=torch.Generator().manual_seed(11)) / GRID)
+    model = model.to(dtype)
+    seen = {}
+
+    def snap(module, args, out):
+        seen["hidden"] = (out * GRID).round().clamp(-2 * GRID, 2 * GRID) / GRID
+        return seen["hidden"]
+
+    model.decoder.final_layernorm.register_forward_hook(snap)
+    return model, seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32_model", "bf16_model"])
+def test_logits_precision_on_every_route(dtype):
+    """Each route (fused; materialised through either seam) against an fp64 softmax of the exact logits
+    ("fp32") and of the exact logits rounded to bf16 before the temperature ("bf16"): within the fp32
+    rounding bound B of the op's softmax (tests/helpers/bounds.py) of its own mode's reference, and far
+    from the other mode's (the bf16 rounding of the logits moves these logprobs by 0.03-0.05; B is ~3e-4,
+    mostly the GEMM's rounding term, which these exact logits do not have). B is computed from the unrounded
+    logits; those of the bf16 mode differ by < 2^-8 relative, so 2·B covers both. A bf16 model's
+    materialised route used to take bf16 logits from the output layer whatever was asked."""
+    from helpers.bounds import op_bounds
+
+    model, seen = _exact_head_model(dtype)
+    ids, labels, _ = G.batch(4)
+    valid = labels != -100
+    routes = {"fused": dict(fused=True), "materialised": dict(fused=False),
+              "materialised_output_layer_seam": dict(fused=False, seam="output_layer")}
+    got = {}
+    with torch.no_grad():
+        for route, kw in routes.items():
+            for precision in ("fp32", "bf16"):
+                st = token_stats(model, ids, labels, vocab_size=G.VOCAB, temperature=T, backend="torch",
+                                 logits_precision=precision, **kw)
+                got[route, precision] = st.logprobs.double()
+    h = seen["hidden"].transpose(0, 1).double()  # [b, s, H]
+    w = model.output_layer.weight.double()[:G.VOCAB]
+    exact = h @ w.t()  # every value exact (see _exact_head_model)
+    ref = {}
+    for precision, z in (("fp32", exact), ("bf16", exact.to(torch.bfloat16).double())):
+        lp = torch.log_softmax(z / T, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+        ref[precision] = torch.where(valid, lp, torch.zeros_like(lp))
+    bound = 2 * op_bounds(h.reshape(-1, G.H).float(), w.float(), labels.reshape(-1), 1 / T,
+                          vocab_size=G.VOCAB).logprobs.view(labels.shape)
+    rounding = (ref["fp32"] - ref["bf16"]).abs().max().item()
+    assert rounding > 20 * bound.max().item(), "the test needs logits whose bf16 rounding shows"
+    for (route, precision), lp in got.items():
+        other = "bf16" if precision == "fp32" else "fp32"
+        err = (lp - ref[precision]).abs()
+        assert (err <= bound).all(), (f"{route} {precision}: |d logprob| {err.max().item():.2e} against the "
+                                      f"{precision} reference, bound {bound.max().item():.2e}")
+        assert (lp - ref[other]).abs().max().item() > 0.5 * rounding, (route, precision)
+
+
+class TestWithoutCpuShims:
+    """token_stats enters megatron-core's CPU shims itself (RoPE asks for torch.cuda.current_device() on
+    every forward); a caller who has not entered them gets a working forward and backward at TP=1, and a
+    clear refusal where the backward would need them (sequence parallelism)."""
+
+    @pytest.fixture(autouse=True)
+    def megatron_on_cpu(self):  # replaces gpt_builder's fixture: no shims around the test
+        yield
+
+    @pytest.fixture
+    def model(self):
+        from areal_lce.megatron.compat import cpu_shims
+
+        with cpu_shims():
+            return G.build_gpt()
+
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="the shims are a no-op with CUDA")
+    def test_forward_and_backward(self, model):
+        from areal_lce.megatron.compat import shims_active
+
+        ids, labels, _ = G.batch(0)
+        assert not shims_active()
+        st = token_stats(model, ids, labels, vocab_size=G.VOCAB, backend="torch")
+        assert not shims_active()  # entered for the call only
+        st.logprobs.sum().backward()
+        assert model.output_layer.weight.grad.abs().sum() > 0
+
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="the shims are a no-op with CUDA")
+    def test_sequence_parallel_backward_is_refused_naming_the_fix(self, model):
+        ids, labels, _ = G.batch(0)
+        model.config.sequence_parallel, model.config.tensor_model_parallel_size = True, 2  # as a TP=2 + SP model
+        try:
+            with pytest.raises(RuntimeError, match=r"sequence_parallel.*cpu_shims\(\)"):
+                token_stats(model, ids, labels, vocab_size=G.VOCAB, backend="torch")
+        finally:
+            model.config.sequence_parallel, model.config.tensor_model_parallel_size = False, 1
+
+
 # --------------------------------------------------------------------------------------------- TP = 2
 
 @functools.lru_cache(maxsize=None)

@@ -5,7 +5,7 @@
 
 Importing this package does not import megatron-core; the functions do, when called.
 """
-from .config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
+from .config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig
 from .context_parallel import (ContextParallelPadding, gather_from_context_parallel, pad_for_context_parallel,
                                pad_packed, split_for_context_parallel)
 from .microbatch import MicroBatch
@@ -15,4 +15,5 @@ from .stats import TokenStats, find_gpt_model, token_stats
 
 __all__ = ["token_stats", "TokenStats", "find_gpt_model", "packed_next_token_labels", "pack_rows", "PackedRows",
            "split_for_context_parallel", "gather_from_context_parallel", "pad_for_context_parallel", "pad_packed",
-           "ContextParallelPadding", "MicroBatch", "Route", "EngineConfig", "ModelConfig", "OptimConfig", "ParallelConfig"]
+           "ContextParallelPadding", "MicroBatch", "Route", "EngineConfig", "LCEConfig", "ModelConfig", "OptimConfig",
+           "ParallelConfig"]

@@ -67,7 +67,7 @@ class ModelBatch:
         return TokenStats.unpack(out[:b, :s])
 
 
-# engine.lce_compact_ignored: auto compacts a micro-batch when at least this share of the rows the LM head
+# engine.lce.compact_ignored: auto compacts a micro-batch when at least this share of the rows the LM head
 # sees have no target. Measured on an H100 (benchmark/bench_ignored.py, results/h100_compact_choice):
 # compaction over in-place skipping is 0.96 / 0.98 (forward / fwd+bwd) with 1/16 of the rows ignored,
 # 0.22-0.24 / 0.69-0.72 with 15/16 (RL prompts), 0.99-1.02 with none (its copies of hidden and d_hidden
@@ -77,7 +77,7 @@ AUTO_COMPACT_SHARE = 1 / 16
 
 
 def compact_choice(option, labels: torch.Tensor, positions: int, ignore_index: int = -100) -> Optional[bool]:
-    """The fused LM head's `compact_ignored` for one micro-batch under engine.lce_compact_ignored=`option`:
+    """The fused LM head's `compact_ignored` for one micro-batch under engine.lce.compact_ignored=`option`:
     True / False as given; "auto": True when at least AUTO_COMPACT_SHARE of the `positions` rows the head
     sees have no target (prompt-masked RL batches), else None (the backend's choice: Triton skips
     128-row blocks without a target in place). Counted on `labels` where they are: the engine's batches
@@ -93,7 +93,7 @@ def prepare(input_ids: torch.Tensor, labels: torch.Tensor, *, device, max_seq_le
             cu_seqlens_on_host: bool = False, ignore_index: int = -100, compact_ignored=None) -> ModelBatch:
     """Model inputs of one right-padded micro-batch. `seq_multiple`: the sequence (BSHD) or packed row
     (THD) length must be a multiple of it (tensor-parallel size under sequence parallelism).
-    `compact_ignored`: engine.lce_compact_ignored (None, True, False or "auto"; see compact_choice)."""
+    `compact_ignored`: engine.lce.compact_ignored (None, True, False or "auto"; see compact_choice)."""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must both "
                          "be [batch, seq]")

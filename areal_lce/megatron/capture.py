@@ -17,6 +17,12 @@ Who reduces d_hidden (exactly once): Megatron's own mappings, as ColumnParallelL
 materialised route (`_fused_packed`); the op's `tp_group` only merges the per-shard softmax statistics
 (docs/megatron.md, "Who reduces d_hidden").
 
+Logits precision (`logits_precision`, "fp32" by default): the fused op accumulates in fp32 and rounds
+each logit to bf16 under "bf16". The materialised route builds the same logits: Megatron's output layer
+where its own GEMM gives them (an fp32 weight; a bf16 weight under "bf16"), else an fp32-output GEMM
+(`head.fp32_logits`) behind the output layer's input mappings, so a bf16 model's materialised logits are
+not rounded to bf16 under "fp32".
+
 The LM-head weight's gradient comes out of the op's autograd Function into `weight.grad`, so Megatron
 DDP's per-parameter hook adds it to `main_grad` (grad buffer) exactly as for the materialised route
 without gradient-accumulation fusion. Tied embeddings: GPTModel passes the shared embedding matrix as
@@ -34,6 +40,9 @@ from ..api import linear_logprobs_entropy
 from ..materialised import logprobs_entropy_from_logits
 from ..types import VocabParallel
 from .compat import has_output_processor
+from .head import fp32_logits, head_input, output_layer_gives
+from .head import head_weight as _head_weight
+from .head import tp_of as _tp
 
 SEAMS = ("output_processor", "output_layer")
 
@@ -48,6 +57,8 @@ class CaptureContext:
     fused: True computes the stats with the fused op; False builds the logits through the output layer
     (the materialised route, same outputs).
     backend, cache_bytes, compact_ignored: passed to `linear_logprobs_entropy` (fused route).
+    invariant, logits_precision: passed to the head of either route (`head_options`); None: the op's
+    default. The materialised route builds its logits in the precision asked for (`head.fp32_logits`).
     """
 
     labels: torch.Tensor
@@ -58,6 +69,14 @@ class CaptureContext:
     ignore_index: int = -100
     fused: bool = True
     compact_ignored: Optional[bool] = None  # None: the backend's choice (linear_logprobs_entropy)
+    invariant: Optional[bool] = None  # None: the backend's default
+    logits_precision: Optional[str] = None  # None: the op's default ("fp32")
+
+    def head_options(self) -> dict:
+        """The options both heads take (`linear_logprobs_entropy`, `logprobs_entropy_from_logits`), those
+        that are set: an option left None keeps the op's own default."""
+        options = {"invariant": self.invariant, "logits_precision": self.logits_precision}
+        return {k: v for k, v in options.items() if v is not None}
 
     def __post_init__(self):
         if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size <= 0:
@@ -128,20 +147,6 @@ def mup_multiplier(config, scale_logits) -> float:
     return mult
 
 
-def _tp(output_layer):
-    """(tp group or None, tp size) of the output layer: its own `tp_group` (megatron-core's parallel layers
-    carry one), else parallel_state's; no group without tensor parallelism."""
-    group = getattr(output_layer, "tp_group", None)
-    if group is None:
-        from megatron.core import parallel_state as mpu
-
-        if not mpu.model_parallel_is_initialized():
-            return None, 1
-        group = mpu.get_tensor_model_parallel_group()
-    tp = group.size()
-    return (group if tp > 1 else None), tp
-
-
 def _seq_first(ctx: CaptureContext, s: int, b: int):
     """Labels and temperature of ctx in Megatron's sequence-first [s, b] layout (views, no copy)."""
     if tuple(ctx.labels.shape) != (b, s):
@@ -157,17 +162,7 @@ def _fused_packed(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx:
     logits m·h·Wᵀ (m = `mult`, MuP's multiplier). m is folded in here and nowhere else: the op runs at
     temperature T/m (its softmax is that of m·h·Wᵀ / T) and returns the extremes of the raw h·Wᵀ, which
     one multiply by m puts on the model's logit scale."""
-    from megatron.core import tensor_parallel
-
-    tp_group, tp = _tp(output_layer)
-    if output_layer.sequence_parallel and tp > 1:
-        # All-gather the sequence shards forward; reduce-scatter d_hidden backward (its one reduction).
-        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, group=tp_group)
-    elif tp > 1:
-        # Identity forward; all-reduce of d_hidden over TP backward (its one reduction).
-        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=tp_group)
-    if hidden.dtype != weight.dtype:  # Float16Module / fp32 residual: compute in the weight's dtype
-        hidden = hidden.to(weight.dtype)
+    hidden, tp_group = head_input(hidden, weight, output_layer)
     s, b, h = hidden.shape
     labels, temperature = _seq_first(ctx, s, b)
     if torch.is_tensor(temperature):
@@ -177,6 +172,7 @@ def _fused_packed(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx:
         temperature=temperature / mult, ignore_index=ctx.ignore_index, vocab_size=ctx.vocab_size,
         return_stats=True, backend=ctx.backend, cache_bytes=ctx.cache_bytes, compact_ignored=ctx.compact_ignored,
         vocab_parallel=VocabParallel(tp_group, d_hidden="caller"),  # Megatron's own mapping reduces d_hidden
+        **ctx.head_options(),
     )
     stats = (out.logprobs, out.entropy, out.max_logit * mult, out.min_logit * mult)
     return torch.stack([t.view(s, b) for t in stats], dim=-1)
@@ -190,15 +186,8 @@ def _materialised_packed(logits: torch.Tensor, labels: torch.Tensor, temperature
     vocab_parallel = tp > 1 and logits.shape[-1] == weight_rows  # else parallel_output=False gathered them
     r = logprobs_entropy_from_logits(logits, labels.to(logits.device), temperature=temperature,
                                      ignore_index=ctx.ignore_index, vocab_size=ctx.vocab_size,
-                                     tp_group=tp_group if vocab_parallel else None)
+                                     tp_group=tp_group if vocab_parallel else None, **ctx.head_options())
     return torch.stack([r.logprobs, r.entropy, r.max_logit, r.min_logit], dim=-1)
-
-
-def _head_weight(output_layer, output_weight) -> torch.Tensor:
-    w = output_weight if output_weight is not None else output_layer.weight
-    if w is None:
-        raise RuntimeError("output layer has no weight and none was passed (tied embeddings need weight=)")
-    return w
 
 
 def stats_output_processor(*, hidden_states, output_layer, output_weight, context, runtime_gather_output=None,
@@ -223,7 +212,10 @@ def stats_output_processor(*, hidden_states, output_layer, output_weight, contex
         if seam != "output_processor":
             raise ValueError("the output_layer seam runs the fused route only (the materialised route calls "
                              "the model as is)")
-        logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+        if output_layer_gives(weight, context.logits_precision):
+            logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
+        else:
+            logits = fp32_logits(hidden_states, weight, output_layer)
         if scale_logits is not None:
             logits = scale_logits(logits)
         labels, temperature = _seq_first(context, logits.shape[0], logits.shape[1])
@@ -237,6 +229,13 @@ def stats_output_processor(*, hidden_states, output_layer, output_weight, contex
 
 
 fused_output_processor = stats_output_processor  # the name of releases <= 0.1
+
+
+def logits_output_processor(*, hidden_states, output_layer, output_weight, context, **_unused) -> torch.Tensor:
+    """The materialised route's output layer on the output_layer seam where the layer's own GEMM would not
+    give the logits precision asked for (`head.output_layer_gives`): batch-first [b, s, V/tp] fp32 logits,
+    which `output_layer_seam` hands GPTModel sequence-first, as the output layer returns them."""
+    return fp32_logits(hidden_states, _head_weight(output_layer, output_weight), output_layer).transpose(0, 1)
 
 
 @dataclass
@@ -351,12 +350,16 @@ def run_materialised(model, gpt_model, seam: str, ctx: CaptureContext, input_ids
     """run_fused's twin on the materialised route: the output layer builds the logits (same outputs)."""
     if seam == "output_processor":
         return _stats_call(model, gpt_model, seam, ctx, input_ids, position_ids, attention_mask, packed_seq_params)
-    out = model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
     if not gpt_model.post_process:
-        return out
+        return model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
+    weight = gpt_model.shared_embedding_or_output_weight()
+    with contextlib.ExitStack() as stack:
+        if not output_layer_gives(weight, ctx.logits_precision):
+            stack.enter_context(output_layer_seam(gpt_model.output_layer, logits_output_processor, ctx))
+        out = model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
     if tuple(out.shape[:2]) != tuple(ctx.labels.shape):
         raise ValueError(f"labels {tuple(ctx.labels.shape)} do not match the model's logits {tuple(out.shape)}")
-    weight = gpt_model.shared_embedding_or_output_weight()  # GPTModel returned batch-first [b, s, V] logits
+    # GPTModel returned batch-first [b, s, V] logits
     return _materialised_packed(out, ctx.labels, ctx.temperature, weight.shape[0], gpt_model.output_layer, ctx)
 
 

@@ -146,6 +146,11 @@ _depth = 0  # nesting depth of cpu_shims() (the engine's train_step calls its to
 _saved: List[Tuple[object, str, object]] = []
 
 
+def shims_active() -> bool:
+    """True inside `cpu_shims()` on a host without CUDA (megatron-core's CUDA calls are shimmed)."""
+    return _depth > 0
+
+
 @contextlib.contextmanager
 def cpu_shims():
     """Within the block, megatron-core runs on a host without CUDA (`_shim_targets` lists what is replaced

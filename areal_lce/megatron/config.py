@@ -6,9 +6,12 @@ stay plain (no custom constructors, only defaults).
 """
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Tuple, Union
 
+from ..api import LOGITS_PRECISIONS
 from ..backends import BACKENDS
 from .capture import SEAMS
 
@@ -175,6 +178,71 @@ class OptimConfig:
 
 
 @dataclass
+class LCEConfig:
+    """engine.lce: the options of the fused LM head (`linear_logprobs_entropy`) on the engine's route."""
+
+    backend: str = field(
+        default="auto", metadata={"help": f"fused-op backend, one of {LCE_BACKENDS}; auto: triton on CUDA, "
+                                  "triton_ascend on NPU, else torch"}
+    )
+    cache_bytes: Union[int, str] = field(
+        default=0,
+        metadata={"help": "fused op may keep fp32 logits for backward up to this many bytes; 'auto': "
+                  "min(4 GiB, device memory / 8), at least 1 GiB (1 GiB on CPU); 0: always recompute"},
+    )
+    compact_ignored: Union[bool, str] = field(
+        default="auto",
+        metadata={"help": "fused op's compact_ignored per micro-batch: auto = true when at least 1/16 of "
+                  "the positions have no target (RL batches with their prompts masked: only the rows with a "
+                  "target are computed), else the backend's choice (Triton skips 128-row blocks without a "
+                  "target in place); counted on the host, no sync. true / false: always / never compact"},
+    )
+    invariant: Optional[bool] = field(
+        default=None,
+        metadata={"help": "true: each token's logprob, entropy and logit extremes from the LM head are bitwise "
+                  "the same whatever else is in the call (row count and order, packing, ignored rows, tensor-"
+                  "parallel degree); the model body is not covered. false: no such promise. null: the "
+                  "backend's default (docs/op.md). Both routes (fused and materialised) take it"},
+    )
+    logits_precision: str = field(
+        default="fp32",
+        metadata={"help": f"one of {LOGITS_PRECISIONS}: fp32 = logits from fp32 accumulation, as an fp32/tf32 LM "
+                  "head computes them (SGLang --enable-fp32-lm-head, vLLM head_dtype=float32); bf16 = each "
+                  "logit rounded to bf16 after the fp32 accumulation, before temperature, as a bf16-head "
+                  "inference engine computes them (its gradient treats the rounding as identity). Both routes "
+                  "follow it: the materialised route of a bf16 model computes fp32 logits under fp32"},
+    )
+
+    def __post_init__(self):
+        if self.backend not in LCE_BACKENDS:
+            raise ValueError(f"engine.lce.backend={self.backend!r}: expected one of {LCE_BACKENDS}")
+        if isinstance(self.cache_bytes, bool) or not isinstance(self.cache_bytes, (int, str)) \
+                or (isinstance(self.cache_bytes, str) and self.cache_bytes != "auto"):
+            raise ValueError(f"engine.lce.cache_bytes={self.cache_bytes!r}: expected an int >= 0 or 'auto'")
+        if isinstance(self.cache_bytes, int) and self.cache_bytes < 0:
+            raise ValueError(f"engine.lce.cache_bytes={self.cache_bytes} must be >= 0 (or 'auto')")
+        if not isinstance(self.compact_ignored, bool) and self.compact_ignored != "auto":
+            raise ValueError(f"engine.lce.compact_ignored={self.compact_ignored!r}: expected true, false or 'auto'")
+        if self.invariant is not None and not isinstance(self.invariant, bool):
+            raise ValueError(f"engine.lce.invariant={self.invariant!r}: expected true, false or null (the "
+                             "backend's default)")
+        if self.logits_precision not in LOGITS_PRECISIONS:
+            raise ValueError(f"engine.lce.logits_precision={self.logits_precision!r}: expected one of "
+                             f"{LOGITS_PRECISIONS}")
+
+
+# Spellings of engine.lce.* before the group existed: read, with a FutureWarning naming the new key, for one
+# release (YAML, command-line overrides and EngineConfig(...) keywords alike).
+RENAMED_LCE_OPTIONS = {"lce_backend": "backend", "lce_cache_bytes": "cache_bytes",
+                       "lce_compact_ignored": "compact_ignored"}
+
+
+def _renamed_help(old: str) -> dict:
+    return {"help": f"deprecated spelling of engine.lce.{RENAMED_LCE_OPTIONS[old]} (read with a warning for "
+                    "one more release; null: not set)"}
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "architecture and weights"})
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": "model parallelism"})
@@ -184,21 +252,8 @@ class EngineConfig:
         metadata={"help": "compute logprobs/entropy/stats with the fused linear op at the LM head "
                   "(the [tokens, vocab] logits are never built); false: materialised logits"},
     )
-    lce_backend: str = field(
-        default="auto", metadata={"help": "fused-op backend: auto | torch | triton | triton_ascend | reference"}
-    )
-    lce_cache_bytes: Union[int, str] = field(
-        default=0,
-        metadata={"help": "fused op may keep fp32 logits for backward up to this many bytes; 'auto': "
-                  "min(4 GiB, device memory / 8), at least 1 GiB (1 GiB on CPU); 0: always recompute"},
-    )
-    lce_compact_ignored: Union[bool, str] = field(
-        default="auto",
-        metadata={"help": "fused op's compact_ignored per micro-batch: auto = true when at least 1/16 of "
-                  "the positions have no target (RL batches with their prompts masked: only the rows with a "
-                  "target are computed), else the backend's choice (Triton skips 128-row blocks without a "
-                  "target in place); counted on the host, no sync. true / false: always / never compact"},
-    )
+    lce: LCEConfig = field(default_factory=LCEConfig,
+                           metadata={"help": "the fused LM head's options (engine.lce.*)"})
     capture_seam: str = field(
         default="auto",
         metadata={"help": f"one of {CAPTURE_SEAMS}: auto = GPTModel's output_processor when the "
@@ -238,10 +293,14 @@ class EngineConfig:
                   "of this many tokens, so that graphed shapes repeat across batches"},
     )
     seed: int = field(default=1234, metadata={"help": "seed of parameter init, dropout and sampling"})
+    lce_backend: Optional[str] = field(default=None, compare=False, metadata=_renamed_help("lce_backend"))
+    lce_cache_bytes: Optional[Union[int, str]] = field(default=None, compare=False,
+                                                      metadata=_renamed_help("lce_cache_bytes"))
+    lce_compact_ignored: Optional[Union[bool, str]] = field(default=None, compare=False,
+                                                            metadata=_renamed_help("lce_compact_ignored"))
 
     def __post_init__(self):
-        if self.lce_backend not in LCE_BACKENDS:
-            raise ValueError(f"engine.lce_backend={self.lce_backend!r}: expected one of {LCE_BACKENDS}")
+        self._read_renamed_options()
         if self.capture_seam not in CAPTURE_SEAMS:
             raise ValueError(f"capture_seam={self.capture_seam!r}: expected one of {CAPTURE_SEAMS}")
         if self.parallel.context_parallel > 1 and self.model.attention != "sdpa":
@@ -255,9 +314,24 @@ class EngineConfig:
         if isinstance(self.cuda_graph_token_multiple, bool) or not isinstance(self.cuda_graph_token_multiple, int) \
                 or self.cuda_graph_token_multiple < 1:
             raise ValueError(f"engine.cuda_graph_token_multiple={self.cuda_graph_token_multiple!r}: expected an int >= 1")
-        if not isinstance(self.lce_compact_ignored, bool) and self.lce_compact_ignored != "auto":
-            raise ValueError(f"engine.lce_compact_ignored={self.lce_compact_ignored!r}: expected true, false or 'auto'")
-        if isinstance(self.lce_cache_bytes, str) and self.lce_cache_bytes != "auto":
-            raise ValueError(f"engine.lce_cache_bytes={self.lce_cache_bytes!r}: expected an int >= 0 or 'auto'")
-        if isinstance(self.lce_cache_bytes, int) and self.lce_cache_bytes < 0:
-            raise ValueError(f"engine.lce_cache_bytes={self.lce_cache_bytes} must be >= 0 (or 'auto')")
+
+    def _read_renamed_options(self) -> None:
+        """Move the old `engine.lce_*` spellings into `engine.lce` with a FutureWarning (shown once per
+        spelling and call site). The old attribute keeps its value for readers of this release."""
+        if not isinstance(self.lce, LCEConfig):
+            raise ValueError(f"engine.lce must be an LCEConfig, got {type(self.lce).__name__}")
+        for old, new in RENAMED_LCE_OPTIONS.items():
+            value = getattr(self, old)
+            if value is None:
+                continue
+            warnings.warn(f"engine.{old} is deprecated and will be removed in the next release: set "
+                          f"engine.lce.{new} instead (engine: {{lce: {{{new}: ...}}}} in YAML, "
+                          f"engine.lce.{new}=... on the command line)", FutureWarning, stacklevel=4)
+            current, default = getattr(self.lce, new), LCEConfig.__dataclass_fields__[new].default
+            if current != default and current != value:
+                raise ValueError(f"engine.{old}={value!r} and engine.lce.{new}={current!r} disagree: set only "
+                                 f"engine.lce.{new} (engine.{old} is its deprecated spelling)")
+            try:
+                self.lce = dataclasses.replace(self.lce, **{new: value})
+            except ValueError as e:
+                raise ValueError(f"engine.{old}={value!r} (deprecated spelling of engine.lce.{new}): {e}") from e

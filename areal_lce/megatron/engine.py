@@ -15,8 +15,9 @@ What runs where:
     `token_stats(grad=False)`, `generate`, `save` / `load` and parameter copies work, training refuses.
 
 The LM-head route is chosen once, at construction: `self.route` (route.py) from `use_fused_linear_ce`,
-`capture_seam`, `lce_backend` and `lce_cache_bytes`; `token_stats`, `train_step` and `generate` all run
-through it. Callers pass right-padded [b, s] batches; with `pack_sequences` the engine packs them into
+`capture_seam` and `engine.lce` (backend, cache_bytes, invariant, logits_precision; compact_ignored is
+chosen per micro-batch); `token_stats`, `train_step` and `generate` all run through it. Callers pass
+right-padded [b, s] batches; with `pack_sequences` the engine packs them into
 one THD row per micro-batch (batch.py) and returns stats in the padded layout. Pipeline parallelism
 runs Megatron's 1F1B schedule (schedule.py; the capture seam only runs on the last stage, whose
 statistics and logits are shared with the other stages by a sum over the pipeline group).
@@ -80,7 +81,9 @@ class MegatronEngine:
         self.tp_group, self.mp_group, self.dp_group, self.pp_group, self.cp_group = (
             d.tp_group, d.mp_group, d.dp_group, d.pp_group, d.cp_group)
         # the LM-head route, chosen once: token_stats, train_step and generate all run through it
-        self.route = Route.choose(cfg.use_fused_linear_ce, cfg.capture_seam, cfg.lce_backend, cfg.lce_cache_bytes)
+        lce = cfg.lce
+        self.route = Route.choose(cfg.use_fused_linear_ce, cfg.capture_seam, lce.backend, lce.cache_bytes,
+                                  lce.invariant, lce.logits_precision)
         with cpu_shims():  # on a CPU-only host: megatron's model and grad buffers ask for a CUDA device
             self.gpt, self.model = self._build_model()
         self.route.check(self.gpt.config)
@@ -144,7 +147,7 @@ class MegatronEngine:
                              pack=self.cfg.pack_sequences, seq_multiple=multiple,
                              min_packed_length=min_packed_length, cp_group=self.cp_group, cp_size=self.dist.cp_size,
                              cu_seqlens_on_host=not use_te_spec(),
-                             compact_ignored=self.cfg.lce_compact_ignored if self.route.fused else None)
+                             compact_ignored=self.cfg.lce.compact_ignored if self.route.fused else None)
 
     def _call_model(self, mb: ModelBatch, temperature: float) -> torch.Tensor:
         """One model call through the route: packed stats [b, s, 4] / [1, T, 4] on the last pipeline

@@ -6,7 +6,8 @@ and the host takes longer than that to issue them (benchmark/notes.md). A replay
 same kernels in one call.
 
 What is captured, per key (packed length T, number of sequences, temperature, with or without grad, the
-LM head's compact_ignored choice):
+LM head's compact_ignored choice; the route's other options, engine.lce's backend, invariant and logits
+precision, are the engine's for its whole life):
   * the first call at a key runs eagerly (Triton compiles, cuBLAS handles, megatron's lazy state);
   * the second records the model call (`call_model`: the whole GPTModel with the engine's LM-head
     route) into a forward graph and, with grad, its backward from a static output gradient into a

@@ -1,11 +1,12 @@
 """The LM-head route, chosen once: the fused op at the capture seam, or the output layer's logits.
 
-    route = Route.choose(fused=True, seam="auto", backend="auto", cache_bytes=0)
+    route = Route.choose(fused=True, seam="auto", backend="auto", cache_bytes=0, invariant=None,
+                         logits_precision=None)
     packed = route.stats(model, input_ids, labels, vocab_size=V)   # [b, s, 4] on the LM-head stage
     logits = route.last_token_logits(model, gpt, positions, input_ids, position_ids, attention_mask)
 
 `token_stats` builds a Route from its arguments; `MegatronEngine` builds one at construction from
-`engine.use_fused_linear_ce`, `capture_seam`, `lce_backend` and `lce_cache_bytes` and runs training,
+`engine.use_fused_linear_ce`, `capture_seam` and `engine.lce` (`LCEConfig`) and runs training,
 logprob passes and generation through it (`engine.route`), so the flag is read in one place. Both routes
 make one model call through the same seam (capture.py) and give the same outputs and gradients;
 `name` ("fused" | "materialised") and `description` ("fused linear op" | "materialised logits") name
@@ -81,18 +82,27 @@ def _temperature(temperature, labels: torch.Tensor) -> Union[float, torch.Tensor
 class Route:
     """fused: the fused op at the LM head (no [tokens, vocab] logits) or the output layer's logits;
     seam: "output_processor" | "output_layer" (resolved, see capture.py); backend, cache_bytes: passed
-    to `linear_logprobs_entropy` on the fused route."""
+    to `linear_logprobs_entropy` on the fused route; invariant, logits_precision: passed to the head of
+    either route (`linear_logprobs_entropy` / `logprobs_entropy_from_logits`), None = the op's default."""
 
     fused: bool
     seam: str
     backend: str = "auto"
     cache_bytes: Union[int, str] = 0
+    invariant: Optional[bool] = None
+    logits_precision: Optional[str] = None
 
     @classmethod
     def choose(cls, fused: bool = True, seam: str = "auto", backend: str = "auto",
-               cache_bytes: Union[int, str] = 0) -> "Route":
-        """The route of these options; seam "auto" resolves to the installed megatron-core's seam."""
-        return cls(bool(fused), capture.resolve_seam(seam), backend, cache_bytes)
+               cache_bytes: Union[int, str] = 0, invariant: Optional[bool] = None,
+               logits_precision: Optional[str] = None) -> "Route":
+        """The route of these options; seam "auto" resolves to the installed megatron-core's seam. The op
+        checks the values (token_stats and the engine check nothing twice): only their types here."""
+        if invariant is not None and not isinstance(invariant, bool):
+            raise TypeError(f"invariant={invariant!r}: expected True, False or None (the backend's default)")
+        if logits_precision is not None and not isinstance(logits_precision, str):
+            raise TypeError(f"logits_precision={logits_precision!r}: expected a str ('fp32' or 'bf16') or None")
+        return cls(bool(fused), capture.resolve_seam(seam), backend, cache_bytes, invariant, logits_precision)
 
     @property
     def name(self) -> str:
@@ -118,7 +128,8 @@ class Route:
         labels = labels.to(input_ids.device)
         ctx = capture.CaptureContext(labels=labels, temperature=_temperature(temperature, labels),
                                      vocab_size=vocab_size, backend=self.backend, cache_bytes=self.cache_bytes,
-                                     ignore_index=ignore_index, fused=self.fused, compact_ignored=compact_ignored)
+                                     ignore_index=ignore_index, fused=self.fused, compact_ignored=compact_ignored,
+                                     invariant=self.invariant, logits_precision=self.logits_precision)
         run = capture.run_fused if self.fused else capture.run_materialised
         return run(model, gpt, self.seam, ctx, input_ids, position_ids, attention_mask, packed_seq_params)
 

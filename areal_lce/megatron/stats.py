@@ -9,8 +9,10 @@ decoder runs as usual and the LM head is replaced by the capture seam (capture.p
 never builds the [tokens, vocab] logits; `fused=False` runs the materialised route through the same
 seam (Megatron's output layer builds the logits), with the same outputs and gradients. MTP heads (on
 megatron-core >= 0.18) run as Megatron runs them and add their losses to the backward through
-Megatron's MTPLossAutoScaler. The route is a `Route` (route.py) built from `fused`, `seam`, `backend`
-and `cache_bytes`; the engine holds one and calls it directly; any training loop can call this function.
+Megatron's MTPLossAutoScaler. The route is a `Route` (route.py) built from `fused`, `seam`, `backend`,
+`cache_bytes`, `invariant` and `logits_precision`; the engine holds one and calls it directly; any
+training loop can call this function. On a host without CUDA the call runs inside `compat.cpu_shims()`
+(megatron-core's RoPE, TP mappings and buffers ask for a CUDA device), entered here.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from . import capture
+from . import capture, compat
 from .route import Route, find_gpt_model
 
 
@@ -49,19 +51,37 @@ class TokenStats(NamedTuple):
 def model_output(model, input_ids, labels, *, vocab_size: int, position_ids=None, attention_mask=None,
                  packed_seq_params=None, temperature=1.0, fused: bool = True, backend: str = "auto",
                  cache_bytes: int = 0, seam: str = "auto", ignore_index: int = -100,
-                 compact_ignored: Optional[bool] = None) -> torch.Tensor:
+                 compact_ignored: Optional[bool] = None, invariant: Optional[bool] = None,
+                 logits_precision: Optional[str] = None) -> torch.Tensor:
     """`token_stats` as a pipeline stage sees it: packed [b, s, 4] stats on the stage with the LM head,
     the decoder's output (what the schedule sends on) on the other stages."""
-    return Route.choose(fused, seam, backend, cache_bytes).stats(
-        model, input_ids, labels, vocab_size=vocab_size, position_ids=position_ids, attention_mask=attention_mask,
-        packed_seq_params=packed_seq_params, temperature=temperature, ignore_index=ignore_index,
-        compact_ignored=compact_ignored)
+    route = Route.choose(fused, seam, backend, cache_bytes, invariant, logits_precision)
+    _check_cpu_backward(find_gpt_model(model))
+    with compat.cpu_shims():  # a no-op with CUDA
+        return route.stats(model, input_ids, labels, vocab_size=vocab_size, position_ids=position_ids,
+                           attention_mask=attention_mask, packed_seq_params=packed_seq_params,
+                           temperature=temperature, ignore_index=ignore_index, compact_ignored=compact_ignored)
+
+
+def _check_cpu_backward(gpt) -> None:
+    """The shims entered for the forward are gone when the caller runs the backward. Under sequence
+    parallelism that backward reduce-scatters d_hidden into a buffer megatron-core allocates on
+    `torch.cuda.current_device()`: refuse up front, saying what to call, rather than fail there."""
+    if torch.cuda.is_available() or compat.shims_active() or not torch.is_grad_enabled():
+        return
+    cfg = gpt.config
+    if cfg.sequence_parallel and getattr(cfg, "tensor_model_parallel_size", 1) > 1:
+        raise RuntimeError("token_stats on a host without CUDA, with sequence_parallel and gradients: the backward "
+                           "runs megatron-core's reduce-scatter, which allocates on torch.cuda.current_device(). "
+                           "Run the forward and the backward inside `with areal_lce.megatron.compat.cpu_shims():` "
+                           "(token_stats enters it for the forward only), or call it under torch.no_grad()")
 
 
 def token_stats(model, input_ids: torch.Tensor, labels: torch.Tensor, *, vocab_size: int, position_ids=None,
                 attention_mask=None, packed_seq_params=None, temperature: Union[float, torch.Tensor] = 1.0,
                 fused: bool = True, backend: str = "auto", cache_bytes: int = 0, seam: str = "auto",
-                ignore_index: int = -100, compact_ignored: Optional[bool] = None) -> Union[TokenStats, torch.Tensor]:
+                ignore_index: int = -100, compact_ignored: Optional[bool] = None, invariant: Optional[bool] = None,
+                logits_precision: Optional[str] = None) -> Union[TokenStats, torch.Tensor]:
     """Per-token logprobs, entropy and logit extremes of `labels` under `model`, in one model call.
 
     model        GPTModel or a wrapper of one (DDP, Float16Module); called as `model(input_ids, position_ids,
@@ -77,6 +97,12 @@ def token_stats(model, input_ids: torch.Tensor, labels: torch.Tensor, *, vocab_s
                  compact_ignored=True suits batches where most positions have no target (RL: prompts
                  masked): the op then computes only the rows with one; None (default): the backend's
                  choice (Triton skips 128-row blocks without a target in place).
+    invariant    True: each token's values are bitwise the same whatever else is in the call (row count,
+                 order, packing, tensor-parallel degree; the LM head, not the model body); False: no such
+                 promise; None (default): the backend's default. Both routes.
+    logits_precision  "fp32" (the op's default, None): logits from fp32 accumulation, as an fp32 LM head;
+                 "bf16": each logit rounded to bf16 before temperature, as a bf16-head inference engine.
+                 Both routes: the materialised route of a bf16 model builds fp32 logits under "fp32".
     seam         "auto" | "output_processor" (megatron-core >= 0.18) | "output_layer" (instance patch).
 
     Returns TokenStats of fp32 tensors shaped like labels on the pipeline stage that holds the LM head;
@@ -84,6 +110,11 @@ def token_stats(model, input_ids: torch.Tensor, labels: torch.Tensor, *, vocab_s
     into every parameter (the LM-head weight's into its .grad / Megatron's main_grad) when the caller
     backpropagates through logprobs / entropy. Refused with the option named: defer_embedding_wgrad_compute
     (fused), MTP on the output_layer seam (fused), packing other than THD, labels not laid out like input_ids.
+
+    On a host without CUDA the model call runs inside `areal_lce.megatron.compat.cpu_shims()`, entered here.
+    A backward under sequence parallelism and megatron's `finalize_model_grads` need it too: wrap them (and
+    this call) in `with cpu_shims():`; token_stats refuses, saying so, a CPU call with gradients under
+    sequence parallelism outside it.
 
     Context parallelism: pass this CP rank's tokens (`split_for_context_parallel` of ids, labels, per-token
     temperature; THD: the PackedSeqParams of the CP-padded sequences); the stats are CP-local, d_hidden
@@ -94,7 +125,7 @@ def token_stats(model, input_ids: torch.Tensor, labels: torch.Tensor, *, vocab_s
     out = model_output(model, input_ids, labels, vocab_size=vocab_size, position_ids=position_ids,
                        attention_mask=attention_mask, packed_seq_params=packed_seq_params, temperature=temperature,
                        fused=fused, backend=backend, cache_bytes=cache_bytes, seam=seam, ignore_index=ignore_index,
-                       compact_ignored=compact_ignored)
+                       compact_ignored=compact_ignored, invariant=invariant, logits_precision=logits_precision)
     if not find_gpt_model(model).post_process:
         return out
     return TokenStats.unpack(out)

@@ -1,0 +1,94 @@
+"""The LM head on this rank, as the capture seam's processors see it (capture.py): its weight, its tensor-
+parallel group, the hidden states its shard multiplies, and the materialised route's fp32 logits.
+
+Logits precision on the materialised route: Megatron's output layer returns its GEMM in the weight's dtype,
+so a bf16 model's logits arrive rounded to bf16 -- the op's logits_precision="bf16", not its default
+"fp32". `output_layer_gives` says when the output layer's own GEMM gives what was asked; otherwise
+`fp32_logits` computes the fp32 accumulation itself, behind the same input mappings (`head_input`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def tp_of(output_layer):
+    """(tp group or None, tp size) of the output layer: its own `tp_group` (megatron-core's parallel layers
+    carry one), else parallel_state's; no group without tensor parallelism."""
+    group = getattr(output_layer, "tp_group", None)
+    if group is None:
+        from megatron.core import parallel_state as mpu
+
+        if not mpu.model_parallel_is_initialized():
+            return None, 1
+        group = mpu.get_tensor_model_parallel_group()
+    tp = group.size()
+    return (group if tp > 1 else None), tp
+
+
+def head_weight(output_layer, output_weight) -> torch.Tensor:
+    """The weight GPTModel passed (tied embeddings) or the output layer's own."""
+    w = output_weight if output_weight is not None else output_layer.weight
+    if w is None:
+        raise RuntimeError("output layer has no weight and none was passed (tied embeddings need weight=)")
+    return w
+
+
+def head_input(hidden: torch.Tensor, weight: torch.Tensor, output_layer):
+    """(the [s, b, H] hidden states this rank's LM-head shard multiplies, in the weight's dtype; tp group or
+    None): Megatron's own mappings, as ColumnParallelLinear applies them, reduce d_hidden in the backward."""
+    from megatron.core import tensor_parallel
+
+    tp_group, tp = tp_of(output_layer)
+    if output_layer.sequence_parallel and tp > 1:
+        # All-gather the sequence shards forward; reduce-scatter d_hidden backward (its one reduction).
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, group=tp_group)
+    elif tp > 1:
+        # Identity forward; all-reduce of d_hidden over TP backward (its one reduction).
+        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=tp_group)
+    if hidden.dtype != weight.dtype:  # Float16Module / fp32 residual: compute in the weight's dtype
+        hidden = hidden.to(weight.dtype)
+    return hidden, tp_group
+
+
+class Fp32Logits(torch.autograd.Function):
+    """[n, H] · [V, H]ᵀ of bf16 / fp16 operands with the fp32 result of the fp32 accumulation (what the
+    fused op and an fp32 LM head compute), not rounded to the operands' dtype as `F.linear` rounds it.
+    CUDA: one cuBLAS GEMM with an fp32 output (`out_dtype`; on an H100 its error against fp64 is that of
+    fp32 accumulation, 1e-5 at H = 896, where the bf16-rounded result is 1.6e-2 off); elsewhere the
+    operands are upcast (their products are exact in fp32). Backward in the operands' dtype, as the
+    output layer's own GEMM runs it."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(hidden, weight)
+        if hidden.is_cuda:
+            return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+        return torch.mm(hidden.float(), weight.float().t())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        hidden, weight = ctx.saved_tensors
+        grad = grad.to(weight.dtype)
+        d_hidden = grad @ weight if ctx.needs_input_grad[0] else None
+        d_weight = grad.t() @ hidden if ctx.needs_input_grad[1] else None
+        return d_hidden, d_weight
+
+
+def output_layer_gives(weight: torch.Tensor, logits_precision: Optional[str]) -> bool:
+    """Whether the output layer's own GEMM gives the logits `logits_precision` asks for (None: the op's
+    default, "fp32"): an fp32 (or fp64) weight gives fp32 logits (the head rounds them under "bf16"); a
+    bf16 weight gives the bf16-rounded fp32 accumulation, which is "bf16". Otherwise (a bf16 / fp16 model
+    under "fp32"; fp16 under "bf16") the materialised route takes `fp32_logits`."""
+    if weight.dtype in (torch.float32, torch.float64):
+        return True
+    return weight.dtype == torch.bfloat16 and logits_precision == "bf16"
+
+
+def fp32_logits(hidden: torch.Tensor, weight: torch.Tensor, output_layer) -> torch.Tensor:
+    """[s_local, b, H] hidden -> this rank's [s, b, V/tp] fp32 logits h·Wᵀ (vocab-parallel, as with
+    parallel_output=True), through the output layer's input mappings (`head_input`)."""
+    hidden, _ = head_input(hidden, weight, output_layer)
+    s, b, h = hidden.shape
+    return Fp32Logits.apply(hidden.reshape(s * b, h), weight).view(s, b, -1)
