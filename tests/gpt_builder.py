@@ -156,7 +156,7 @@ def compare_routes(model, ids, labels, temperature, **kw):
                          backend="torch", **kw)
         tag = "fused" if fused else "mat"
         for name, got, want in zip(("lp", "ent", "max", "min"), st, ref):
-            out[f"{tag}_d_{name}"] = float((got - want).abs().max())
+            out[f"{tag}_d_{name}"] = float((got - want).detach().abs().max())
         out[f"{tag}_grad_rel"] = max_rel(grads(model, weighted_loss(st.logprobs, st.entropy, labels)), ref_grads)
         stats[fused] = st
     return out, stats
