@@ -20,7 +20,8 @@ Modes, chosen per call from the inputs:
 
 Every attention call here is causal with the queries aligned to the END of their keys ("lower right":
 query j of a segment with lq queries and lk keys sees keys 0..lk−lq+j), which is also what decoding
-with a KV cache needs (lq < lk); the decode path itself is not implemented (see `SDPAttention.forward`).
+with a KV cache needs (lq < lk); `SDPAttention.forward` hands those shapes to `cached_attention`
+(kv_attention.py) under megatron's static inference context.
 """
 from __future__ import annotations
 
