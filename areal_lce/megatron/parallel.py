@@ -67,19 +67,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(parallel_cfg: ParallelConfig, seed: int = 1234) -> DistInfo:
-    """Initialise torch.distributed and Megatron's parallel_state (each only if not already set up with
-    these sizes), then (re)seed torch and Megatron's RNG tracker with `seed`, so every engine built
-    right after this call starts from the same parameters for the same seed."""
+def init_process_group(parallel_cfg: ParallelConfig) -> None:
+    """torch.distributed's default group (nccl with CUDA, gloo without), unless one exists: the first half
+    of `init_distributed`, for checks the ranks must pass before Megatron's groups are built."""
     global _OWNS_PROCESS_GROUP
-    from megatron.core import parallel_state as mpu
-    from megatron.core import tensor_parallel
-
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain single process: a one-rank group
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -89,6 +84,19 @@ def init_distributed(parallel_cfg: ParallelConfig, seed: int = 1234) -> DistInfo
         # 10 min for NCCL, 30 min for gloo)
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=parallel_cfg.timeout_s))
         _OWNS_PROCESS_GROUP = True
+
+
+def init_distributed(parallel_cfg: ParallelConfig, seed: int = 1234) -> DistInfo:
+    """Initialise torch.distributed and Megatron's parallel_state (each only if not already set up with
+    these sizes), then (re)seed torch and Megatron's RNG tracker with `seed`, so every engine built
+    right after this call starts from the same parameters for the same seed."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    init_process_group(parallel_cfg)
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world = dist.get_world_size()
     tp, pp = parallel_cfg.tensor_parallel, parallel_cfg.pipeline_parallel
     cp = parallel_cfg.context_parallel

@@ -7,15 +7,22 @@
 
 `job:` in the config picks the job: sft -> areal_lce.train.sft, grpo | ppo -> areal_lce.train.rl, both
 run by the loop of areal_lce.train.loop.
+
+Exit status: 0 done; 2 a config error (`config error: ...`, at load or when the ranks' configs differ);
+1 any other error, printed as one line `error: ...` (prefixed `[rank R]` under torchrun) -- `--debug` or
+AREAL_LCE_DEBUG=1 raises it with its traceback instead; 130 / 143 stopped by SIGINT / SIGTERM (after a
+checkpoint when a step boundary was reached, see loop.py).
 """
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
 from .config import ConfigError, JobConfig, format_help, format_markdown, load_config
+from .ranks import Interrupted
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "sft_tiny.yaml"
 USAGE = """usage: torchrun --nproc_per_node=N -m areal_lce.train [CONFIG.yaml] [key=value ...]
@@ -23,14 +30,17 @@ USAGE = """usage: torchrun --nproc_per_node=N -m areal_lce.train [CONFIG.yaml] [
 
 Without CONFIG.yaml the embedded default configs/sft_tiny.yaml runs. Overrides use dotted option
 names, e.g. trainer.steps=20 engine.use_fused_linear_ce=false engine.parallel.tensor_parallel=2.
+--debug (or AREAL_LCE_DEBUG=1) shows the traceback of an error instead of its one-line message.
 """
+DEBUG_ENV = "AREAL_LCE_DEBUG"
+FLAGS = ("-h", "--help", "help", "--debug")
 
 
 def parse_args(argv: Sequence[str]):
-    """-> (config path or None, overrides, wants_help)."""
+    """-> (config path or None, overrides, wants_help); `--debug` is read by `main`."""
     argv = list(argv)
     wants_help = any(a in ("-h", "--help", "help") for a in argv)
-    argv = [a for a in argv if a not in ("-h", "--help", "help")]
+    argv = [a for a in argv if a not in FLAGS]
     path = None
     if argv and "=" not in argv[0]:
         path = argv.pop(0)
@@ -69,11 +79,25 @@ def run_job(cfg: JobConfig) -> dict:
     return run(cfg)
 
 
+def _rank_prefix() -> str:
+    """`[rank R] ` under a launcher with several ranks (every rank prints its own error), else ''."""
+    return f"[rank {os.environ.get('RANK', '0')}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+
+
+def error_line(e: BaseException) -> str:
+    """One line for an error after start-up: our checks raise ValueError / OSError subclasses whose
+    message names the option, file or tensor; anything else also shows its type."""
+    what = "config error" if isinstance(e, ConfigError) else "error"
+    text = str(e) if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {e}"
+    return f"{_rank_prefix()}{what}: {text} (traceback: --debug or {DEBUG_ENV}=1)"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if list(argv) == ["help-markdown"]:  # the options reference of docs/training.md
         print(format_markdown(JobConfig), end="")
         return 0
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
         path, overrides, wants_help = parse_args(argv)
         if wants_help:
@@ -91,7 +115,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     quiet_known_warnings()
     limit_cpu_threads()
-    run_job(cfg)
+    try:
+        run_job(cfg)
+    except Interrupted as e:  # the loop saved and printed the resume line when a step boundary was reached
+        if e.step is None:
+            print(f"{_rank_prefix()}{e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before the first step: nothing to save
+        if debug:
+            raise
+        print(f"{_rank_prefix()}interrupted before the first step; nothing was saved", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if debug:
+            raise
+        print(error_line(e), file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
     return 0
 
 

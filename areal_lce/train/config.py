@@ -186,6 +186,27 @@ class JobConfig:
                 raise ConfigError(str(e)) from e
 
 
+def check_runs_here(cfg: JobConfig) -> None:
+    """Refuse, before any process group or model exists, a fused-op backend this machine cannot run: an
+    explicit `engine.lce.backend` (or AREAL_LCE_BACKEND) of triton without CUDA, triton_ascend without an
+    NPU, or one whose package is missing. The engine runs on CUDA when it is available, else on the CPU."""
+    if not cfg.engine.use_fused_linear_ce:
+        return  # the materialised route does not call the op
+    import torch
+
+    from areal_lce.backends import resolve_backend
+
+    lce = getattr(cfg.engine, "lce", None)  # engine.lce.backend, formerly engine.lce_backend
+    name, option = (lce.backend, "engine.lce.backend") if lce is not None else (cfg.engine.lce_backend,
+                                                                                  "engine.lce_backend")
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        resolve_backend(name, device)
+    except (ValueError, RuntimeError) as e:
+        raise ConfigError(f"{option}={name!r} cannot run on this machine ({device.type}): {e}; use {option}="
+                          "auto (triton on CUDA, else torch) or torch") from e
+
+
 def apply_overrides(data: dict, overrides: Sequence[str], cls=None) -> dict:
     """Set dotted `key=value` overrides into the nested dict `data` (typed by `cls`'s fields, JobConfig's
     by default)."""

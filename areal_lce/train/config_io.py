@@ -1,13 +1,18 @@
-"""The config type system: a strict YAML loader, dict -> dataclass with type checks, typed dotted
+"""The config type system: YAML files (read by `yaml_strict`), dict -> dataclass with type checks, typed dotted
 overrides, and the option listings. `config.py` holds the job's dataclasses and binds these to JobConfig.
 
 One dispatcher on the field's annotation, `to_value`, serves YAML values and command-line texts alike:
 an override's text is read the way YAML would give the value, then checked by the same rules.
 
-YAML rules beyond PyYAML's safe loader: a key given twice in one mapping is an error naming the key and
-both lines (PyYAML would keep the last silently); a syntax error is a ConfigError naming the file, line
-and column. Float options also take the YAML 1.2 spellings that YAML 1.1 reads as strings (`1e-3`,
-`5e4`); integer options take integral ones (`1e6`); every float option must be finite.
+The YAML loader is `yaml_strict` (duplicate keys, YAML 1.2 booleans, a bound on alias expansion); a
+syntax error is a ConfigError naming the file, line and column. Float options also take the YAML 1.2
+spellings that YAML 1.1 reads as strings (`1e-3`, `5e4`); integer options take integral ones (`1e6`);
+every float option must be finite.
+
+One rule for YAML and the command line: an override's value is read by the same YAML loader and then
+checked like the YAML value, so `=0` or `=yes` for a bool and `=6.0` for an int are refused on both
+paths. String options keep the command-line text as given (paths, templates); a `none` / `null` / `~`
+word sets an optional non-string option (`engine.model.tie_word_embeddings`) to null on both paths.
 """
 from __future__ import annotations
 
@@ -21,46 +26,17 @@ from typing import Any, Optional, Sequence, Union
 
 import yaml
 
+from .yaml_strict import DocumentShapeError, yaml_load
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the offending option."""
 
 
-class StrictLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key repeated within one mapping (merge keys `<<` may be overridden)."""
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            first: dict = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    line = first.get(key)
-                except TypeError:  # unhashable key: the base class reports it
-                    continue
-                if line is not None:
-                    raise yaml.constructor.ConstructorError(
-                        "while constructing a mapping", node.start_mark,
-                        f"duplicate key {key!r} (first given on line {line}); a repeated key or section would "
-                        "silently replace the first one", key_node.start_mark)
-                first[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
-
-
-def yaml_load(stream):
-    """Parse YAML (text or an open file, whose name then appears in errors) with StrictLoader; raises
-    yaml.YAMLError on bad syntax or a duplicate key."""
-    return yaml.load(stream, Loader=StrictLoader)
-
-
 # YAML 1.2 core-schema floats (1e-3, 5E4, .5, 2.): YAML 1.1 (PyYAML) reads the exponent forms as strings.
 _FLOAT_RE = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
 
-_NONE_WORDS = ("none", "null", "~")
-_TRUE_WORDS = ("true", "1", "yes", "on")
-_FALSE_WORDS = ("false", "0", "no", "off")
+_NONE_WORDS = ("none", "null", "~")  # null for an optional option that is not a string (any case)
 
 
 def _hints(cls) -> dict:
@@ -91,31 +67,42 @@ def _yaml_text(text: str, key: str, what: str):
         raise ConfigError(f"option '{key}': cannot parse {what} {text!r}: {e}") from e
 
 
-def _list_text(text: str, key: str) -> list:
-    """A command-line list, `[a, b]` (YAML flow form) or `a,b`, as a list of item texts."""
+def _list_text(text: str, key: str):
+    """A command-line list: `[a, b]` (YAML flow form) -> the YAML list (its items are YAML values, checked
+    as such); `a,b` -> a tuple of item texts (each read as an override's text)."""
     s = text.strip()
     if not s.startswith("["):
-        return [p for p in s.split(",") if p.strip()]
+        return tuple(p for p in s.split(",") if p.strip())
     raw = _yaml_text(s, key, "list")
     if not isinstance(raw, list):
         raise ConfigError(f"option '{key}' expects a list, got {text!r}")
-    return [str(x) for x in raw]
+    return raw
 
 
 def _scalar_text(tp, text: str):
-    """A command-line scalar as YAML would have given it for type `tp`; the checks follow in `to_value`."""
-    s = text.strip()
-    if tp is bool:
-        if s.lower() in _TRUE_WORDS:
-            return True
-        return False if s.lower() in _FALSE_WORDS else text
-    for cast in (int, float):
-        if tp is cast:
-            try:
-                return cast(s)
-            except ValueError:
-                return s  # `1e6` for an int: the YAML 1.2 spelling, accepted below
-    return text  # str options keep their text as given
+    """A command-line scalar for type `tp`: for bool, int and float options the value the YAML loader
+    reads from the same text (so `0`, `yes` and `6.0` mean what they mean in YAML); str options keep the
+    text as given. The checks follow in `to_value`."""
+    if tp not in (bool, int, float):
+        return text
+    try:
+        value = yaml_load(text.strip())
+    except yaml.YAMLError:
+        return text
+    return text if value is None else value
+
+
+def _is_null(value, args, text: bool) -> bool:
+    """Whether `value` sets an Optional option with member types `args` to None: YAML's null, and for an
+    option that cannot hold a string also the none words (`none`, `null`, `~`, any case), on both paths."""
+    if value is None:
+        return True
+    if not isinstance(value, str):
+        return False
+    word = value.strip().lower()
+    if str in args:
+        return text and word in ("null", "~")  # a string option's text 'none' is the string
+    return word in _NONE_WORDS
 
 
 def to_value(tp, value, key: str, *, text: bool = False):
@@ -123,9 +110,9 @@ def to_value(tp, value, key: str, *, text: bool = False):
     ConfigError naming option `key`.
 
     `value` is a YAML value (int widens to float, a list becomes a tuple where the field says so), or,
-    with `text=True`, the command-line text of a `key=value` override: that text is first read the way
-    YAML would give the value (bool words, numbers, `[a, b]` or `a,b` lists, `{a: 1}` mappings, none
-    words for Optional), then checked by the same rules.
+    with `text=True`, the command-line text of a `key=value` override: that text is first read by the
+    YAML loader (booleans, numbers, `[a, b]` lists and `{a: 1}` mappings; `a,b` lists item by item; str
+    options keep the text), then checked by the same rules as a YAML value.
     """
     if dataclasses.is_dataclass(tp):
         raise ConfigError(f"option '{key}' is a section; set its fields ({key}.FIELD)")
@@ -134,7 +121,7 @@ def to_value(tp, value, key: str, *, text: bool = False):
     if _is_union(tp):
         args = typing.get_args(tp)
         value = value.strip() if text else value
-        if type(None) in args and (value.lower() in _NONE_WORDS if text else value is None):
+        if type(None) in args and _is_null(value, args, text):
             return None
         for arg in args:
             if arg is type(None):
@@ -154,6 +141,7 @@ def to_value(tp, value, key: str, *, text: bool = False):
     if origin in (list, tuple):
         if text:
             value = _list_text(value, key)
+            text = isinstance(value, tuple)  # `a,b`: item texts; `[a, b]`: YAML values
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"option '{key}' expects a list ({_type_name(tp)}), got {value!r}")
         args = typing.get_args(tp)
@@ -282,6 +270,8 @@ def load_yaml(path: Union[str, Path]) -> dict:
             data = yaml_load(f)
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({e})") from e
+    except DocumentShapeError as e:
+        raise ConfigError(f"config file {str(path)!r} is refused: {e}") from e
     except yaml.YAMLError as e:  # syntax error or duplicate key; the message carries line and column
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
     if data is None:

@@ -2,6 +2,8 @@
 
     run(cfg, SFTJob)   # distributed set-up, the loop below, tear-down
 
+0. ranks     the fused-op backend is checked against this machine, the process group starts and the
+             ranks compare their configs (ranks.check_same_config), before Megatron's groups exist;
 1. host      the job is built (tokenizer, data or task, checks against the parallel layout): a bad option
              fails here, before the run directory is touched or a model is built;
 2. run dir   rank 0 locks it (run_dir.py); trainer.resume picks the checkpoint to load (a fresh start
@@ -13,7 +15,10 @@
              metrics.jsonl drops the lines the interrupted run wrote past that step;
 5. steps     `job.step(step)` for every remaining step: its record goes to metrics.jsonl (rank 0), the
              progress bar and every trainer.log_interval steps a metrics line; then the end-of-step
-             checkpoint (trainer.save_interval, the final one) and trainer.stop_at;
+             checkpoint (trainer.save_interval, the final one) and trainer.stop_at. SIGINT / SIGTERM
+             during the steps only set a flag; at the step boundary the ranks agree on it, save a
+             checkpoint of that step, print "interrupted at step N; resume with trainer.resume=auto" and
+             raise ranks.Interrupted (the entry point exits 130 / 143);
 6. finish    after the last step: `job.finish()` and metrics.png (trainer.plot).
 
 Returns {'output_dir', 'step' (last step run), 'records' (this invocation's metric records)}.
@@ -28,19 +33,23 @@ import torch
 
 from ..device import cuda_advice_hidden_on_cpu
 from . import checkpoint as ckpt
-from .config import dump_yaml
+from .config import check_runs_here, dump_yaml
 from .job import Job
 from .logging_utils import MetricsLog, ProgressBar, format_record, plot_metrics, read_metrics
+from .ranks import Interrupted, StopOnSignal, check_same_config
 from .run_dir import close_run, open_run
 
 
 def run(cfg, make_job: Callable[..., Job]) -> dict:
-    """Initialise torch.distributed and megatron's parallel state for `cfg`, run `make_job(cfg, dist_info)`
-    through the loop, and tear the parallel state down again."""
-    from ..megatron.parallel import destroy_distributed, init_distributed
+    """Initialise torch.distributed, check that every rank runs this config, set up megatron's parallel
+    state for `cfg`, run `make_job(cfg, dist_info)` through the loop, and tear it all down again."""
+    from ..megatron.parallel import destroy_distributed, init_distributed, init_process_group
 
-    dist_info = init_distributed(cfg.engine.parallel, seed=cfg.engine.seed)
+    check_runs_here(cfg)
     try:
+        init_process_group(cfg.engine.parallel)
+        check_same_config(cfg)  # before megatron's groups: ranks that disagree on their sizes would hang there
+        dist_info = init_distributed(cfg.engine.parallel, seed=cfg.engine.seed)
         with cuda_advice_hidden_on_cpu(dist_info.device):  # megatron's first TP/SP forward advises a CUDA setting
             return train(make_job(cfg, dist_info), cfg, dist_info)
     finally:
@@ -72,15 +81,24 @@ def train(job: Job, cfg, dist_info) -> dict:
 
     bar = ProgressBar(tr.steps, initial=start, enabled=tr.progress, is_main=is_main, desc=job.name)
     records, step = [], start
-    for step in range(start + 1, tr.steps + 1):
-        rec = {"step": step, **job.step(step)}
-        records.append(rec)
-        metrics.write(rec)
-        bar.update({key: format(rec[key], spec) for key, spec in job.postfix})
-        if is_main and (step % tr.log_interval == 0 or step == tr.steps):
-            bar.write(format_record(rec, job.log_keys))
-        if ckpt.end_of_step(job.engine, tr, out, step, {"config": config_text}, is_main, bar.write, job.name):
-            break
+    with StopOnSignal() as stop:
+        for step in range(start + 1, tr.steps + 1):
+            rec = {"step": step, **job.step(step)}
+            records.append(rec)
+            metrics.write(rec)
+            bar.update({key: format(rec[key], spec) for key, spec in job.postfix})
+            if is_main and (step % tr.log_interval == 0 or step == tr.steps):
+                bar.write(format_record(rec, job.log_keys))
+            signum = stop.agreed()  # every rank, at the same boundary: a signal on any rank stops them all
+            if signum:
+                path = ckpt.save_checkpoint(job.engine, out, step, {"config": config_text}, is_main)
+                if is_main:
+                    bar.write(f"[{job.name}] saved checkpoint {path}")
+                    bar.write(f"[{job.name}] interrupted at step {step}; resume with trainer.resume=auto")
+                bar.close()
+                raise Interrupted(signum, step)
+            if ckpt.end_of_step(job.engine, tr, out, step, {"config": config_text}, is_main, bar.write, job.name):
+                break
     bar.close()
 
     if step == tr.steps:

@@ -2,10 +2,13 @@
 
 Contract: `fn(prompt: str, response: str, answer: str) -> float`, called once per sampled response
 with the decoded response text (special tokens removed, generation stopped at EOS). Any importable
-function with that signature works: `rl.reward_fn: mypkg.rewards:my_reward`.
+function with that signature works: `rl.reward_fn: mypkg.rewards:my_reward`. Before the first call the
+function is checked: defined outside the standard library and built-ins, and its signature takes the
+three keyword arguments (tasks.load_object, load_reward).
 """
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Callable
 
@@ -38,4 +41,9 @@ def load_reward(spec: str) -> RewardFn:
     fn = load_object(spec, "rl.reward_fn")
     if not callable(fn):
         raise ValueError(f"rl.reward_fn={spec!r} is not callable")
+    try:
+        inspect.signature(fn).bind(prompt="", response="", answer="")
+    except (TypeError, ValueError) as e:  # ValueError: no signature to inspect
+        raise ValueError(f"rl.reward_fn={spec!r} cannot be called as fn(prompt=str, response=str, answer=str): "
+                         f"{e}") from None
     return fn

@@ -21,7 +21,9 @@ class RLConfig:
     task: str = field(
         default="say_letter",
         metadata={"help": "prompt source: a name from areal_lce.train.tasks.TASKS (say_letter, addition) "
-                  "or a dotted path 'pkg.module:factory' returning an object with sample(n, rng)"},
+                  "or a dotted path 'pkg.module:Name' to a task class (with sample(n, rng) and "
+                  "default_reward) or a function marked @areal_lce.train.tasks.task_factory; the config "
+                  "names code to run: trust it like code"},
     )
     task_options: Any = field(
         default_factory=dict,
@@ -30,7 +32,8 @@ class RLConfig:
     reward_fn: str = field(
         default="",
         metadata={"help": "dotted path 'pkg.module:function' of the reward, called as "
-                  "fn(prompt=str, response=str, answer=str) -> float; empty: the task's default reward"},
+                  "fn(prompt=str, response=str, answer=str) -> float (its signature is checked first); "
+                  "empty: the task's default reward"},
     )
     # --- rollout -----------------------------------------------------------------------------------
     prompts_per_step: int = field(
