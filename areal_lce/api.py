@@ -7,15 +7,15 @@ runs as a graph break. Both run the same forward and backward code.
 """
 from __future__ import annotations
 
-import functools
 import numbers
-import warnings
 from typing import Optional, Union
 
 import torch
 
-from . import checks, comms, exact, library
+from . import checks, comms, library
 from .checks import check_temperature, inv_temperature  # noqa: F401  (public here too: the adapters use it)
+from .checks import (LOGITS_PRECISIONS, check_invariant_layout, check_logits_precision,  # noqa: F401
+                     resolve_invariant)
 from .backends import get_backend, resolve_backend
 from .device import auto_cache_bytes
 from .function import LinearLogprobsEntropy
@@ -92,59 +92,6 @@ def _vocab_parallel(vocab_parallel, tp_group, sequence_parallel, reduce_d_hidden
     if not isinstance(vocab_parallel, VocabParallel):
         raise TypeError(f"vocab_parallel must be an areal_lce.VocabParallel or None, got {vocab_parallel!r}")
     return vocab_parallel
-
-
-# invariant=None resolves per backend: on where the backend implements the contract at no measured cost
-# (docs/op.md "Consistency"), off for the fp64 checking path and the materialised reference
-INVARIANT_DEFAULT = {"triton": True, "torch": True, "reference": False, "triton_ascend": False}
-LOGITS_PRECISIONS = ("fp32", "bf16")
-
-
-def resolve_invariant(invariant, name: str, dtype: torch.dtype) -> bool:
-    """The invariance option of one call on backend `name` (None: that backend's default)."""
-    if invariant is not None and not isinstance(invariant, bool):
-        raise TypeError(f"invariant must be None, True or False, got {invariant!r}")
-    if invariant is None:
-        return INVARIANT_DEFAULT.get(name, False) and dtype != torch.float64
-    if invariant and name == "triton_ascend":
-        raise ValueError("invariant=True is not implemented by the triton_ascend backend: pass invariant=None "
-                         "or False there (its results are deterministic, not batch-invariant)")
-    if invariant and dtype == torch.float64:
-        raise ValueError("invariant=True takes bf16 / fp16 / fp32 inputs (its segment partials are fp32); "
-                         "fp64 inputs are for checking: pass invariant=None or False")
-    return invariant
-
-
-def check_logits_precision(logits_precision) -> str:
-    if logits_precision not in LOGITS_PRECISIONS:
-        raise ValueError(f"logits_precision must be one of {LOGITS_PRECISIONS}, got {logits_precision!r}")
-    return logits_precision
-
-
-def check_invariant_layout(v_shard: int, tp: int, vocab_size: int, asked: bool = True) -> bool:
-    """Invariant mode's segments must tile every shard: shard starts at multiples of exact.SEG. Where they
-    do not, invariant=True raises; the default (invariant=None) warns once and runs the online merge."""
-    if tp > 1 and v_shard % exact.SEG:
-        if not asked:
-            _warn_layout_once(v_shard, tp)
-            return False
-        raise ValueError(f"invariant=True needs every vocab shard to start at a multiple of {exact.SEG} global ids, "
-                         f"but the shards hold {v_shard} rows each (tp={tp}): pad the vocabulary to a multiple "
-                         f"of {exact.SEG}·tp (megatron's make_vocab_size_divisible_by={exact.SEG} or a multiple "
-                         "of it does), or pass invariant=False")
-    if vocab_size >= exact.MAX_VOCAB:
-        if not asked:
-            return False
-        raise ValueError(f"invariant=True supports vocab_size < {exact.MAX_VOCAB}, got {vocab_size}")
-    return True
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_layout_once(v_shard: int, tp: int) -> None:
-    warnings.warn(f"areal_lce: vocab shards of {v_shard} rows (tp={tp}) do not start at multiples of {exact.SEG} "
-                  "global ids, so the default invariant mode is off for these calls (logprobs may change with "
-                  f"the batch and the TP degree); pad the vocabulary to a multiple of {exact.SEG}·tp, or pass "
-                  "invariant=False to silence this", RuntimeWarning, stacklevel=4)
 
 
 @torch.compiler.assume_constant_result

@@ -28,7 +28,8 @@ The label logit needs no care: exactly one column in the whole vocabulary contri
 any order is that value; across TP ranks it travels as its fp32 bit pattern inside the int64 SUM
 (the other ranks add 0).
 
-Limits: vocab_size < 2^22 keeps every integer sum below 2^63 (MAX_VOCAB). Nothing here communicates.
+Limits: vocab_size < 2^22 keeps every integer sum below 2^63 (MAX_VOCAB). Only `merge` communicates
+(the two all-reduces of the tensor-parallel merge).
 """
 from __future__ import annotations
 
@@ -100,6 +101,11 @@ def pack(q: torch.Tensor, zy: torch.Tensor) -> torch.Tensor:
     return torch.cat([q[:3], bits[None], q[3:]])
 
 
+def unpack(packed: torch.Tensor):
+    """(q, zy) of a summed `pack`: zy's bits come back from the one rank that held the label."""
+    return torch.cat([packed[:3], packed[4:]]), packed[3].to(torch.int32).view(torch.float32)
+
+
 class Finished(NamedTuple):
     lp: torch.Tensor
     ent: torch.Tensor
@@ -110,14 +116,14 @@ class Finished(NamedTuple):
     lsq: Optional[torch.Tensor]
 
 
-def finish(packed: torch.Tensor, mx: torch.Tensor, mn: torch.Tensor, inv_t, scales=None) -> Finished:
-    """(logprob, entropy, lse, max, min[, Σ r, Σ r²]) from the summed integers and the global extrema:
-    log S and A / S in fp64, rounded once to fp32. Rows with a non-finite term get NaN everywhere."""
+def finish(q: torch.Tensor, zy: torch.Tensor, mx: torch.Tensor, mn: torch.Tensor, inv_t, scales=None) -> Finished:
+    """(logprob, entropy, lse, max, min[, Σ r, Σ r²]) from the summed integers q [3 or 5, N], the label
+    logit and the global extrema: log S and A / S in fp64, rounded once to fp32. Rows with a non-finite
+    term get NaN everywhere. (The triton backend runs the same arithmetic in one kernel.)"""
     f = 2.0 ** -FRAC_BITS
-    s = packed[0].to(torch.float64) * f
-    a = packed[1].to(torch.float64) * f
-    bad = packed[2] > 0
-    zy = packed[3].to(torch.int32).view(torch.float32)
+    s = q[0].to(torch.float64) * f
+    a = q[1].to(torch.float64) * f
+    bad = q[2] > 0
     big_m = (mx * inv_t).to(torch.float64)  # the tempered max, exactly as every segment saw it
     log_s = torch.log(s)
     lse64 = big_m + log_s
@@ -127,11 +133,10 @@ def finish(packed: torch.Tensor, mx: torch.Tensor, mn: torch.Tensor, inv_t, scal
         return torch.where(bad, nan, x.to(torch.float32))
 
     lsum = lsq = None
-    if packed.shape[0] == 6:
-        lsum = out(packed[4].to(torch.float64) / scales[0].to(torch.float64))
-        lsq = out(packed[5].to(torch.float64) / scales[1].to(torch.float64))
-    return Finished(out(zy.to(torch.float64) - lse64), out(log_s - a / s), out(lse64), out(mx), out(mn),
-                    lsum, lsq)
+    if q.shape[0] == 5:
+        lsum = out(q[3].to(torch.float64) / scales[0].to(torch.float64))
+        lsq = out(q[4].to(torch.float64) / scales[1].to(torch.float64))
+    return Finished(out(zy.to(torch.float64) - lse64), out(log_s - a / s), out(lse64), out(mx), out(mn), lsum, lsq)
 
 
 def segment_stats_torch(r: torch.Tensor, inv_t, valid_cols: int, sums: bool) -> torch.Tensor:
@@ -158,3 +163,29 @@ def segment_stats_torch(r: torch.Tensor, inv_t, valid_cols: int, sums: bool) -> 
         u = r_sum_in.view(R, C // SEG, SEG)
         rows += [u.sum(-1), (u * u).sum(-1)]
     return torch.stack(rows).transpose(1, 2)  # [k, G, R]
+
+
+def merge(st, params, inv_t) -> Finished:
+    """Invariant mode: one shard's ShardStats (segment partials, mx, mn, zy) folded into int64 sums and
+    merged over params' TP group, exactly; inv_t: [N] or the scalar. Two collectives, as the online
+    merge has: MAX of [max, -min], SUM of the packed int64 rows."""
+    from . import comms
+    from .backends import get_backend
+
+    mx, mn = st.mx, st.mn
+    if params.tp_size > 1:
+        # 1 collective: MAX of the raw [mx, -mn] (exact in any order)
+        mm = torch.stack([mx, -mn])
+        comms.all_reduce_max_(mm, params.tp_group)
+        mx, mn = mm[0], -mm[1]
+    scales = torch.stack(sum_scales(mx, mn)) if params.logit_sums else None
+    backend = get_backend(params.backend)
+    q = (getattr(backend, "fold_segments", None) or fold_segments)(st.seg, mx, inv_t, scales)
+    zy = st.zy
+    if params.tp_size > 1:
+        # 1 collective: SUM of the packed int64 [s, a, bad, label-logit bits(, Σr, Σr²)]: integer sums are
+        # exact, so the result does not depend on the order the library adds the ranks in
+        packed = pack(q, zy)
+        comms.all_reduce_sum_(packed, params.tp_group)
+        q, zy = unpack(packed)
+    return (getattr(backend, "finish_folded", None) or finish)(q, zy, mx, mn, inv_t, scales)

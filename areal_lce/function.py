@@ -52,25 +52,6 @@ def merge_shard_stats(st: ShardStats, group, inv_t) -> ShardStats:
                       lsum=packed[3] if sums else None, lsq=packed[4] if sums else None)
 
 
-def merge_exact(st: ShardStats, params: LCEParams, inv_t) -> exact.Finished:
-    """Invariant mode (exact.py): the shard's segment partials folded into int64 sums and merged over the
-    group, exactly. Two collectives, as merge_shard_stats: MAX of [max, -min], SUM of the packed int64."""
-    mx, mn = st.mx, st.mn
-    if params.tp_size > 1:
-        # 1 collective: MAX of the raw [mx, -mn] (exact in any order)
-        mm = torch.stack([mx, -mn])
-        comms.all_reduce_max_(mm, params.tp_group)
-        mx, mn = mm[0], -mm[1]
-    scales = torch.stack(exact.sum_scales(mx, mn)) if params.logit_sums else None
-    fold = getattr(get_backend(params.backend), "fold_segments", None) or exact.fold_segments
-    packed = exact.pack(fold(st.seg, mx, inv_t, scales), st.zy)
-    if params.tp_size > 1:
-        # 1 collective: SUM of the packed int64 [s, a, bad, label-logit bits(, Σr, Σr²)]: integer sums are
-        # exact, so the result does not depend on the order the library adds the ranks in
-        comms.all_reduce_sum_(packed, params.tp_group)
-    return exact.finish(packed, mx, mn, inv_t, scales)
-
-
 def finish_stats(st: ShardStats):
     """(logprob, entropy, lse) of the tempered logits from merged statistics."""
     log_s = torch.log(st.s)
@@ -201,7 +182,7 @@ def lce_forward(hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bo
         h_c, y_c, t_c = _partitioned(part, labels, inv_t, hidden)
     st = get_backend(params.backend).forward(h_c, weight, y_c, t_c, params, keep_cache=keep_cache)
     if params.invariant:
-        fin = merge_exact(st, params, params.inv_t if t_c is None else t_c)
+        fin = exact.merge(st, params, params.inv_t if t_c is None else t_c)
         lp, ent, lse, mx, mn = fin.lp, fin.ent, fin.lse, fin.mx, fin.mn
         sums = (fin.lsum, fin.lsq) if params.logit_sums else ()
     else:

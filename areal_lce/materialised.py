@@ -19,8 +19,6 @@ from .types import LCEOutput, LCEParams, VocabParallel
 def _exact_values(raw, y, it, start: int, valid_cols: int, ignore_index: int, tp_group):
     """(logprob, entropy, max, min, lse) of the invariant mode (exact.py) from this shard's raw fp32 logits
     [N, valid_cols] (the shard starts at global id `start`), merged over tp_group. No gradient."""
-    from .function import merge_exact
-
     n = raw.shape[0]
     width = exact.segments(valid_cols) * exact.SEG
     r = torch.nn.functional.pad(raw, (0, width - valid_cols)) if width > valid_cols else raw
@@ -39,7 +37,7 @@ def _exact_values(raw, y, it, start: int, valid_cols: int, ignore_index: int, tp
     params = LCEParams(vocab_parallel=VocabParallel(tp_group) if tp > 1 else None, tp_size=tp, backend="torch",
                        ignore_index=ignore_index, invariant=True)
     from .backends.base import ShardStats
-    fin = merge_exact(ShardStats(m=None, s=None, a=None, zy=zy, mn=mn, mx=mx, seg=seg), params, inv)
+    fin = exact.merge(ShardStats(m=None, s=None, a=None, zy=zy, mn=mn, mx=mx, seg=seg), params, inv)
     return fin.lp, fin.ent, fin.mx, fin.mn, fin.lse
 
 
@@ -71,7 +69,7 @@ def logprobs_entropy_from_logits(
     """
     if tuple(logits.shape[:-1]) != tuple(labels.shape):
         raise ValueError(f"logits leading shape {tuple(logits.shape[:-1])} must equal labels {tuple(labels.shape)}")
-    from .api import check_invariant_layout, check_logits_precision, resolve_invariant
+    from .checks import check_invariant_layout, check_logits_precision, resolve_invariant
 
     check_logits_precision(logits_precision)
     tp = comms.group_size(tp_group)
@@ -127,7 +125,7 @@ def logprobs_entropy_from_logits(
     if invariant:
         with torch.no_grad():
             shape = labels.shape
-            ex = _exact_values(raw.detach().reshape(-1, valid_cols), y.reshape(-1),
+            ex = _exact_values(raw.detach().reshape(y.numel(), valid_cols), y.reshape(-1),
                                it.reshape(-1) if torch.is_tensor(it) else it, start, valid_cols, ignore_index,
                                tp_group)
             ex = [t.view(shape) for t in ex]

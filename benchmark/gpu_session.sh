@@ -40,6 +40,9 @@ for job in "$@"; do
           --prompt-len 256 --new-tokens 16 --steps ${STEPS:-3} ${LOGPROB_TOKENS:+--logprob-max-tokens $LOGPROB_TOKENS} \
           ${ROUTES:+--routes $ROUTES} ${ROPE:+--rope-fusion $ROPE} ${GRAPHS:+--model-graphs $GRAPHS} \
           ${COMPACT:+--compact-ignored $COMPACT} --out "$W" ;;
+    bench_invariant) run bench_invariant 480 python3 -m benchmark.bench_invariant --rounds ${ROUNDS:-5} --out "$W" ;;
+    gpu_tests) run gpu_tests 400 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_capture.py \
+          tests/test_checkpoint_integrity.py tests/test_gpu_generate.py -x ;;
     bench_ignored) run bench_ignored 240 python3 -m benchmark.bench_ignored --out "$W" ;;
     bench_sft) run "bench_sft${ROPE:+_rope_$ROPE}${GRAPHS:+_graphs_$GRAPHS}" 300 torchrun --nproc_per_node=1 -m benchmark.bench_train --job sft \
           --preset qwen2.5-0.5b --seq 2048 --micro-batch 4 --micro-batches 2 --steps ${STEPS:-5} ${ROPE:+--rope-fusion $ROPE} \

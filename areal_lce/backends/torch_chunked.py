@@ -88,10 +88,12 @@ def _row_block(x: torch.Tensor, t0: int, rows: int) -> torch.Tensor:
     return torch.cat([blk, pad])
 
 
-def invariant_forward(hidden, weight, labels, inv_t, params: LCEParams) -> ShardStats:
-    """Segment partials (exact.py) from fixed-shape GEMM blocks (INV_ROWS, INV_COLS above)."""
+def invariant_forward(hidden, weight, labels, inv_t, params: LCEParams, cache=None) -> ShardStats:
+    """Segment partials (exact.py) from fixed-shape GEMM blocks (INV_ROWS, INV_COLS above); `cache`: an
+    [N, shard_valid] buffer that receives the tempered logits (the backward then skips its GEMM)."""
     n, h = hidden.shape
     dev = hidden.device
+    chunk_budget(dev)  # the backward's chunks follow it: a bad value is named here, at the first call
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     vv, start = params.shard_valid, params.vocab_start
     if start % exact.SEG:
@@ -103,7 +105,7 @@ def invariant_forward(hidden, weight, labels, inv_t, params: LCEParams) -> Shard
     mn = torch.full((n,), float("inf"), dtype=torch.float32, device=dev)
     zy = torch.zeros(n, dtype=torch.float32, device=dev)
     if vv == 0 or n == 0:  # a shard of padding only (or no rows): it contributes the merge's identities
-        return ShardStats(m=None, s=None, a=None, zy=zy, mn=mn, mx=mx, seg=seg)
+        return ShardStats(m=None, s=None, a=None, zy=zy, mn=mn, mx=mx, seg=seg, cache=cache)
     local = labels - start
     first = start - start % INV_COLS  # global start of the first column block touching the shard
     w_blocks = []
@@ -131,6 +133,8 @@ def invariant_forward(hidden, weight, labels, inv_t, params: LCEParams) -> Shard
             gn = exact.segments(hi - lo)
             seg[:, gs:gs + gn, t0:t1] = part[:, j0:j0 + gn, : t1 - t0]
             rv = r[: t1 - t0, lo - g0:hi - g0]
+            if cache is not None:
+                cache[t0:t1, lo - start:hi - start] = rv * (it[: t1 - t0, None] if torch.is_tensor(it) else it)
             torch.maximum(mx[t0:t1], rv.amax(1), out=mx[t0:t1])
             torch.minimum(mn[t0:t1], rv.amin(1), out=mn[t0:t1])
             col = yb - (lo - start)
@@ -138,7 +142,7 @@ def invariant_forward(hidden, weight, labels, inv_t, params: LCEParams) -> Shard
             picked = rv.gather(1, col.clamp(0, hi - lo - 1)[:, None]).squeeze(1)
             zy[t0:t1] += torch.where(own, picked, torch.zeros_like(picked))
     it_all = inv_t.to(torch.float32) if inv_t is not None else params.inv_t
-    return ShardStats(m=None, s=None, a=None, zy=zy * it_all, mn=mn, mx=mx, seg=seg)
+    return ShardStats(m=None, s=None, a=None, zy=zy * it_all, mn=mn, mx=mx, seg=seg, cache=cache)
 
 
 class TorchChunkedBackend:
@@ -151,13 +155,15 @@ class TorchChunkedBackend:
 
     def cache_spec(self, n, h, v_shard, dtype, params: LCEParams, keep_cache):
         vv = params.shard_valid
-        if keep_cache and vv > 0 and n * vv * 4 <= params.cache_bytes and not params.invariant:
+        if keep_cache and vv > 0 and n * vv * 4 <= params.cache_bytes:
             return (n, vv), (torch.float64 if dtype == torch.float64 else torch.float32)
         return None
 
     def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool) -> ShardStats:
         if params.invariant:
-            return invariant_forward(hidden, weight, labels, inv_t, params)
+            spec = self.cache_spec(hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype, params, keep_cache)
+            return invariant_forward(hidden, weight, labels, inv_t, params,
+                                     cache=None if spec is None else alloc(spec[0], spec[1], hidden.device))
         n, dev = hidden.shape[0], hidden.device
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         vv = params.shard_valid

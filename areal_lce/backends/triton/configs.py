@@ -41,6 +41,7 @@ MAX_SPLIT = 8192  # forward: cap on split width, so large N still gets a few spl
 BWD_PROGRAMS_PER_SM = 1  # backward: resident programs per SM of the persistent recompute kernel (one
 #                          128x256x64 program fills an SM's shared memory)
 MERGE_BLOCK_N = 128
+FOLD_SEGMENTS = 32  # invariant mode's fold: segments per program (the grid spans row blocks x segment chunks)
 LABEL_FIX_BLOCK_N = 256  # backward one-hot term
 CHECK_BLOCK = 1024  # deferred label / temperature check: labels per program
 LOCAL_LABELS_BLOCK = 1024  # global label ids -> the shard's int32 label columns: labels per program

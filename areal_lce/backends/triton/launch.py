@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from dataclasses import replace
 from typing import Any, Tuple
 
 import torch
@@ -52,8 +51,6 @@ from .gemms import Gemms
 from .value_check import record_labels
 from .kernels import (lce_bwd_kernel, lce_bwd_label_kernel, lce_fwd_kernel, lce_fwd_merge_kernel,
                       local_labels_kernel)
-from .segment_kernels import lce_fwd_seg_kernel, lce_seg_fold_kernel, lce_seg_reduce_kernel
-from ... import exact
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -221,8 +218,8 @@ class TritonBackend:
         split_v, n_splits = _split_plan(N, valid, cfg.block_n, _slots(dev), INTERPRET)
         if params.invariant:
             cache = _alloc(spec[0], torch.float32, dev) if use_cache else None
-            return self._forward_segments(hidden, weight, y, it, inv_t_scalar, params, cfg, split_v, n_splits,
-                                          cache)
+            from .segment_launch import forward_segments
+            return forward_segments(hidden, weight, y, it, inv_t_scalar, params, cfg, split_v, n_splits, cache)
         rows = 8 if sums else 6  # (m, s, a, zy, mn, mx[, Σr, Σr²])
         part = _alloc((rows, n_splits, N), torch.float32, dev)
         cache = _alloc(spec[0], torch.float32, dev) if use_cache else None
@@ -245,59 +242,14 @@ class TritonBackend:
         return ShardStats(m=out[0], s=out[1], a=out[2], zy=out[3], mn=out[4], mx=out[5], cache=cache,
                           lsum=out[6] if sums else None, lsq=out[7] if sums else None)
 
-    def _forward_segments(self, hidden, weight, y, it, inv_t_scalar, params: LCEParams, cfg, split_v, n_splits,
-                          cache) -> ShardStats:
-        """Invariant mode (exact.py): per-segment partials, then the exact per-row extrema and label logit.
-        The split plan may follow N: a segment's partials do not depend on which program computed it."""
-        N, H = hidden.shape
-        valid, dev, sums = params.shard_valid, hidden.device, params.logit_sums
-        seg_w = exact.SEG
-        if cfg.block_v % seg_w or split_v % cfg.block_v:
-            raise ValueError(f"triton backend: invariant mode needs BLOCK_V ({cfg.block_v}) a multiple of "
-                             f"{seg_w} dividing the split width ({split_v})")
-        sub = cfg.block_v // seg_w
-        if sub not in (1, 2):
-            raise ValueError(f"triton backend: invariant mode takes BLOCK_V of 128 or 256, got {cfg.block_v}")
-        G = exact.segments(valid)
-        k = 5 if sums else 3
-        if k * G * N >= 2 ** 31:
-            raise ValueError(f"triton backend: invariant mode's segment partials ({k} x {G} x {N}) exceed int32 "
-                             "offsets: split the call into fewer rows")
-        seg = _alloc((k, G, N), torch.float32, dev)
-        part = _alloc((2, n_splits, N), torch.float32, dev)
-        d_h = d_w = None
-        if configs.USE_TMA and TensorDescriptor is not None:
-            d_h, d_w = _descriptors(hidden, weight[:valid], replace(cfg, block_v=seg_w))
-        with _device_ctx(dev):
-            lce_fwd_seg_kernel[(triton.cdiv(N, cfg.block_n) * n_splits,)](
-                hidden, weight, d_h, d_w, y, it if it is not None else part, seg, part,
-                cache if cache is not None else part,
-                N, H, valid, G, split_v, n_splits, G * N, n_splits * N, inv_t_scalar,
-                HAS_INV_T=it is not None, HAS_CACHE=cache is not None, HAS_SUMS=sums,
-                BF16_LOGITS=params.bf16_logits, EVEN_K=H % cfg.block_k == 0, UPCAST=INTERPRET,
-                DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
-                SEG=seg_w, SUB=sub, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
-                CACHE_COLS=configs.CACHE_COLS, **_launch_opts(cfg),
-            )
-            out = _alloc((3, N), torch.float32, dev)
-            lce_seg_reduce_kernel[(triton.cdiv(N, configs.MERGE_BLOCK_N),)](
-                seg, part, out, N, G, n_splits, n_splits * N, BLOCK_N=configs.MERGE_BLOCK_N, num_warps=4)
-        return ShardStats(m=None, s=None, a=None, zy=out[2], mn=out[1], mx=out[0], cache=cache, seg=seg)
-
+    # invariant mode (exact.py): segment_launch.py, which imports this module's helpers
     def fold_segments(self, seg, mx, inv_t, scales):
-        """exact.fold_segments in one launch: int64 [3 or 5, N]."""
-        k, G, N = seg.shape
-        q = torch.empty((k, N), dtype=torch.int64, device=seg.device)
-        it = inv_t.to(torch.float32).contiguous() if torch.is_tensor(inv_t) else None
-        if N:
-            with _device_ctx(seg.device):
-                lce_seg_fold_kernel[(triton.cdiv(N, configs.MERGE_BLOCK_N),)](
-                    seg, mx.contiguous(), it if it is not None else mx,
-                    scales.contiguous() if scales is not None else mx, q, N, G, G * N,
-                    float(inv_t) if it is None else 1.0,
-                    HAS_INV_T=it is not None, HAS_SUMS=k == 5, SCALE=float(2 ** exact.FRAC_BITS),
-                    BLOCK_N=configs.MERGE_BLOCK_N, num_warps=4)
-        return q
+        from .segment_launch import fold_segments
+        return fold_segments(seg, mx, inv_t, scales)
+
+    def finish_folded(self, q, zy, mx, mn, inv_t, scales):
+        from .segment_launch import finish_folded
+        return finish_folded(q, zy, mx, mn, inv_t, scales)
 
     # ----------------------------------------------------------------------------------- backward
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,

@@ -8,16 +8,17 @@
                         same code on the same layout: a segment's bits do not depend on whether it is
                         the first or the second half of a tile, i.e. on the shard start, nor on the
                         split, the grid or N. Per split it also stores the raw min and the label logit.
-  lce_seg_reduce_kernel max of the segments' raw max, min over the splits, the label logit (exact).
+  lce_seg_reduce_kernel raw max, raw min and label logit over the splits (exact).
   lce_seg_fold_kernel   each segment's terms relative to the global max, converted to int64 with
-                        FRAC_BITS fractional bits and summed: exact, so any order gives the same bits.
+                        FRAC_BITS fractional bits and summed (integer atomics over chunks of segments):
+                        exact, so any order gives the same bits.
 
 BF16_LOGITS rounds every raw logit to bf16 right after the fp32 accumulation (logits_precision="bf16").
 """
 import triton
 import triton.language as tl
 
-from .kernels import IGNORED, LN2, LOG2E, _cache_tile, _tile_coords, round_bf16
+from .kernel_common import IGNORED, LN2, LOG2E, _cache_tile, _tile_coords, round_bf16
 
 
 @triton.jit
@@ -80,7 +81,7 @@ def _seg_logits(h, w, d_h, d_w, o_nc, o_vc0, o_vc1, row0, col0, H,
 
 
 @triton.jit
-def _seg_fold(b_r, c0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn, b_zy,
+def _seg_fold(b_r, c0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn, b_mx, b_zy,
               UPCAST: tl.constexpr, MASKED: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, BF16_LOGITS: tl.constexpr,
               SEG: tl.constexpr, CACHE_COLS: tl.constexpr):
     """Reduce one [BLOCK_N, SEG] raw-logits segment (local columns c0 + [0, SEG), valid below v_end) and
@@ -92,22 +93,22 @@ def _seg_fold(b_r, c0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c
         p_c = _cache_tile(z_cache, o_n, c0, N, SEG, CACHE_COLS)
         tl.store(p_c, b_r * b_it[:, None], mask=m_n[:, None] & (o_v < v_end)[None, :])
     b_zy += tl.sum(tl.where(o_v[None, :] == b_y[:, None], b_r, 0.0), 1)
+    # Both paths must give a fully valid segment the same bits (at another TP degree it sits in a masked
+    # tile): the same d·e product feeds the same sum (a where() between them would change whether the
+    # compiler fuses the product into the reduction's adds), masked columns entering as d = e = 0.
     if MASKED:
         m_v = (o_v < v_end)[None, :]
         b_mn = tl.minimum(b_mn, tl.min(tl.where(m_v, b_r, float("inf")), 1))
-        b_rm = tl.where(m_v, b_r, float("-inf"))
+        b_max = tl.max(tl.where(m_v, b_r, float("-inf")), 1)
+        b_d = tl.where(m_v, (b_r - b_max[:, None]) * b_c[:, None], 0.0)
+        b_e = tl.where(m_v, tl.exp2(b_d), 0.0)
     else:
         b_mn = tl.minimum(b_mn, tl.min(b_r, 1))
-        b_rm = b_r
-    b_max = tl.max(b_rm, 1)
-    b_d = (b_rm - b_max[:, None]) * b_c[:, None]
-    b_e = tl.exp2(b_d)
-    # d·e: masked columns give (-inf)·0; a valid column whose e underflows gives -0.0, which changes no
-    # sum that also holds the max column's +0.0 term: the where() is needed on the masked path only
-    if MASKED:
-        b_de = tl.sum(tl.where(b_e == 0.0, 0.0, b_d * b_e), 1)
-    else:
-        b_de = tl.sum(b_d * b_e, 1)
+        b_max = tl.max(b_r, 1)
+        b_d = (b_r - b_max[:, None]) * b_c[:, None]
+        b_e = tl.exp2(b_d)
+    b_mx = tl.maximum(b_mx, b_max)
+    b_de = tl.sum(b_d * b_e, 1)
     m_st = m_n & (g < G)
     p = seg + g * N + o_n
     tl.store(p, b_max, mask=m_st)
@@ -120,7 +121,7 @@ def _seg_fold(b_r, c0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c
             b_rs = b_r
         tl.store(p + 3 * stride_seg, tl.sum(b_rs, 1), mask=m_st)
         tl.store(p + 4 * stride_seg, tl.sum(b_rs * b_rs, 1), mask=m_st)
-    return b_mn, b_zy
+    return b_mn, b_mx, b_zy
 
 
 @triton.jit
@@ -133,8 +134,9 @@ def lce_fwd_seg_kernel(
     CACHE_COLS: tl.constexpr,
 ):
     """seg: fp32 [3, G, N] (raw max, s, a) per 128-column segment of this shard's V valid columns,
-    [5, G, N] with HAS_SUMS; part: fp32 [2, n_splits, N] (raw min, raw label logit) per split. SPLIT_V is a
-    multiple of SUB·SEG. A token block whose rows are all ignored folds no tile (its values stay unset;
+    [5, G, N] with HAS_SUMS. SPLIT_V is a
+    multiple of SUB·SEG. part: fp32 [3, n_splits, N] (raw min, tempered label logit, raw max) per split.
+    A token block whose rows are all ignored folds no tile (its values stay unset;
     the caller ignores those rows)."""
     i_pid = tl.program_id(0)
     n_blocks_n = tl.cdiv(N, BLOCK_N)
@@ -151,6 +153,7 @@ def lce_fwd_seg_kernel(
     b_c = b_it * LOG2E
     b_zy = tl.zeros([BLOCK_N], dtype=tl.float32)
     b_mn = tl.full([BLOCK_N], float("inf"), dtype=tl.float32)
+    b_mx = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
 
     TILE: tl.constexpr = SUB * SEG
     v_begin = i_s * SPLIT_V
@@ -165,41 +168,41 @@ def lce_fwd_seg_kernel(
                                  BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA)
         g = col0 // SEG
         if col0 + TILE <= v_end:
-            b_mn, b_zy = _seg_fold(b_r0, col0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c,
-                                   z_cache, b_mn, b_zy, UPCAST, False, HAS_CACHE, HAS_SUMS, BF16_LOGITS, SEG, CACHE_COLS)
+            b_mn, b_mx, b_zy = _seg_fold(b_r0, col0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c,
+                                   z_cache, b_mn, b_mx, b_zy, UPCAST, False, HAS_CACHE, HAS_SUMS, BF16_LOGITS, SEG, CACHE_COLS)
             if SUB == 2:
-                b_mn, b_zy = _seg_fold(b_r1, col0 + SEG, v_end, g + 1, G, seg, stride_seg, o_n, m_n, N, b_y, b_it,
-                                       b_c, z_cache, b_mn, b_zy, UPCAST, False, HAS_CACHE, HAS_SUMS, BF16_LOGITS, SEG,
+                b_mn, b_mx, b_zy = _seg_fold(b_r1, col0 + SEG, v_end, g + 1, G, seg, stride_seg, o_n, m_n, N, b_y, b_it,
+                                       b_c, z_cache, b_mn, b_mx, b_zy, UPCAST, False, HAS_CACHE, HAS_SUMS, BF16_LOGITS, SEG,
                                        CACHE_COLS)
         else:
-            b_mn, b_zy = _seg_fold(b_r0, col0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c,
-                                   z_cache, b_mn, b_zy, UPCAST, True, HAS_CACHE, HAS_SUMS, BF16_LOGITS, SEG, CACHE_COLS)
+            b_mn, b_mx, b_zy = _seg_fold(b_r0, col0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c,
+                                   z_cache, b_mn, b_mx, b_zy, UPCAST, True, HAS_CACHE, HAS_SUMS, BF16_LOGITS, SEG, CACHE_COLS)
             if SUB == 2:
                 if col0 + SEG < v_end:
-                    b_mn, b_zy = _seg_fold(b_r1, col0 + SEG, v_end, g + 1, G, seg, stride_seg, o_n, m_n, N, b_y,
-                                           b_it, b_c, z_cache, b_mn, b_zy, UPCAST, True, HAS_CACHE, HAS_SUMS,
+                    b_mn, b_mx, b_zy = _seg_fold(b_r1, col0 + SEG, v_end, g + 1, G, seg, stride_seg, o_n, m_n, N, b_y,
+                                           b_it, b_c, z_cache, b_mn, b_mx, b_zy, UPCAST, True, HAS_CACHE, HAS_SUMS,
                                            BF16_LOGITS, SEG, CACHE_COLS)
     p_part = part + i_s * N + o_n
     tl.store(p_part, b_mn, mask=m_n)
     tl.store(p_part + stride_part, b_zy * b_it, mask=m_n)
+    tl.store(p_part + 2 * stride_part, b_mx, mask=m_n)
 
 
 @triton.jit
-def lce_seg_reduce_kernel(seg, part, out, N, G, n_splits, stride_part, BLOCK_N: tl.constexpr):
-    """out fp32 [3, N] = (raw max over the segments, raw min over the splits, tempered label logit):
-    maxima, minima and a sum of one nonzero value, all exact in any order."""
+def lce_seg_reduce_kernel(part, out, N, n_splits, stride_part, BLOCK_N: tl.constexpr):
+    """out fp32 [3, N] = (raw max, raw min, tempered label logit) over the splits: maxima, minima and a
+    sum of one nonzero value, all exact in any order."""
     i_n = tl.program_id(0).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     b_mx = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-    for g in range(0, G):
-        b_mx = tl.maximum(b_mx, tl.load(seg + g * N + o_n, mask=m_n, other=float("-inf")))
     b_mn = tl.full([BLOCK_N], float("inf"), dtype=tl.float32)
     b_zy = tl.zeros([BLOCK_N], dtype=tl.float32)
     for i_s in range(0, n_splits):
         p = part + i_s * N + o_n
         b_mn = tl.minimum(b_mn, tl.load(p, mask=m_n, other=float("inf")))
         b_zy += tl.load(p + stride_part, mask=m_n, other=0.0)
+        b_mx = tl.maximum(b_mx, tl.load(p + 2 * stride_part, mask=m_n, other=float("-inf")))
     tl.store(out + o_n, b_mx, mask=m_n)
     tl.store(out + N + o_n, b_mn, mask=m_n)
     tl.store(out + 2 * N + o_n, b_zy, mask=m_n)
@@ -214,10 +217,13 @@ def _fixed(x, SCALE: tl.constexpr):
 @triton.jit
 def lce_seg_fold_kernel(seg, mx, inv_t, scales, q, N, G, stride_seg, inv_t_scalar,
                         HAS_INV_T: tl.constexpr, HAS_SUMS: tl.constexpr, SCALE: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
-    """q int64 [3, N] = (Σ s-terms, Σ a-terms, non-finite terms), [5, N] with HAS_SUMS (+ Σ r, Σ r² terms
-    scaled by scales [2, N]); mx: the global raw max. The arithmetic of exact.fold_segments."""
+                        BLOCK_N: tl.constexpr, G_CHUNK: tl.constexpr):
+    """q int64 [3, N] += (Σ s-terms, Σ a-terms, non-finite terms), [5, N] with HAS_SUMS (+ Σ r, Σ r² terms
+    scaled by scales [2, N]); mx: the global raw max. The arithmetic of exact.fold_segments. Grid: row
+    blocks x chunks of G_CHUNK segments; each program adds its chunk's integer sums with atomics
+    (integer additions: the same result in any order), q zero-filled by the caller."""
     i_n = tl.program_id(0).to(tl.int64)
+    g0 = tl.program_id(1) * G_CHUNK
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     b_mx = tl.load(mx + o_n, mask=m_n, other=0.0)
@@ -233,7 +239,7 @@ def lce_seg_fold_kernel(seg, mx, inv_t, scales, q, N, G, stride_seg, inv_t_scala
     if HAS_SUMS:
         b_sl = tl.load(scales + o_n, mask=m_n, other=0.0)
         b_sq = tl.load(scales + N + o_n, mask=m_n, other=0.0)
-    for g in range(0, G):
+    for g in range(g0, tl.minimum(g0 + G_CHUNK, G)):
         p = seg + g * N + o_n
         b_rm = tl.load(p, mask=m_n, other=0.0)
         b_s = tl.load(p + stride_seg, mask=m_n, other=0.0)
@@ -253,9 +259,45 @@ def lce_seg_fold_kernel(seg, mx, inv_t, scales, q, N, G, stride_seg, inv_t_scala
             b_qq += q3
             b_bad += e2 + e3
     p_q = q + o_n
-    tl.store(p_q, b_qs, mask=m_n)
-    tl.store(p_q + N, b_qa, mask=m_n)
-    tl.store(p_q + 2 * N, b_bad, mask=m_n)
+    tl.atomic_add(p_q, b_qs, mask=m_n)
+    tl.atomic_add(p_q + N, b_qa, mask=m_n)
+    tl.atomic_add(p_q + 2 * N, b_bad, mask=m_n)
     if HAS_SUMS:
-        tl.store(p_q + 3 * N, b_ql, mask=m_n)
-        tl.store(p_q + 4 * N, b_qq, mask=m_n)
+        tl.atomic_add(p_q + 3 * N, b_ql, mask=m_n)
+        tl.atomic_add(p_q + 4 * N, b_qq, mask=m_n)
+
+
+@triton.jit
+def lce_seg_finish_kernel(q, zy, mx, mn, inv_t, scales, out, N, inv_t_scalar, HAS_INV_T: tl.constexpr,
+                          HAS_SUMS: tl.constexpr, INV_SCALE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out fp32 [5, N] = (logprob, entropy, lse, max, min), [7, N] with HAS_SUMS (+ Σ r, Σ r²), from the
+    summed integers q: exact.finish's arithmetic (fp64, rounded once) in one launch."""
+    i_n = tl.program_id(0).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    b_s = tl.load(q + o_n, mask=m_n, other=1).to(tl.float64) * INV_SCALE
+    b_a = tl.load(q + N + o_n, mask=m_n, other=0).to(tl.float64) * INV_SCALE
+    b_bad = tl.load(q + 2 * N + o_n, mask=m_n, other=0) > 0
+    b_mx = tl.load(mx + o_n, mask=m_n, other=0.0)
+    b_mn = tl.load(mn + o_n, mask=m_n, other=0.0)
+    if HAS_INV_T:
+        b_it = tl.load(inv_t + o_n, mask=m_n, other=1.0)
+    else:
+        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + inv_t_scalar
+    b_m = (b_mx * b_it).to(tl.float64)
+    b_log_s = tl.log(b_s)
+    b_lse = b_m + b_log_s
+    b_lp = tl.load(zy + o_n, mask=m_n, other=0.0).to(tl.float64) - b_lse
+    b_ent = b_log_s - b_a / b_s
+    nan = float("nan")
+    p = out + o_n
+    tl.store(p, tl.where(b_bad, nan, b_lp.to(tl.float32)), mask=m_n)
+    tl.store(p + N, tl.where(b_bad, nan, b_ent.to(tl.float32)), mask=m_n)
+    tl.store(p + 2 * N, tl.where(b_bad, nan, b_lse.to(tl.float32)), mask=m_n)
+    tl.store(p + 3 * N, tl.where(b_bad, nan, b_mx), mask=m_n)
+    tl.store(p + 4 * N, tl.where(b_bad, nan, b_mn), mask=m_n)
+    if HAS_SUMS:
+        b_ls = tl.load(q + 3 * N + o_n, mask=m_n, other=0).to(tl.float64) / tl.load(scales + o_n, mask=m_n, other=1.0).to(tl.float64)
+        b_lq = tl.load(q + 4 * N + o_n, mask=m_n, other=0).to(tl.float64) / tl.load(scales + N + o_n, mask=m_n, other=1.0).to(tl.float64)
+        tl.store(p + 5 * N, tl.where(b_bad, nan, b_ls.to(tl.float32)), mask=m_n)
+        tl.store(p + 6 * N, tl.where(b_bad, nan, b_lq.to(tl.float32)), mask=m_n)

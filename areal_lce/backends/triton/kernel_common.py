@@ -1,0 +1,40 @@
+"""Constants and small @triton.jit helpers shared by kernels.py and segment_kernels.py."""
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+IGNORED = tl.constexpr(-2)  # local label of an ignore_index row (launch.py: _local_labels)
+
+
+@triton.jit
+def round_bf16(x, BITWISE: tl.constexpr):
+    """fp32 -> nearest bf16 (ties to even) -> fp32, as torch's .to(bfloat16) rounds. BITWISE (the CPU
+    interpreter, whose bf16 conversion does not round to nearest): on the bit pattern; on the GPU the
+    hardware conversion."""
+    if BITWISE:
+        b = x.to(tl.uint32, bitcast=True)
+        b = (b + (((b >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+        return b.to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _tile_coords(i_pid, n_blocks_n, n_blocks_v, GROUP_N: tl.constexpr):
+    """Grouped program order: GROUP_N token blocks share each vocab tile while it is hot in L2."""
+    width = GROUP_N * n_blocks_v
+    i_group = i_pid // width
+    first_n = i_group * GROUP_N
+    group_size = tl.minimum(n_blocks_n - first_n, GROUP_N)
+    i_n = first_n + (i_pid % width) % group_size
+    i_v = (i_pid % width) // group_size
+    return i_n, i_v
+
+
+@triton.jit
+def _cache_tile(z_cache, o_n, col0, N, BLOCK_V: tl.constexpr, CACHE_COLS: tl.constexpr):
+    """Pointers of rows o_n x columns [col0, col0 + BLOCK_V) in the [ceil(V / CACHE_COLS), N, CACHE_COLS]
+    cache (col0 is a multiple of BLOCK_V, which divides CACHE_COLS)."""
+    # col0 % CACHE_COLS is a multiple of BLOCK_V; saying so lets the loads and stores vectorise
+    off = tl.multiple_of((col0 // CACHE_COLS).to(tl.int64) * N * CACHE_COLS + col0 % CACHE_COLS, 16)
+    return z_cache + off + o_n[:, None] * CACHE_COLS + tl.arange(0, BLOCK_V)[None, :]

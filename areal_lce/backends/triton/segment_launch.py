@@ -1,0 +1,85 @@
+"""Launchers of invariant mode on the Triton backend (segment_kernels.py; exact.py states the arithmetic)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import triton
+
+from ... import exact
+from ...types import LCEParams
+from ..base import ShardStats
+from . import configs
+from .launch import INTERPRET, TensorDescriptor, _alloc, _descriptors, _device_ctx, _dot_precision, _launch_opts
+from .segment_kernels import lce_fwd_seg_kernel, lce_seg_finish_kernel, lce_seg_fold_kernel, lce_seg_reduce_kernel
+
+
+def forward_segments(hidden, weight, y, it, inv_t_scalar, params: LCEParams, cfg, split_v, n_splits,
+                      cache) -> ShardStats:
+    """Invariant mode (exact.py): per-segment partials, then the exact per-row extrema and label logit.
+    The split plan may follow N: a segment's partials do not depend on which program computed it."""
+    N, H = hidden.shape
+    valid, dev, sums = params.shard_valid, hidden.device, params.logit_sums
+    seg_w = exact.SEG
+    if cfg.block_v % seg_w or split_v % cfg.block_v:
+        raise ValueError(f"triton backend: invariant mode needs BLOCK_V ({cfg.block_v}) a multiple of "
+                         f"{seg_w} dividing the split width ({split_v})")
+    sub = cfg.block_v // seg_w
+    if sub not in (1, 2):
+        raise ValueError(f"triton backend: invariant mode takes BLOCK_V of 128 or 256, got {cfg.block_v}")
+    G = exact.segments(valid)
+    k = 5 if sums else 3
+    if k * G * N >= 2 ** 31:
+        raise ValueError(f"triton backend: invariant mode's segment partials ({k} x {G} x {N}) exceed int32 "
+                         "offsets: split the call into fewer rows")
+    seg = _alloc((k, G, N), torch.float32, dev)
+    part = _alloc((3, n_splits, N), torch.float32, dev)
+    d_h = d_w = None
+    if configs.USE_TMA and TensorDescriptor is not None:
+        d_h, d_w = _descriptors(hidden, weight[:valid], replace(cfg, block_v=seg_w))
+    with _device_ctx(dev):
+        lce_fwd_seg_kernel[(triton.cdiv(N, cfg.block_n) * n_splits,)](
+            hidden, weight, d_h, d_w, y, it if it is not None else part, seg, part,
+            cache if cache is not None else part,
+            N, H, valid, G, split_v, n_splits, G * N, n_splits * N, inv_t_scalar,
+            HAS_INV_T=it is not None, HAS_CACHE=cache is not None, HAS_SUMS=sums,
+            BF16_LOGITS=params.bf16_logits, EVEN_K=H % cfg.block_k == 0, UPCAST=INTERPRET,
+            DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
+            SEG=seg_w, SUB=sub, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
+            CACHE_COLS=configs.CACHE_COLS, **_launch_opts(cfg),
+        )
+        out = _alloc((3, N), torch.float32, dev)
+        lce_seg_reduce_kernel[(triton.cdiv(N, configs.MERGE_BLOCK_N),)](
+            part, out, N, n_splits, n_splits * N, BLOCK_N=configs.MERGE_BLOCK_N, num_warps=4)
+    return ShardStats(m=None, s=None, a=None, zy=out[2], mn=out[1], mx=out[0], cache=cache, seg=seg)
+
+def fold_segments(seg, mx, inv_t, scales):
+    """exact.fold_segments in one launch: int64 [3 or 5, N]."""
+    k, G, N = seg.shape
+    q = torch.zeros((k, N), dtype=torch.int64, device=seg.device)
+    it = inv_t.to(torch.float32).contiguous() if torch.is_tensor(inv_t) else None
+    if N and G:
+        with _device_ctx(seg.device):
+            lce_seg_fold_kernel[(triton.cdiv(N, configs.MERGE_BLOCK_N), triton.cdiv(G, configs.FOLD_SEGMENTS))](
+                seg, mx.contiguous(), it if it is not None else mx,
+                scales.contiguous() if scales is not None else mx, q, N, G, G * N,
+                float(inv_t) if it is None else 1.0,
+                HAS_INV_T=it is not None, HAS_SUMS=k == 5, SCALE=float(2 ** exact.FRAC_BITS),
+                BLOCK_N=configs.MERGE_BLOCK_N, G_CHUNK=configs.FOLD_SEGMENTS, num_warps=4)
+    return q
+
+def finish_folded(q, zy, mx, mn, inv_t, scales) -> exact.Finished:
+    """exact.finish in one launch."""
+    k, N = q.shape
+    sums = k == 5
+    out = _alloc((7 if sums else 5, N), torch.float32, q.device)
+    it = inv_t.to(torch.float32).contiguous() if torch.is_tensor(inv_t) else None
+    if N:
+        with _device_ctx(q.device):
+            lce_seg_finish_kernel[(triton.cdiv(N, configs.MERGE_BLOCK_N),)](
+                q, zy.contiguous(), mx.contiguous(), mn.contiguous(), it if it is not None else mx,
+                scales.contiguous() if sums else mx, out, N, float(inv_t) if it is None else 1.0,
+                HAS_INV_T=it is not None, HAS_SUMS=sums, INV_SCALE=2.0 ** -exact.FRAC_BITS,
+                BLOCK_N=configs.MERGE_BLOCK_N, num_warps=4)
+    return exact.Finished(out[0], out[1], out[2], out[3], out[4], out[5] if sums else None,
+                          out[6] if sums else None)
