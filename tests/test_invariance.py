@@ -21,6 +21,8 @@ from helpers.launch import torchrun
 
 FIELDS = ("logprobs", "entropy", "max_logit", "min_logit", "lse", "sum_logit", "sumsq_logit")
 BACKENDS = ["torch", "triton"]
+# the Triton kernels under the interpreter take seconds per case: the inner loop runs them once (row subsets)
+SLOW_TRITON = ["torch", pytest.param("triton", marks=pytest.mark.slow)]
 IGNORE = -100
 H, V = 48, 1100  # V: not a multiple of 128, so the last segment is partly padding
 
@@ -70,7 +72,7 @@ def test_row_subsets_and_permutations(backend):
     assert _subset_mismatches(backend, True) == 0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SLOW_TRITON)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_neighbours_compaction_cache_padding_temperature(backend, dtype):
     """Ignored neighbours, compact_ignored on / off, the logits cache on / off, padding rows past
@@ -122,7 +124,7 @@ def test_layouts_bshd_thd_and_context_parallel():
             assert torch.equal(cp.entropy[0], thd.entropy[0, pos])
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", SLOW_TRITON)
 def test_checks_catch_the_online_merge(backend):
     """The row-subset check fails on the online-softmax merge (invariant=False): it tests the contract."""
     assert _subset_mismatches(backend, False) > 0
@@ -186,6 +188,7 @@ def test_options_are_checked():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_tensor_parallel_degrees_are_bitwise_equal(tmp_path):
     """TP = 1, 2 and 4 over gloo (vocab padded to 128·tp, garbage padding rows, SP off and on), torch and
     Triton-interpreter backends, bf16 and fp32: every rank's outputs equal the TP=1 outputs bitwise."""
