@@ -56,9 +56,9 @@ def logprobs_entropy_from_logits(
     """logits [..., V_shard] (this rank's vocab shard under tp_group), labels [...] global ids.
 
     logits_precision: "fp32" takes the logits as given (upcast to fp32); "bf16" rounds each to bf16 first,
-    as the fused op's option does (the rounding's gradient is identity). invariant (None = True, as the
-    fused op's torch backend): each row's values do not depend on the other rows or on the TP degree
-    (exact.py's segment sums; the gradient is the ordinary one, through torch autograd). The contract
+    as the fused op's option does (the rounding's gradient is identity). invariant=True: each row's values
+    do not depend on the other rows or on the TP degree (exact.py's segment sums, three more passes over
+    the logits; the gradient is the ordinary one, through torch autograd); None (default): off. The contract
     covers these reductions given the logits: logits a model computes for a whole batch carry the batch
     dependence of that GEMM. check_labels as the op's (a label outside [0, vocab_size) that is not
     ignore_index raises, or with "deferred" gives NaN and check_deferred() raises).
@@ -76,7 +76,7 @@ def logprobs_entropy_from_logits(
     v_shard = logits.shape[-1]
     vocab_size = v_shard * tp if vocab_size is None else vocab_size
     asked = invariant is not None
-    invariant = resolve_invariant(invariant, "torch", logits.dtype)
+    invariant = resolve_invariant(invariant, "reference", logits.dtype)  # None: off (docs/op.md, Consistency)
     if invariant:
         invariant = check_invariant_layout(v_shard, tp, vocab_size, asked)
     start = comms.group_rank(tp_group) * v_shard
