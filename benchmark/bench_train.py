@@ -31,7 +31,7 @@ from .harness import run_meta, sync, write_json
 
 
 def _engine(args, fused: bool, trainable: bool = True):
-    from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
+    from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig
     from areal_lce.megatron.engine import MegatronEngine
 
     cfg = EngineConfig(
@@ -41,8 +41,9 @@ def _engine(args, fused: bool, trainable: bool = True):
         parallel=ParallelConfig(tensor_parallel=args.tp, sequence_parallel=args.sp),
         optim=OptimConfig(lr=1e-5, clip_grad=1.0), use_fused_linear_ce=fused, seed=1234,
         model_cuda_graphs={"auto": "auto", "on": True, "off": False}[getattr(args, "model_graphs", "auto")],
-        lce_cache_bytes=args.lce_cache_bytes if args.lce_cache_bytes == "auto" else int(args.lce_cache_bytes),
-        lce_compact_ignored={"auto": "auto", "on": True, "off": False}[getattr(args, "compact_ignored", "auto")])
+        lce=LCEConfig(
+            cache_bytes=args.lce_cache_bytes if args.lce_cache_bytes == "auto" else int(args.lce_cache_bytes),
+            compact_ignored={"auto": "auto", "on": True, "off": False}[getattr(args, "compact_ignored", "auto")]))
     return MegatronEngine(cfg, trainable=trainable)
 
 
@@ -177,9 +178,9 @@ def main():
     ap.add_argument("--logprob-max-tokens", default="auto",
                     help="rl.logprob_max_tokens of the logprob passes: tokens per forward, or auto (the job's "
                          "default: 16384 on the fused route, --micro-batch sequences on the materialised one)")
-    ap.add_argument("--lce-cache-bytes", default="0", help="engine.lce_cache_bytes of the fused route: bytes or auto")
+    ap.add_argument("--lce-cache-bytes", default="0", help="engine.lce.cache_bytes of the fused route: bytes or auto")
     ap.add_argument("--compact-ignored", choices=["auto", "on", "off"], default="auto",
-                    help="engine.lce_compact_ignored of the fused route: auto, true (on) or false (off)")
+                    help="engine.lce.compact_ignored of the fused route: auto, true (on) or false (off)")
     ap.add_argument("--rope-fusion", choices=["on", "off"], default="on",
                     help="model.rope_fusion of both routes (on: the fused RoPE kernel, the default)")
     ap.add_argument("--model-graphs", choices=["auto", "on", "off"], default="auto",

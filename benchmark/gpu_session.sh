@@ -6,7 +6,7 @@
 # Engine figures (issue 12, item 6): prof_engine bench_grpo bench_sft; LOGPROB_TOKENS=N ROUTES=materialised
 # bench_grpo runs one route at a given rl.logprob_max_tokens; ROPE=off runs bench_sft / bench_grpo with
 # model.rope_fusion off (megatron's unfused RoPE); GRAPHS=on|off: engine.model_cuda_graphs on both routes / off
-# (default auto); COMPACT=on|off: engine.lce_compact_ignored true / false (default auto); STEPS=N: steps of bench_sft / bench_grpo (their first step and a graph capture step are
+# (default auto); COMPACT=on|off: engine.lce.compact_ignored true / false (default auto); STEPS=N: steps of bench_sft / bench_grpo (their first step and a graph capture step are
 # included in step_s_all, the medians skip step 0).
 set -u
 OUT=${OUT:-bench_out}

@@ -19,7 +19,7 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from areal_lce.megatron.microbatch import MicroBatch  # noqa: E402
-from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
 
 GREEDY_PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]]
@@ -96,7 +96,7 @@ def engine(fused: bool, *, sp: bool, tied: bool, seam: str = "auto", lr: float =
     cfg = EngineConfig(model=model, parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp,
                                                             context_parallel=cp),
                        optim=OptimConfig(lr=lr, clip_grad=0.0 if lr == 0 else 1.0),
-                       use_fused_linear_ce=fused, capture_seam=seam, lce_backend="torch", pack_sequences=pack)
+                       use_fused_linear_ce=fused, capture_seam=seam, lce=LCEConfig(backend="torch"), pack_sequences=pack)
     return MegatronEngine(cfg, vocab_size=vocab)
 
 

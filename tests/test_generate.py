@@ -26,7 +26,7 @@ from test_megatron_capture import worker_results  # noqa: E402
 
 from areal_lce.megatron import decode as D  # noqa: E402
 from areal_lce.megatron import generate as G  # noqa: E402
-from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig  # noqa: E402
+from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig  # noqa: E402
 from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
 from areal_lce.megatron.kv_attention import cached_attention  # noqa: E402
 
@@ -37,7 +37,7 @@ PROMPTS = [[5, 9, 2, 7, 1, 3, 8, 4, 6, 10, 11], [17, 3, 1], [400], [21, 22, 23, 
 
 def _engine(attention: str = "sdpa", seam: str = "auto", max_seq_len: int = 64) -> MegatronEngine:
     cfg = EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=max_seq_len, attention=attention),
-                       optim=OptimConfig(lr=0.0), lce_backend="torch", capture_seam=seam,
+                       optim=OptimConfig(lr=0.0), lce=LCEConfig(backend="torch"), capture_seam=seam,
                        pack_sequences=attention == "sdpa")  # megatron's attention takes no packed rows
     return MegatronEngine(cfg, vocab_size=W.VOCAB)
 

@@ -14,7 +14,7 @@ while their layouts differ. What must hold:
   graphs_logprobs   token_stats(grad=False) of four layouts of the same shape: replayed from the second
                     on, equal to the eager engine's statistics.
 Untied (Qwen2-shaped) and tied (Llama-shaped) tiny presets. The padded rows leave about a third of each
-micro-batch without a target, so `engine.lce_compact_ignored: auto` compacts them (the op's partition
+micro-batch without a target, so `engine.lce.compact_ignored: auto` compacts them (the op's partition
 runs inside the graphs); `false` keeps the rows in place (the Triton kernels skip ignored blocks).
 
 Run: `python -m pytest -q -m gpu tests/test_gpu_graphs.py`, or through `python -m benchmark.gpu_check`.
@@ -34,14 +34,14 @@ STEPS = ((LAYOUTS[0], LAYOUTS[1]), (LAYOUTS[2], SHORT[0]), (SHORT[1], LAYOUTS[3]
 
 def _engines(preset: str, compact="auto"):
     pytest.importorskip("megatron.core")
-    from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig
+    from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig
     from areal_lce.megatron.engine import MegatronEngine
 
     out = {}
     for graphs in (True, False):
         cfg = EngineConfig(model=ModelConfig(preset=preset, dtype="bf16", max_seq_len=64, attention="sdpa"),
                            optim=OptimConfig(lr=0.0, clip_grad=0.0), pack_sequences=True, seed=7,
-                           model_cuda_graphs=graphs, cuda_graph_token_multiple=64, lce_compact_ignored=compact)
+                           model_cuda_graphs=graphs, cuda_graph_token_multiple=64, lce=LCEConfig(compact_ignored=compact))
         out[graphs] = MegatronEngine(cfg, vocab_size=500)
     assert out[True].graphs is not None and out[False].graphs is None
     return out

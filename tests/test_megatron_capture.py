@@ -23,7 +23,7 @@ import megatron_worker as W  # noqa: E402
 
 from areal_lce.megatron import capture  # noqa: E402
 from areal_lce.megatron.microbatch import MicroBatch  # noqa: E402
-from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
 
 STATS_ATOL = 1e-5  # fp32, same weights: only summation order differs between the routes
@@ -43,7 +43,7 @@ def tp1_engine(fused: bool, *, tied: bool, seam: str = "auto", lr: float = 0.0, 
                seq: int = 64) -> MegatronEngine:
     cfg = EngineConfig(model=ModelConfig(preset="tiny", tie_word_embeddings=tied, max_seq_len=seq),
                        optim=OptimConfig(lr=lr, clip_grad=0.0 if lr == 0 else 1.0),
-                       use_fused_linear_ce=fused, capture_seam=seam, lce_backend="torch")
+                       use_fused_linear_ce=fused, capture_seam=seam, lce=LCEConfig(backend="torch"))
     return MegatronEngine(cfg, vocab_size=vocab)
 
 
@@ -290,7 +290,7 @@ def test_float16module_bf16_routes_agree():
     res = {}
     for fused in (True, False):
         cfg = EngineConfig(model=ModelConfig(preset="tiny", dtype="bf16", max_seq_len=64),
-                           optim=OptimConfig(lr=0.0, clip_grad=0.0), use_fused_linear_ce=fused, lce_backend="torch")
+                           optim=OptimConfig(lr=0.0, clip_grad=0.0), use_fused_linear_ce=fused, lce=LCEConfig(backend="torch"))
         e = MegatronEngine(cfg, vocab_size=W.VOCAB)
         assert type(e.model.module).__name__ == "Float16Module"
         st = e.token_stats(ids, labels)

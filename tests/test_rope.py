@@ -182,7 +182,7 @@ def test_packed_engine_step_equals_unfused(monkeypatch):
     gives the unfused engine's statistics and gradient norm; the config says which ran."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig
+    from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig
     from areal_lce.megatron.engine import MegatronEngine
     from areal_lce.megatron.microbatch import MicroBatch
 
@@ -201,7 +201,7 @@ def test_packed_engine_step_equals_unfused(monkeypatch):
     out = {}
     for fused in (False, True):
         cfg = EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=32, rope_fusion=fused),
-                           optim=OptimConfig(lr=0.0, clip_grad=0.0), lce_backend="torch", seed=3)
+                           optim=OptimConfig(lr=0.0, clip_grad=0.0), lce=LCEConfig(backend="torch"), seed=3)
         eng = MegatronEngine(cfg, vocab_size=200)
         assert eng.gpt.config.apply_rope_fusion == fused
         stats = eng.token_stats(ids, labels)

@@ -22,7 +22,7 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from areal_lce.megatron.microbatch import MicroBatch  # noqa: E402
-from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
 
 VOCAB = 500
@@ -56,7 +56,7 @@ def main():
                 cfg = EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=64),
                                    parallel=ParallelConfig(tensor_parallel=args.tp, sequence_parallel=args.sp,
                                                            context_parallel=cp),
-                                   optim=OptimConfig(lr=3e-3), use_fused_linear_ce=fused, lce_backend="torch",
+                                   optim=OptimConfig(lr=3e-3), use_fused_linear_ce=fused, lce=LCEConfig(backend="torch"),
                                    pack_sequences=pack)
                 e = MegatronEngine(cfg, vocab_size=VOCAB)
                 losses[cp] = [e.train_step([MicroBatch(i, l) for i, l in
