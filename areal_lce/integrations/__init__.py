@@ -4,7 +4,11 @@
                                    Megatron fused forward
     areal_lce.integrations.areal   `chunked_lm_head_logprobs_entropy` with AReaL's contract, `apply()`
                                    patches AReaL's Megatron engine
+    areal_lce.integrations.nemo_rl `from_parallel_hidden_states_to_logprobs` with NeMo-RL's contract,
+                                   `apply()` patches NeMo-RL's fused linear-logprobs forward
+    areal_lce.integrations.slime   `calculate_log_probs_and_entropy` of slime, from hidden states and the
+                                   LM-head weight shard instead of logits
 
-Each module imports nothing of its framework at import time (only `apply()` does), so both import on a
-machine that has neither. See docs/integrations.md.
+Each module imports nothing of its framework at import time (only `apply()` does), so each imports on a
+machine that has none of them. See docs/integrations.md.
 """
