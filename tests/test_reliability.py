@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import tempfile
 import types
@@ -379,7 +380,9 @@ def test_sft_at_tp2_with_an_all_padding_lm_head_shard_trains_on_both_routes():
     assert padded_vocab_size(259, 512, 2) == 1024  # rank 1's 512 rows are ids 512..1023: padding only
     losses = _case("sft_padding")["0"]["losses"]
     assert len(losses["True"]) == 3 and all(5.0 < x < 5.7 for x in losses["True"]), losses
-    assert losses["True"] == pytest.approx(losses["False"], rel=1e-5), losses
+    # flag off: megatron-core's own loss, whose softmax also runs over the 765 padded columns (randomly
+    # initialised, as in Megatron-LM): on the same first-step parameters its loss is the larger
+    assert all(math.isfinite(x) for x in losses["False"]) and losses["False"][0] > losses["True"][0], losses
 
 
 @pytest.mark.distributed

@@ -79,6 +79,13 @@ class ModelConfig:
                   "activations (megatron-core's full, uniform recompute of one layer at a time): long "
                   "sequences fit at the cost of one more forward"},
     )
+    cross_entropy_loss_fusion: bool = field(
+        default=False,
+        metadata={"help": "megatron-core's cross_entropy_loss_fusion: with use_fused_linear_ce=false, the SFT loss "
+                  "(megatron-core's own labels= loss) takes its per-token cross entropy from megatron's "
+                  "fused_vocab_parallel_cross_entropy instead of vocab_parallel_cross_entropy (the logits are "
+                  "built either way). No effect on the fused route or on the RL jobs' logprob passes"},
+    )
     vocab_size: int = field(
         default=0,
         metadata={"help": "true vocabulary size override (0: from the tokenizer passed to the engine, "

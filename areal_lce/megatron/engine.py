@@ -16,7 +16,9 @@ What runs where:
 
 The LM-head route is chosen once, at construction: `self.route` (route.py) from `use_fused_linear_ce`,
 `capture_seam` and `engine.lce` (backend, cache_bytes, invariant, logits_precision; compact_ignored is
-chosen per micro-batch); `token_stats`, `train_step` and `generate` all run through it. Callers pass
+chosen per micro-batch); `token_stats`, `train_step` and `generate` all run through it, except that on the
+materialised route `train_step` runs a loss reading only logprobs (`loss_fn.logprobs_only`: the SFT loss)
+through megatron-core's own `labels=` loss (own_loss.py), as Megatron-LM does. Callers pass
 right-padded [b, s] batches; with `pack_sequences` the engine packs them into
 one THD row per micro-batch (batch.py) and returns stats in the padded layout. Pipeline parallelism
 runs Megatron's 1F1B schedule (schedule.py; the capture seam only runs on the last stage, whose
@@ -51,6 +53,7 @@ from .config import EngineConfig
 from .microbatch import MicroBatch, check_microbatches
 from .model import build_gpt_model, load_hf_checkpoint, resolve_arch, use_te_spec
 from .optim import build_optimizer, lr_at, optimizer_step
+from .own_loss import check_temperature_one, logprobs_only, megatron_loss_call
 from .parallel import init_distributed, object_from_last_stage
 from .route import Route
 from .stats import TokenStats
@@ -158,9 +161,22 @@ class MegatronEngine:
                                     packed_seq_params=mb.packed_seq_params, temperature=float(temperature),
                                     compact_ignored=mb.compact_ignored)
 
-    def _schedule_kwargs(self) -> dict:
+    def _call_megatron_loss(self, mb: ModelBatch, temperature: float) -> torch.Tensor:
+        """One model call through megatron-core's own `labels=` loss (own_loss.py): packed [b, s, 4] with
+        the logprobs in channel 0 on the last pipeline stage, hidden states on the others."""
+        check_temperature_one(temperature)
+        with per_token_rope(self.gpt, mb):
+            return megatron_loss_call(self.model, self.gpt, mb)
+
+    def uses_megatron_loss(self, loss_fn) -> bool:
+        """Whether train_step runs `loss_fn` on megatron-core's own loss path: the materialised route
+        (use_fused_linear_ce=false) and a loss that reads only the logprobs (`loss_fn.logprobs_only`)."""
+        return not self.route.fused and bool(getattr(loss_fn, "logprobs_only", False))
+
+    def _schedule_kwargs(self, megatron_loss: bool = False) -> dict:
         """How the pipeline schedule prepares and runs this engine's micro-batches (schedule.py)."""
-        return dict(prepare=self._prepare, call_model=self._call_model, pack=self.cfg.pack_sequences,
+        call = self._call_megatron_loss if megatron_loss else self._call_model
+        return dict(prepare=self._prepare, call_model=call, pack=self.cfg.pack_sequences,
                     seq_multiple=self._seq_multiple())
 
     @cpu_shims()
@@ -196,7 +212,9 @@ class MegatronEngine:
     def train_step(self, microbatches: List[MicroBatch], loss_fn: Callable) -> Dict[str, float]:
         """One optimizer step over `microbatches`: `loss_fn(stats, mb)` -> (loss, metrics) per micro-batch
         (the engine sums the losses: normalise them in loss_fn), backward, gradient reduction, clipping
-        and the step. `loss_fn` receives each micro-batch with its tensor fields on the engine's device
+        and the step. On the materialised route a `loss_fn` whose `logprobs_only` attribute is true (the
+        SFT loss) runs on megatron-core's own loss path instead (own_loss.py: GPTModel's `labels=` loss,
+        never graphed): its stats hold the logprobs, and None for entropy, max_logit and min_logit. `loss_fn` receives each micro-batch with its tensor fields on the engine's device
         (`MicroBatch.to`). Returns the data-parallel mean of loss and metrics, grad_norm, lr, tokens,
         peak_mem_gib and peak_reserved_gib (the same on every rank)."""
         from megatron.core.distributed import finalize_model_grads
@@ -214,7 +232,11 @@ class MegatronEngine:
         # there would make the host wait for the forward before it can issue the backward
         staged = [mb.to(self.device) for mb in microbatches]
 
+        megatron_loss = self.uses_megatron_loss(loss_fn)
+
         def account(mb, stats):
+            if megatron_loss:
+                stats = logprobs_only(stats)
             loss, metrics = loss_fn(stats, mb)
             for k, v in (("loss", loss), *(metrics or {}).items()):
                 v = v.detach().to(self.device, torch.float64) if torch.is_tensor(v) else float(v)
@@ -223,10 +245,14 @@ class MegatronEngine:
 
         if self.dist.pp_size > 1:
             schedule.stats_schedule(self.model, microbatches, on_stats=lambda i, st: account(staged[i], st),
-                                    forward_only=False, **self._schedule_kwargs())
+                                    forward_only=False, **self._schedule_kwargs(megatron_loss))
         else:
             for mb, on_device in zip(microbatches, staged):
-                stats = self._stats(mb.input_ids, mb.labels, mb.temperature, graphed=True)
+                if megatron_loss:
+                    batch = self._prepare(mb.input_ids, mb.labels)
+                    stats = batch.stats(self._call_megatron_loss(batch, mb.temperature))
+                else:
+                    stats = self._stats(mb.input_ids, mb.labels, mb.temperature, graphed=True)
                 # Under CP every rank holds the full statistics and the same loss, and its backward reaches
                 # only its own tokens; megatron's DDP averages over data x context parallel ranks, so the
                 # loss is scaled by cp for that average to be the sum of the CP shares (as Megatron-LM does).

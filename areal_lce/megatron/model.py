@@ -166,9 +166,10 @@ def use_te_spec() -> bool:
 
 
 def build_transformer_config(arch: ArchSpec, parallel: ParallelConfig, dtype: torch.dtype, recompute: bool = False,
-                             rope_fusion: bool = False):
+                             rope_fusion: bool = False, cross_entropy_loss_fusion: bool = False):
     """megatron-core TransformerConfig of the architecture. `rope_fusion`: set apply_rope_fusion (the fused
-    RoPE slots must be filled first: rope.install_rope_fusion)."""
+    RoPE slots must be filled first: rope.install_rope_fusion). `cross_entropy_loss_fusion`: megatron's
+    own labels= loss through fused_vocab_parallel_cross_entropy (model.cross_entropy_loss_fusion)."""
     from megatron.core.transformer import TransformerConfig
 
     cpu = not torch.cuda.is_available()
@@ -189,7 +190,7 @@ def build_transformer_config(arch: ArchSpec, parallel: ParallelConfig, dtype: to
             params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
             use_cpu_initialization=cpu, gradient_accumulation_fusion=False, persist_layer_norm=False,
             bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-            apply_rope_fusion=rope_fusion, cross_entropy_loss_fusion=False,
+            apply_rope_fusion=rope_fusion, cross_entropy_loss_fusion=cross_entropy_loss_fusion,
             attention_softmax_in_fp32=True,
             recompute_granularity="full" if recompute else None, recompute_method="uniform" if recompute else None,
             recompute_num_layers=1 if recompute else None,
@@ -220,7 +221,8 @@ def build_gpt_model(arch: ArchSpec, model_cfg: ModelConfig, parallel: ParallelCo
     # megatron's fused-RoPE slots hold Transformer Engine's kernels when it is installed; else ours
     fuse_rope = model_cfg.rope_fusion and not te and rope.fusion_usable() and rope.install_rope_fusion()
     config = build_transformer_config(arch, parallel, dtype, recompute=model_cfg.activation_recompute,
-                                      rope_fusion=fuse_rope)
+                                      rope_fusion=fuse_rope,
+                                      cross_entropy_loss_fusion=model_cfg.cross_entropy_loss_fusion)
     if te:
         layer_spec = get_gpt_layer_with_transformer_engine_spec()
     else:

@@ -4,8 +4,12 @@
 
 Each optimizer step takes global batch `step` of the dataset (a pure function of the data seed and
 the step), gives every data-parallel rank its contiguous slice (DP = world / (TP x PP x CP)), splits the
-slice into micro-batches and calls `engine.train_step`. The per-token statistics come from the fused
-linear op at the LM head when `engine.use_fused_linear_ce` is true, else from materialised logits.
+slice into micro-batches and calls `engine.train_step`. With `engine.use_fused_linear_ce: true` the
+per-token logprobs, entropy and logit extremes come from the fused linear op at the LM head; with false
+the loss is megatron-core's own (GPTModel's `labels=` loss through `compute_language_model_loss`,
+megatron/own_loss.py), which builds no per-token entropy or logit extremes: that run's metrics and plot
+have no entropy, max_logit or min_logit (STATS_KEYS), and its loss takes the softmax over megatron's
+padded vocabulary.
 The run loop (loop.py) writes metrics.jsonl, config.yaml, metrics.png and checkpoints.
 """
 from __future__ import annotations
@@ -24,6 +28,7 @@ from .tokenizer import load_tokenizer
 
 # how the loss's per-rank sums become the global batch's (job.reduce_metrics)
 _REDUCE = {"nll": "sum", "entropy": "sum", "tokens": "sum", "max_logit": "max", "min_logit": "min"}
+STATS_KEYS = ("entropy", "max_logit", "min_logit")  # what megatron-core's own loss path does not compute
 
 
 class SFTJob:
@@ -48,9 +53,19 @@ class SFTJob:
         from ..megatron.engine import MegatronEngine
 
         self.engine = MegatronEngine(self.cfg.engine, vocab_size=self.vocab_size)
+        self.megatron_loss = self.engine.uses_megatron_loss(SFTLoss)
+        if self.megatron_loss:  # no logits kept: no entropy or logit-extreme metrics
+            self.log_keys = tuple(k for k in LOG_KEYS if k not in STATS_KEYS)
+            self.plot_keys = tuple(k for k in PLOT_KEYS if k not in STATS_KEYS)
+            self.plot_title = "SFT (megatron-core's own loss: no entropy or logit extremes)"
 
     def banner(self) -> str:
-        return f"{len(self.dataset)} examples, {run_banner(self.engine, self.tok)}"
+        text = f"{len(self.dataset)} examples, {run_banner(self.engine, self.tok)}"
+        if self.megatron_loss:
+            fusion = self.cfg.engine.model.cross_entropy_loss_fusion
+            text += (f"; SFT loss: megatron-core's own (compute_language_model_loss, cross_entropy_loss_fusion="
+                     f"{str(fusion).lower()}; metrics without {', '.join(STATS_KEYS)})")
+        return text
 
     def step(self, step: int) -> dict:
         tr, d, data = self.cfg.trainer, self.dist, self.dataset
@@ -63,14 +78,15 @@ class SFTJob:
         result = self.engine.train_step(mbs, loss_fn)
         dt = time.perf_counter() - t0
         # under PP only the last stage ran the loss (the others hold 0 and -inf/+inf): reduced over both
-        s = reduce_metrics(loss_fn.sums(), _REDUCE, d, over_pipeline=True)
+        keep = ("nll", "tokens") + (() if self.megatron_loss else STATS_KEYS)  # the same keys on every stage
+        s = reduce_metrics({k: v for k, v in loss_fn.sums().items() if k in keep}, _REDUCE, d, over_pipeline=True)
         tokens = int(round(s["tokens"]))
         n = max(tokens, 1)
+        stats = {} if self.megatron_loss else {"entropy": s["entropy"] / n, "max_logit": s["max_logit"],
+                                               "min_logit": s["min_logit"]}
         return {
             "loss": s["nll"] / n,
-            "entropy": s["entropy"] / n,
-            "max_logit": s["max_logit"],
-            "min_logit": s["min_logit"],
+            **stats,
             "grad_norm": float(result.get("grad_norm", float("nan"))),
             "lr": float(result.get("lr", float("nan"))),
             "tokens": tokens,  # loss (target) tokens of the global batch
