@@ -54,6 +54,55 @@ def test_slime_matches_reference(dtype, entropy):
                                 with_entropy_grad=entropy != "no-grad"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_slime_step_matches_reference(dtype):
+    # the log-prob step on 3 packed samples: slime's shift and per-sample response spans (a stand-in of its
+    # loss module at CP = 1), temperature 0.7, entropy gradient on (entropy_coef != 0)
+    check("step", W.slime_step_case(dtype, 1, None, 0, False))
+
+
+def test_slime_step_refusals():
+    step = lce_slime.log_probs_step(W.ContractLoss(None), lambda: torch.randn(16, 8))
+    from argparse import Namespace
+    kw = dict(args=Namespace(allgather_cp=False, rollout_temperature=1.0), unconcat_tokens=[torch.arange(4)],
+              total_lengths=[4], response_lengths=[2])
+    with pytest.raises(NotImplementedError, match="top-p replay"):
+        step(torch.randn(4, 1, 8), top_p_token_ids=[[1]], top_p_token_offsets=[[0]], **kw)
+    with pytest.raises(ValueError, match=r"\[T, 1, H\]"):
+        step(torch.randn(4, 8), **kw)
+    with pytest.raises(TypeError, match="weight_fn"):
+        lce_slime.log_probs_step(W.ContractLoss(None), torch.randn(16, 8))
+    with pytest.raises(TypeError, match="set by the adapter"):
+        lce_slime.log_probs_step(W.ContractLoss(None), lambda: None, temperature=2.0)
+
+
+def test_slime_apply_and_remove(monkeypatch):
+    import types
+    mods = {}
+    for name in ("slime", "slime.backends", "slime.backends.megatron_utils", *lce_slime.STEP_TARGETS):
+        mods[name] = types.ModuleType(name)
+        monkeypatch.setitem(sys.modules, name, mods[name])
+    originals = {}
+    for name in lce_slime.STEP_TARGETS:
+        originals[name] = mods[name].get_log_probs_and_entropy = object()
+    loss = mods[lce_slime.LOSS_MODULE]
+    loss.mpu, loss._build_shifted_tokens = W.StubMPU(None), W.ContractLoss._build_shifted_tokens
+    loss._extract_per_sample = W.ContractLoss._extract_per_sample
+    weight = torch.randn(16, 8)
+    names = [f"{n}.get_log_probs_and_entropy" for n in lce_slime.STEP_TARGETS]
+    assert lce_slime.apply(lambda: weight, backend="torch") == names
+    try:
+        from argparse import Namespace
+        _, res = loss.get_log_probs_and_entropy(
+            torch.randn(1, 6, 8), args=Namespace(allgather_cp=False), unconcat_tokens=[torch.arange(6) % 16],
+            total_lengths=[6], response_lengths=[3], with_entropy=True)
+        assert [t.shape for t in res["log_probs"]] == [(3,)] and [t.shape for t in res["entropy"]] == [(3,)]
+        assert mods[lce_slime.STEP_TARGETS[1]].get_log_probs_and_entropy is loss.get_log_probs_and_entropy
+    finally:
+        assert lce_slime.remove() == names
+    assert all(mods[n].get_log_probs_and_entropy is originals[n] for n in lce_slime.STEP_TARGETS)
+
+
 def _nemo_args(s=4, b=2, h=8, v=16, dtype=torch.float32):
     return torch.randn(s, b, h, dtype=dtype), torch.randn(v, h, dtype=dtype), torch.randint(0, v, (b, s))
 
@@ -158,10 +207,11 @@ def worker_results() -> dict:
 @pytest.mark.slow
 def test_tp2_matches_reference_and_is_invariant():
     # the SP shard of d_hidden (NeMo-RL), the reduced d_hidden (slime), d_weight per shard; padding rows on
-    # rank 1 in exact mode; a token's logprob bitwise equal at TP=1 and TP=2 through each adapter
+    # rank 1 in exact mode; the slime step with and without sequence parallel; a token's logprob bitwise
+    # equal at TP=1 and TP=2 through each adapter
     res = worker_results()
     cases = [c for c in res if "-ref-tp2" in c or c.startswith("invariant")]
-    assert len(cases) == 13, sorted(res)
+    assert len(cases) == 17, sorted(res)
     for case in cases:
         check(case, res[case])
 
@@ -171,9 +221,10 @@ def test_tp2_matches_reference_and_is_invariant():
 @pytest.mark.skipif(not peers_present(), reason=f"NeMo-RL / slime snapshot files not in {PEERS} (no network in CI; "
                     "docs/integrations.md 'Validation against the real code' says how to extract them)")
 def test_matches_the_stacks_real_functions():
-    # NeMo-RL's and slime's own functions, loaded by path in the ranks: outputs and gradients, TP=1 and TP=2
+    # NeMo-RL's and slime's own functions, loaded by path in the ranks: outputs and gradients, TP=1 and TP=2;
+    # slime's get_log_probs_and_entropy (packed THD, 3 samples, temperature 0.7) against the log-prob step
     res = worker_results()
     cases = [c for c in res if "-peer-" in c]
-    assert len(cases) == 12, sorted(res)
+    assert len(cases) == 18, sorted(res)
     for case in cases:
         check(case, res[case])

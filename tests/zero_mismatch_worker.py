@@ -4,7 +4,8 @@
 
 PEERS: a folder holding NeMo-RL's nemo_rl/distributed/model_utils.py (+ nemo_rl/algorithms/
 logits_sampling_utils.py, its one import) as PEERS/nemo_rl/{model_utils,logits_sampling_utils}.py and
-slime's slime/utils/ppo_utils.py as PEERS/slime/ppo_utils.py, extracted from snapshots (PEERS/COMMITS names
+slime's slime/utils/ppo_utils.py as PEERS/slime/ppo_utils.py (and, for its log-prob step, loss.py with what it
+imports of slime under PEERS/slime/full/slime/...), extracted from snapshots (PEERS/COMMITS names
 them; tests/test_integrations_zero_mismatch.py says how). Loaded by file path in this process only: never
 inside pytest. Without PEERS only the reference cases run.
 Every rank builds the same full inputs; TP=1 cases run on each rank alone (a one-rank group), TP=2 cases
@@ -51,6 +52,117 @@ def load_peers(peers: str):
             load("peer_slime_ppo_utils", os.path.join(peers, "slime", "ppo_utils.py")))
 
 
+def load_slime_loss(peers: str, ppo_utils):
+    """slime's loss module (slime/backends/megatron_utils/loss.py) and what it imports of slime, by path, from
+    PEERS/slime/full/; the package __init__s (megatron patches, HTTP client) are not run: empty packages
+    stand in, and slime.utils.http_utils is a stub (misc.py imports one function of it)."""
+    root = os.path.join(peers, "slime", "full", "slime")
+    for pkg, sub in (("slime", ""), ("slime.utils", "utils"), ("slime.backends", "backends"),
+                     ("slime.backends.megatron_utils", "backends/megatron_utils")):
+        mod = sys.modules.setdefault(pkg, types.ModuleType(pkg))
+        mod.__path__ = [os.path.join(root, sub)]
+    http = sys.modules.setdefault("slime.utils.http_utils", types.ModuleType("slime.utils.http_utils"))
+    http.is_port_available = lambda port: True
+    sys.modules["slime.utils.ppo_utils"] = ppo_utils
+    for name in ("utils.misc", "utils.types", "utils.distributed_utils", "backends.megatron_utils.cp_utils",
+                 "backends.megatron_utils.loss"):
+        load(f"slime.{name}", os.path.join(root, *name.split(".")) + ".py")
+    return sys.modules["slime.backends.megatron_utils.loss"]
+
+
+class StubMPU:
+    """megatron's parallel_state as slime's loss module asks it (TP group; CP = 1)."""
+
+    def __init__(self, tp_group):
+        self.tp_group = tp_group
+
+    def get_tensor_model_parallel_group(self):
+        return self.tp_group
+
+    def get_context_parallel_world_size(self):
+        return 1
+
+    def get_context_parallel_rank(self):
+        return 0
+
+
+class ContractLoss:
+    """A stand-in of slime's loss module at CP = 1 (no snapshot): its documented token shift and slicing."""
+
+    def __init__(self, tp_group):
+        self.mpu = StubMPU(tp_group)
+
+    @staticmethod
+    def _build_shifted_tokens(T, device, unconcat_tokens, total_lengths, response_lengths, allgather_cp):
+        out, offset = torch.zeros(T, dtype=torch.long), 0
+        for tokens, n in zip(unconcat_tokens, total_lengths):
+            out[offset:offset + n - 1] = tokens[1:n]
+            offset += n
+        return out
+
+    @staticmethod
+    def _extract_per_sample(lp, ent, total_lengths, response_lengths, allgather_cp):
+        lps, ents, offset = [], [], 0
+        for n, r in zip(total_lengths, response_lengths):
+            lps.append(lp[offset + n - r - 1:offset + n - 1])
+            if ent is not None:
+                ents.append(ent[offset + n - r - 1:offset + n - 1])
+            offset += n
+        return lps, ents
+
+
+def slime_step_case(dtype, tp, group, rank, sp, loss_module=None):
+    """The log-prob step on 3 packed samples (THD, padded to 20 rows), temperature 0.7, entropy with gradient:
+    per-sample log_probs / entropy and the gradients, against slime's own step on the logits (loss_module)
+    or against the fp64 reference sliced by the documented rule."""
+    from argparse import Namespace
+
+    from areal_lce.integrations import slime as lce
+
+    g = torch.Generator().manual_seed(17)
+    total, resp, T = [7, 5, 6], [3, 2, 4], 20
+    hidden = torch.randn(T, 1, H, generator=g).to(dtype)
+    weight = (torch.randn(2 * V_SHARD, H, generator=g) * 0.5).to(dtype)
+    unconcat = [torch.randint(0, 2 * V_SHARD, (n,), generator=g) for n in total]
+    args = Namespace(rollout_temperature=TEMPERATURE, log_probs_chunk_size=5, allgather_cp=False, entropy_coef=0.01)
+    shard = slice(rank * V_SHARD, (rank + 1) * V_SHARD) if tp > 1 else slice(None)
+    rows = slice(rank * T // tp, (rank + 1) * T // tp) if sp and tp > 1 else slice(None)
+    g_lp = [torch.randn(r, generator=g) for r in resp]
+    g_ent = [torch.randn(r, generator=g) for r in resp]
+
+    def run(step, h, w, logits_fn):
+        _, res = step(logits_fn(h, w), args=args, unconcat_tokens=unconcat, total_lengths=total,
+                      response_lengths=resp, with_entropy=True)
+        loss = sum((a * b).sum() for a, b in zip(res["log_probs"], g_lp))
+        (loss + sum((a * b).sum() for a, b in zip(res["entropy"], g_ent))).backward()
+        return torch.cat(res["log_probs"]), torch.cat(res["entropy"])
+
+    contract = loss_module or ContractLoss(group)
+    if loss_module is not None:
+        loss_module.mpu = StubMPU(group)
+    step = lce.log_probs_step(contract, lambda: w, sequence_parallel=sp, backend="torch")
+    h, w = hidden[rows].clone().requires_grad_(), weight[shard].clone().requires_grad_()
+    lp, ent = run(step, h, w, lambda h, w: h.float())  # Float16Module's fp32 upcast of the last stage
+    if loss_module is not None:  # slime's step on (h·Wᵀ) as its model computes it; d_hidden vocab-partial
+        h2, w2 = hidden.clone().requires_grad_(), weight[shard].clone().requires_grad_()
+        ref_lp, ref_ent = run(loss_module.get_log_probs_and_entropy, h2, w2,
+                              lambda h, w: (h[:, 0] @ w.t()).float().unsqueeze(0))
+        ref_dh, ref_dw = h2.grad.clone(), w2.grad
+        dist.all_reduce(ref_dh, group=group)
+        ref_dh = ref_dh[rows]
+    else:
+        tokens = ContractLoss._build_shifted_tokens(T, None, unconcat, total, resp, False)
+        spans = torch.cat([torch.arange(o + n - r - 1, o + n - 1) for o, n, r in
+                           zip([0, 7, 12], total, resp)])
+        g_lp_full, g_ent_full = torch.zeros(T), torch.zeros(T)
+        g_lp_full[spans], g_ent_full[spans] = torch.cat(g_lp), torch.cat(g_ent)
+        ref = reference(hidden[:, 0], weight, tokens, g_lp_full, g_ent_full, dtype, False, TEMPERATURE)
+        ref_lp, ref_ent, ref_dh, ref_dw = ref[0][spans], ref[1][spans], ref[2].unsqueeze(1)[rows], ref[3][shard]
+    b = bounds(dtype, roundings=2 if loss_module is not None else 1)
+    return {"logprobs": [err(lp, ref_lp), b["out"]], "entropy": [err(ent, ref_ent), b["out"]],
+            "d_hidden": [err(h.grad, ref_dh), b["grad"]], "d_weight": [err(w.grad, ref_dw), b["grad"]]}
+
+
 def inputs(dtype, tp: int):
     g = torch.Generator().manual_seed(7)
     hidden = torch.randn(S, B, H, generator=g)
@@ -66,12 +178,14 @@ def err(a, ref) -> float:
     return float((a - ref).abs().max() / max(1.0, float(ref.abs().max())))
 
 
-def bounds(dtype, peer_chunks: int = 1) -> dict:
+def bounds(dtype, roundings: int = 1) -> dict:
     """Outputs: fp32 reductions in another order (fp32), plus one bf16 ulp of a logit when the two sides round
-    the same logit differently at a tie (bf16). Gradients: the returned dtype's rounding (bf16: 2^-8 per
-    rounding, NeMo-RL rounds d_weight once per chunk) or fp32 accumulation over H and V (1e-4)."""
+    the same logit differently at a tie (bf16). Gradients: fp32 accumulation over H and V (1e-4), or for bf16
+    2^-8 (relative) per rounding on either side: the op's one, plus the other side's `roundings` (against the
+    fp64 reference: 1, the op's bf16 operands of its backward GEMMs; NeMo-RL: d_weight rounded to bf16 once per chunk; slime: the logits gradient rounded to
+    bf16 by the backward of `.float()`, then the bf16 GEMM's output)."""
     if dtype == torch.bfloat16:
-        return dict(out=2 ** -7, grad=(peer_chunks + 1) * 2 ** -8)
+        return dict(out=2 ** -7, grad=(roundings + 1) * 2 ** -8)
     return dict(out=1e-5, grad=1e-4)
 
 
@@ -127,7 +241,7 @@ def nemo_case(fn, dtype, tp, group, rank, peer=None, exact=False, entropy=False)
         lp2 = peer.from_parallel_hidden_states_to_logprobs(h2, w2, False, target, v0, v1, group, chunk_size=5)
         (lp2 * g_lp).sum().backward()
         out = {"logprobs": err(lp, lp2), "d_hidden": err(h.grad, h2.grad), "d_weight": err(w.grad, w2.grad)}
-        b = bounds(dtype, peer_chunks=-(-S // 5))
+        b = bounds(dtype, roundings=-(-S // 5))
     return {k: [v, b["out"] if k in ("logprobs", "entropy") else b["grad"]] for k, v in out.items()}
 
 
@@ -155,7 +269,7 @@ def slime_case(dtype, tp, group, rank, peer=None, exact=False, with_entropy=True
         ((ref_lp * g_lp).sum() + ((ref_ent * g_ent).sum() if use_ent else 0)).backward()
         ref_dh, ref_dw = h2.grad.clone(), w2.grad
         dist.all_reduce(ref_dh, group=group)
-    b = bounds(dtype)
+    b = bounds(dtype, roundings=2 if peer is not None else 1)
     out = {"logprobs": [err(lp, ref_lp), b["out"]], "d_hidden": [err(h.grad, ref_dh), b["grad"]],
            "d_weight": [err(w.grad, ref_dw), b["grad"]], "shape": [float(tuple(lp.shape) != (S, 1)), 0.0]}
     if with_entropy:
@@ -188,9 +302,10 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     singles = [dist.new_group([r]) for r in range(world)]
-    nemo_peer = slime_peer = None
+    nemo_peer = slime_peer = slime_loss = None
     if peers:
         nemo_peer, slime_peer = load_peers(peers)
+        slime_loss = load_slime_loss(peers, slime_peer)
     results = {}
     for tp, group in ((1, singles[rank]), (2, dist.group.WORLD)):
         if tp > world:
@@ -209,6 +324,13 @@ def main():
                 results[f"slime-peer-tp{tp}-{dn}"] = slime_case(dtype, tp, group, rank, peer=slime_peer)
                 results[f"slime-noentgrad-peer-tp{tp}-{dn}"] = slime_case(dtype, tp, group, rank, peer=slime_peer,
                                                                          with_entropy_grad=False)
+        for dtype in (torch.float32, torch.bfloat16):
+            dn = str(dtype).split(".")[-1]
+            for sp in ((False, True) if tp > 1 else (False,)):
+                name = f"tp{tp}{'-sp' if sp else ''}-{dn}"
+                results[f"slime-step-ref-{name}"] = slime_step_case(dtype, tp, group, rank, sp)
+                if slime_loss is not None:
+                    results[f"slime-step-peer-{name}"] = slime_step_case(dtype, tp, group, rank, sp, slime_loss)
         results[f"nemo-exact-ref-tp{tp}"] = nemo_case(lce_nemo.from_parallel_hidden_states_to_logprobs,
                                                       torch.float32, tp, group, rank, exact=True)
         results[f"slime-exact-ref-tp{tp}"] = slime_case(torch.bfloat16, tp, group, rank, exact=True)

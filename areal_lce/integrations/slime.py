@@ -10,7 +10,9 @@ is, outputs and gradients, slime's
     logits = (hidden @ weight.T).float() / temperature
     log_prob, entropy = slime.utils.ppo_utils.calculate_log_probs_and_entropy(logits, tokens, tp_group,
                                                                               with_entropy=True)
-  hidden [T, H] (or [T, 1, H]): the full sequence, the same on every rank of tp_group.
+  hidden [T, H] (or [T, 1, H]): the full sequence, the same on every rank of tp_group; with
+      sequence_parallel=True this rank's sequence shard [T/tp, H] instead (rank order; tokens stay [T]),
+      all-gathered inside, its gradient reduce-scattered back (this rank's shard of the full gradient).
   weight [V/tp, H]: this rank's vocab shard, rank r owning global ids [r·V/tp, (r+1)·V/tp) (slime's layout).
   tokens [T]: global target ids.
   tp_group: the tensor-parallel group (None: an unsharded weight; slime would use the default group).
@@ -26,9 +28,11 @@ for bf16 inputs, "fp32" for fp32 inputs (fp16 inputs need an explicit logits_pre
 Refused: `log_prob_keep_mask` (slime's top-p replay, `--rollout-top-p != 1`): it is a [T, V/tp] mask, the
 very size the fused op avoids; a token outside [0, tp·V/tp) (slime scores -lse for it silently).
 
-The job wiring (a `--custom-model-provider-path` whose last stage returns hidden states, and a replacement of
-`slime.backends.megatron_utils.loss.get_log_probs_and_entropy` that slices per-sample spans) is not provided
-here: docs/integrations.md says what a user writes around this function.
+The log-prob step: `log_probs_step(loss_module, weight_fn)` is slime's `get_log_probs_and_entropy` on the
+last stage's hidden states instead of its logits, built on slime's own token shift and per-sample slicing
+(zigzag or all-gather CP, as slime); `apply(weight_fn)` puts it in place of slime's in the loss module and
+the actor. The model provider whose last stage returns the hidden states is the user's
+(docs/integrations.md, "slime").
 """
 from __future__ import annotations
 
@@ -39,10 +43,17 @@ import torch
 from .. import comms
 from ..api import check_temperature, linear_logprobs_entropy
 from ..types import VocabParallel
-from ._common import NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, token_rows
+from ._common import (NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, patch,
+                      restore, token_rows)
 from .nemo_rl import default_precision
 
 _NAME = "areal_lce.integrations.slime.calculate_log_probs_and_entropy"
+_STEP = "areal_lce.integrations.slime.log_probs_step"
+LOSS_MODULE = "slime.backends.megatron_utils.loss"
+# slime's loss module looks the step up as a global in policy_loss_function; the actor imported its own name
+# for compute_log_prob (forward_only). Both are replaced.
+STEP_TARGETS = (LOSS_MODULE, "slime.backends.megatron_utils.actor")
+_BLOCK_OPTIONS = ("vocab_size", "logits_precision", "invariant", "check_labels")
 
 
 def calculate_log_probs_and_entropy(
@@ -59,6 +70,7 @@ def calculate_log_probs_and_entropy(
     invariant: Optional[bool] = None,
     check_labels=True,
     log_prob_keep_mask=None,
+    sequence_parallel: bool = False,
     **op_options,
 ):
     """slime's `calculate_log_probs_and_entropy` on `(hidden @ weight.T).float() / temperature` -> (log_prob
@@ -70,17 +82,87 @@ def calculate_log_probs_and_entropy(
                                   "[T, V/tp] mask over the logits, the tensor the fused op never builds; run "
                                   "slime's own calculate_log_probs_and_entropy for top-p replay")
     t = check_temperature(temperature, f"{_NAME}: temperature", allow_tensor=False)
-    h2, y = token_rows(hidden, tokens, _NAME)
+    tp = comms.checked_group_size(tp_group, f"{_NAME}: tp_group")
+    h2, y = token_rows(hidden, tokens, _NAME, seq_factor=tp if sequence_parallel else 1)
     if y.numel() == 0:  # slime returns [0] tensors (no [T, 1]) and runs no collective
         empty = h2.new_zeros((0,), dtype=torch.float32)
         return empty, (empty.clone() if with_entropy else None)
-    tp = comms.checked_group_size(tp_group, f"{_NAME}: tp_group")
     consistency = consistency_options(invariant, default_precision(h2.dtype, logits_precision, _NAME), _NAME)
     check_no_negative_labels(y, check_labels, tp, _NAME)
-    out = linear_logprobs_entropy(h2, weight, y, temperature=t, vocab_parallel=VocabParallel(tp_group),
+    vp = VocabParallel(tp_group, d_hidden="reduce_scatter" if sequence_parallel else "all_reduce")
+    out = linear_logprobs_entropy(h2, weight, y, temperature=t, vocab_parallel=vp,
                                   vocab_size=vocab_size, ignore_index=NO_IGNORE_INDEX, check_labels=check_labels,
                                   **consistency, **op_options)
     entropy = None
     if with_entropy:
         entropy = out.entropy if with_entropy_grad else out.entropy.detach()
     return out.logprobs.unsqueeze(-1), entropy
+
+
+def log_probs_step(loss_module, weight_fn, *, sequence_parallel: bool = False, **options):
+    """slime's `get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, response_lengths,
+    with_entropy=False, non_loss_data=True, top_p_token_ids=None, top_p_token_offsets=None)`, taking the last
+    stage's hidden states [T, 1, H] or [1, T, H] (with sequence_parallel: this rank's [T/tp, 1, H] shard) in
+    place of the logits and `weight_fn()` (the LM-head weight shard at call time) for the head. Returns
+    slime's `(empty, {"log_probs": [R_i], "entropy": [R_i]})`: shifted tokens, per-sample slicing and the
+    all-gather-CP redistribution are slime's own helpers in `loss_module`; the temperature is
+    args.rollout_temperature; the entropy carries gradient only when args.entropy_coef != 0, as in slime.
+    `options`: the building block's (vocab_size, logits_precision, invariant, check_labels) and the op's
+    tuning options. Refused: top-p replay (top_p_token_ids: a [T, V/tp] keep-mask)."""
+    check_op_options({k: v for k, v in options.items() if k not in _BLOCK_OPTIONS}, _STEP)
+    if not callable(weight_fn):
+        raise TypeError(f"{_STEP}: weight_fn must be a callable returning the LM-head weight shard, got {weight_fn!r}")
+
+    def get_log_probs_and_entropy(hidden, *, args, unconcat_tokens, total_lengths, response_lengths,
+                                  with_entropy=False, non_loss_data=True, top_p_token_ids=None,
+                                  top_p_token_offsets=None):
+        if not non_loss_data:
+            raise ValueError(f"{_STEP}: non_loss_data=False is not a mode of slime's step either")
+        if top_p_token_ids is not None or top_p_token_offsets is not None:
+            raise NotImplementedError(f"{_STEP}: rollout top-p replay (--rollout-top-p != 1) masks the logits with a "
+                                      "[T, V/tp] keep-mask, the tensor the fused op never builds; run slime's own step")
+        if not torch.is_tensor(hidden) or hidden.dim() != 3 or 1 not in tuple(hidden.shape[:2]):
+            raise ValueError(f"{_STEP}: hidden must be the last stage's [T, 1, H] or [1, T, H], got "
+                             f"{tuple(getattr(hidden, 'shape', ()))}")
+        weight = weight_fn()
+        h = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype)  # Float16Module hands fp32: back, exactly
+        tp_group = loss_module.mpu.get_tensor_model_parallel_group()
+        rows = h.shape[0] * (comms.group_size(tp_group) if sequence_parallel else 1)
+        tokens = loss_module._build_shifted_tokens(rows, h.device, unconcat_tokens, total_lengths, response_lengths,
+                                                   args.allgather_cp)
+        log_prob, entropy = calculate_log_probs_and_entropy(
+            h, weight, tokens, tp_group, with_entropy, getattr(args, "rollout_temperature", 1.0),
+            with_entropy and getattr(args, "entropy_coef", 0.0) != 0, sequence_parallel=sequence_parallel,
+            **options)
+        log_probs, entropies = loss_module._extract_per_sample(log_prob.squeeze(-1), entropy, total_lengths,
+                                                               response_lengths, args.allgather_cp)
+        res = {"log_probs": log_probs}
+        if with_entropy:
+            res["entropy"] = entropies
+        if args.allgather_cp:
+            loss_module._allgather_cp_redistribute(res, logits_local_len=rows, total_lengths=total_lengths,
+                                                   response_lengths=response_lengths)
+        return torch.empty((0,), device=h.device), res
+
+    return get_log_probs_and_entropy
+
+
+def apply(weight_fn, *, sequence_parallel: bool = False, **options) -> list:
+    """Put `log_probs_step(slime's loss module, weight_fn, ...)` in place of slime's
+    `get_log_probs_and_entropy` in STEP_TARGETS; returns the patched names, `remove()` undoes it. Run it in
+    every training process, with a model whose last stage returns hidden states (docs/integrations.md)."""
+    import importlib
+
+    step = log_probs_step(importlib.import_module(LOSS_MODULE), weight_fn, sequence_parallel=sequence_parallel,
+                          **options)
+    try:
+        return [patch(name, "get_log_probs_and_entropy", step) for name in STEP_TARGETS]
+    except Exception:
+        remove()  # none or all
+        raise
+
+
+def remove() -> list:
+    """Restore slime's own step where `apply()` replaced it; returns the restored names."""
+    return [f"{name}.get_log_probs_and_entropy" for name in STEP_TARGETS
+            if restore(name, "get_log_probs_and_entropy")]
