@@ -228,3 +228,64 @@ def test_matches_the_stacks_real_functions():
     assert len(cases) == 18, sorted(res)
     for case in cases:
         check(case, res[case])
+
+
+@pytest.mark.slow  # megatron-core's import and a GPTModel build: ~7 s on 2 cores
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_slime_hidden_states_provider_on_a_megatron_gpt(tied):
+    # a real megatron-core GPTModel (TP=1, CPU): the wrapped provider's hidden states through the step give
+    # the logprobs, entropy and parameter gradients of slime's path on the model's own logits
+    import gpt_builder as G
+    from argparse import Namespace
+
+    from areal_lce.megatron.compat import cpu_shims
+
+    with cpu_shims():
+        model = G.build_gpt(tied=tied)
+        total, resp = [7, 5, 6], [3, 2, 4]
+        g = torch.Generator().manual_seed(3)
+        ids = torch.randint(0, G.VOCAB, (1, 18), generator=g)
+        pos = torch.cat([torch.arange(n) for n in total]).unsqueeze(0)
+        unconcat = list(ids[0].split(total))
+        args = Namespace(rollout_temperature=0.8, allgather_cp=False, entropy_coef=0.01)
+        kw = dict(args=args, unconcat_tokens=unconcat, total_lengths=total, response_lengths=resp, with_entropy=True)
+        contract = W.ContractLoss(None)
+
+        def loss_and_grads(res):
+            loss = sum((t * (i + 1)).sum() for i, t in enumerate(res["log_probs"] + res["entropy"]))
+            params = [p for p in model.parameters() if p.requires_grad]
+            return [torch.cat(res["log_probs"]), torch.cat(res["entropy"])], torch.autograd.grad(loss, params)
+
+        logits = model(ids, pos, None)  # [1, 18, V]: materialised path, fp32
+        tokens = contract._build_shifted_tokens(18, None, unconcat, total, resp, False)
+        z = torch.log_softmax(logits[0] / 0.8, -1)
+        lp_full, ent_full = z.gather(1, tokens[:, None])[:, 0], -(z.exp() * z).sum(-1)
+        lps, ents = contract._extract_per_sample(lp_full, ent_full, total, resp, False)
+        ref, ref_grads = loss_and_grads({"log_probs": lps, "entropy": ents})
+
+        wrapped = lce_slime.hidden_states_provider(lambda pre, post: model)(True, True)
+        try:
+            head = model.embedding.word_embeddings.weight if tied else model.output_layer.weight
+            assert wrapped is model and lce_slime.output_weight() is head
+            hidden = model(ids, pos, None)
+            assert hidden.shape == (1, 18, G.H)
+            step = lce_slime.log_probs_step(contract, lce_slime.output_weight, backend="torch")
+            out, grads = loss_and_grads(step(hidden, **kw)[1])
+        finally:
+            del model.output_layer.forward
+    for name, a, b in zip(("log_probs", "entropy"), out, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=name)  # fp32 logits both ways
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * max(1.0, float(b.abs().max())))
+
+
+@pytest.mark.parametrize("what", ["mup", "mtp"])
+def test_slime_hidden_states_provider_refusals(what):
+    from types import SimpleNamespace
+    model = SimpleNamespace(config=SimpleNamespace(use_mup=what == "mup"), mtp_process=what == "mtp",
+                            output_layer=SimpleNamespace())
+    provider = lce_slime.hidden_states_provider(lambda pre, post: model)
+    assert provider(True, False) is model  # not the last stage: untouched
+    with pytest.raises(NotImplementedError, match="MuP logit scaling and multi-token prediction"):
+        provider(True, True)
+    assert not vars(model.output_layer)

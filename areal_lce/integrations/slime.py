@@ -31,8 +31,8 @@ very size the fused op avoids; a token outside [0, tp·V/tp) (slime scores -lse 
 The log-prob step: `log_probs_step(loss_module, weight_fn)` is slime's `get_log_probs_and_entropy` on the
 last stage's hidden states instead of its logits, built on slime's own token shift and per-sample slicing
 (zigzag or all-gather CP, as slime); `apply(weight_fn)` puts it in place of slime's in the loss module and
-the actor. The model provider whose last stage returns the hidden states is the user's
-(docs/integrations.md, "slime").
+the actor. `hidden_states_provider(provider)` wraps a model provider so that the last stage returns its
+final hidden states in place of the logits, and `output_weight()` is that stage's LM-head weight shard.
 """
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ LOSS_MODULE = "slime.backends.megatron_utils.loss"
 # for compute_log_prob (forward_only). Both are replaced.
 STEP_TARGETS = (LOSS_MODULE, "slime.backends.megatron_utils.actor")
 _BLOCK_OPTIONS = ("vocab_size", "logits_precision", "invariant", "check_labels")
+_LAST_STAGE: list = []  # the GPTModel built by hidden_states_provider on this process's last pipeline stage
 
 
 def calculate_log_probs_and_entropy(
@@ -166,3 +167,41 @@ def remove() -> list:
     """Restore slime's own step where `apply()` replaced it; returns the restored names."""
     return [f"{name}.get_log_probs_and_entropy" for name in STEP_TARGETS
             if restore(name, "get_log_probs_and_entropy")]
+
+
+def _hidden_out(input_, weight=None, runtime_gather_output=None):
+    return input_, None  # the output layer's (output, bias), the output being its input: [T(/tp), 1, H]
+
+
+def hidden_states_provider(provider):
+    """Wrap a slime model provider `(pre_process, post_process, vp_stage=None) -> GPTModel` (what
+    `--custom-model-provider-path` names): on the last stage the output layer hands back its input, so the
+    GPTModel returns the final hidden states [1, T, H] (this rank's [1, T/tp, H] under sequence parallel:
+    apply(..., sequence_parallel=True)) instead of the logits, and `output_weight()` returns its weight
+    shard. Refused: MuP logit scaling and multi-token prediction, which use the logits past the output
+    layer."""
+    def model_provider(pre_process, post_process, vp_stage=None):
+        model = provider(pre_process, post_process, vp_stage) if vp_stage is not None else \
+            provider(pre_process, post_process)
+        if post_process:
+            config = getattr(model, "config", None)
+            if getattr(config, "use_mup", False) or getattr(model, "mtp_process", False):
+                raise NotImplementedError("areal_lce.integrations.slime.hidden_states_provider: MuP logit scaling "
+                                          "and multi-token prediction use the logits past the output layer, which "
+                                          "this route never builds")
+            model.output_layer.forward = _hidden_out
+            _LAST_STAGE[:] = [model]
+        return model
+    return model_provider
+
+
+def output_weight():
+    """The LM-head weight shard of the model built by `hidden_states_provider` (the shared embedding when
+    tied): `apply(output_weight)`."""
+    if not _LAST_STAGE:
+        raise RuntimeError("areal_lce.integrations.slime.output_weight: no last-stage model was built by "
+                           "hidden_states_provider in this process")
+    model = _LAST_STAGE[0]
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
