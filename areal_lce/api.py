@@ -8,7 +8,7 @@ runs as a graph break. Both run the same forward and backward code.
 from __future__ import annotations
 
 import numbers
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -113,6 +113,35 @@ def _resolve(backend: str, device: torch.device, dtype: torch.dtype, cache_bytes
             resolve_invariant(invariant, name, dtype))
 
 
+class PreparedCall(NamedTuple):
+    """One call of the op, validated and resolved (`prepare_call`): its inputs as the op takes them and its
+    options, for `linear_logprobs_entropy` and for front ends that run the op's forward and backward
+    themselves (main_grad.py)."""
+
+    hidden: torch.Tensor  # [N, H], contiguous (this rank's [N/tp, H] sequence shard under SP)
+    weight: torch.Tensor  # [V_shard, H], contiguous
+    labels: torch.Tensor  # [N] int64
+    inv_t: Optional[torch.Tensor]  # [N] fp32 per-token 1/T, or None (options["inv_t"] holds the scalar)
+    options: dict  # LCEParams' fields but the tensor-parallel ones (library.encode's argument)
+    vocab_parallel: Optional[VocabParallel]
+    tp: int
+    shape: torch.Size  # labels' shape: the outputs'
+    return_stats: bool
+
+    @property
+    def params(self) -> LCEParams:
+        vp = self.vocab_parallel if self.tp > 1 else None
+        return LCEParams(**self.options, vocab_parallel=vp, tp_size=self.tp)
+
+    def output(self, diff: torch.Tensor, stats: torch.Tensor) -> LCEOutput:
+        """The named result of the op's (diff [2, N], stats [3 or 5, N])."""
+        rows = [r.view(self.shape) for r in stats.unbind(0)]  # max_logit, min_logit, lse[, sum, sumsq]
+        sums = self.options["logit_sums"]
+        return LCEOutput(diff[0].view(self.shape), diff[1].view(self.shape),
+                         *(rows[:3] if self.return_stats else (None, None, None)),
+                         *(rows[3:] if sums else (None, None)))
+
+
 @torch.compiler.disable
 def _tensor_parallel(hidden, weight, labels, inv_t, params: LCEParams):
     return LinearLogprobsEntropy.apply(hidden, weight, labels, inv_t, params)
@@ -135,6 +164,7 @@ def linear_logprobs_entropy(
     compact_ignored: Optional[bool] = None,
     invariant: Optional[bool] = None,
     logits_precision: str = "fp32",
+    d_weight_fp32: bool = False,
     tp_group=None,
     sequence_parallel: Optional[bool] = None,
     reduce_d_hidden: Optional[bool] = None,
@@ -193,10 +223,34 @@ def linear_logprobs_entropy(
     logits_precision: "fp32" (default): logits are the fp32 accumulation of the GEMM (what an fp32 / tf32
         LM-head engine computes). "bf16": each raw logit is rounded to bf16 before the temperature, as a
         bf16-head engine (vLLM / SGLang defaults) does; the gradient treats the rounding as identity.
+    d_weight_fp32: the backward computes d_weight = d_logitsᵀ·h in fp32 (fp64 for fp64 inputs) and returns
+        it without the cast to weight.dtype, for a front end that takes it from the op's backward itself
+        and accumulates it in fp32 (areal_lce.main_grad: Megatron's gradient_accumulation_fusion). Through
+        autograd torch casts every gradient to its tensor's dtype, so weight.grad is unchanged by it.
     Determinism: bitwise-identical outputs and gradients run to run for the same inputs and backend.
     Host syncs: none with the defaults on accelerators (CUDA-graph capturable), apart from one-time checks
     per group (the shard size agrees; with vocab_size <= V_shard, weight is not the full weight).
     """
+    call = prepare_call(hidden, weight, labels, temperature=temperature, ignore_index=ignore_index,
+                        vocab_size=vocab_size, return_stats=return_stats, return_logit_sums=return_logit_sums,
+                        backend=backend, cache_bytes=cache_bytes, vocab_parallel=vocab_parallel,
+                        check_labels=check_labels, compact_ignored=compact_ignored, invariant=invariant,
+                        logits_precision=logits_precision, d_weight_fp32=d_weight_fp32, tp_group=tp_group,
+                        sequence_parallel=sequence_parallel, reduce_d_hidden=reduce_d_hidden)
+    if call.tp == 1:
+        diff, stats = library.lce(call.hidden, call.weight, call.labels, call.inv_t, library.encode(**call.options))
+    else:
+        diff, stats = _tensor_parallel(call.hidden, call.weight, call.labels, call.inv_t, call.params)
+    return call.output(diff, stats)
+
+
+def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_size, return_stats, return_logit_sums,
+                 backend, cache_bytes, vocab_parallel, check_labels, compact_ignored, invariant, logits_precision,
+                 d_weight_fp32, tp_group, sequence_parallel, reduce_d_hidden) -> PreparedCall:
+    """Validate the arguments of `linear_logprobs_entropy` (same meaning) and resolve the backend and the
+    options once: the call as the op runs it."""
+    if not isinstance(d_weight_fp32, bool):
+        raise TypeError(f"d_weight_fp32 must be True or False, got {d_weight_fp32!r}")
     _check_options(ignore_index, vocab_size)
     vp = _vocab_parallel(vocab_parallel, tp_group, sequence_parallel, reduce_d_hidden)
     tp = 1 if vp is None else vp.size
@@ -234,13 +288,6 @@ def linear_logprobs_entropy(
     # every option of the call in one place: LCEParams' fields (library.encode for the custom ops)
     options = dict(inv_t=inv_t_scalar, ignore_index=ignore_index, vocab_size=vocab_size, vocab_start=vocab_start,
                    shard_valid=shard_valid, cache_bytes=cache_bytes, backend=name, compact_ignored=compact_ignored,
-                   check_labels=check, logit_sums=sums, invariant=invariant, logits_precision=logits_precision)
-    if tp == 1:
-        diff, stats = library.lce(h2, w, y, inv_t, library.encode(**options))
-    else:
-        diff, stats = _tensor_parallel(h2, w, y, inv_t, LCEParams(**options, vocab_parallel=vp, tp_size=tp))
-    shape = labels.shape
-    rows = [r.view(shape) for r in stats.unbind(0)]  # max_logit, min_logit, lse[, sum_logit, sumsq_logit]
-    return LCEOutput(diff[0].view(shape), diff[1].view(shape),
-                     *(rows[:3] if return_stats else (None, None, None)),
-                     *(rows[3:] if sums else (None, None)))
+                   check_labels=check, logit_sums=sums, invariant=invariant, logits_precision=logits_precision,
+                   d_weight_fp32=d_weight_fp32)
+    return PreparedCall(h2, w, y, inv_t, options, vp, tp, labels.shape, bool(return_stats))

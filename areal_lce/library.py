@@ -85,7 +85,8 @@ def lce_backward_op(g_diff: Tensor, h_c: Tensor, weight: Tensor, labels: Tensor,
 @lce_backward_op.register_fake
 def _(g_diff, h_c, weight, labels, inv_t, lse_ent, cache, options, need_dh, need_dw):
     return (h_c.new_empty(h_c.shape) if need_dh else h_c.new_empty(0),
-            weight.new_empty(weight.shape) if need_dw else weight.new_empty(0))
+            weight.new_empty(weight.shape, dtype=decode(options).d_weight_dtype(weight.dtype)) if need_dw
+            else weight.new_empty(0))
 
 
 _N_INPUTS = 6  # hidden, weight, labels, inv_t, options, keep_cache

@@ -104,6 +104,14 @@ class LCEParams:
     logit_sums: bool = False  # backends also accumulate Σ_j r_j and Σ_j r_j² of the raw logits
     invariant: bool = False  # per-segment partials + exact fixed-point merge (exact.py): bitwise batch/TP-invariant
     logits_precision: str = "fp32"  # "bf16": each raw logit rounded to bf16 after the fp32 accumulation
+    d_weight_fp32: bool = False  # the backward's d_weight stays in the accumulation dtype (fp32; fp64 for fp64
+    #                              inputs), not cast to weight.dtype: for main_grad accumulation (main_grad.py)
+
+    def d_weight_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a backend returns d_weight in: weight's, or fp32 / fp64 with d_weight_fp32."""
+        if not self.d_weight_fp32:
+            return weight_dtype
+        return torch.float64 if weight_dtype == torch.float64 else torch.float32
 
     @property
     def bf16_logits(self) -> bool:

@@ -22,7 +22,8 @@ forward -> ShardStats, per token over this shard's valid columns:
   and rounding a product by inv_t > 0 is monotone, so the largest z_j is the rounded product of the
   largest r_j. A backend may so track the raw max alone and derive m from it, or the reverse.
 
-backward(lse, ent, g_lp, g_ent) -> (d_hidden fp32 [N, H] or None, d_weight [V_shard, H] in weight.dtype or None):
+backward(lse, ent, g_lp, g_ent) -> (d_hidden fp32 [N, H] or None, d_weight [V_shard, H] or None), d_weight in
+  params.d_weight_dtype(weight.dtype) (weight.dtype; fp32 with params.d_weight_fp32):
   p_j  = exp(z_j - lse)
   dz_j = g_lp · (1[j = label] - p_j) - g_ent · p_j · (z_j - lse + ent)
   d_logits_j = dz_j · inv_t ;  d_hidden = d_logits · W (fp32, unreduced over shards);

@@ -110,7 +110,7 @@ class ReferenceBackend:
         dl = dz * (inv_t.to(dz.dtype)[:, None] if inv_t is not None else params.inv_t)
         acc = dl.dtype
         dh = (dl @ weight.to(acc)).to(torch.float32 if acc == torch.float32 else acc) if need_d_hidden else None
-        dw = (dl.t() @ hidden.to(acc)).to(weight.dtype) if need_d_weight else None
+        dw = (dl.t() @ hidden.to(acc)).to(params.d_weight_dtype(weight.dtype)) if need_d_weight else None
         return dh, dw
 
 

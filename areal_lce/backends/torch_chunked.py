@@ -212,7 +212,8 @@ class TorchChunkedBackend:
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         vv = params.shard_valid
         dh = torch.zeros(n, h, dtype=acc, device=dev) if need_d_hidden else None
-        dw = torch.zeros_like(weight) if need_d_weight else None
+        dw_dtype = params.d_weight_dtype(weight.dtype)  # weight's, or fp32 with d_weight_fp32
+        dw = torch.zeros(weight.shape, dtype=dw_dtype, device=dev) if need_d_weight else None
         local = labels - params.vocab_start
         n_chunk, v_chunk = chunk_shape(n, vv, dev)
         half = _half_gemm(hidden)
@@ -239,5 +240,5 @@ class TorchChunkedBackend:
                 if need_d_weight:
                     dw_acc += _mm_f32(dl.t(), hidden[t0:t1])
             if need_d_weight:
-                dw[v0:v1] = dw_acc.to(weight.dtype)
+                dw[v0:v1] = dw_acc  # cast to dw's dtype (none with d_weight_fp32)
         return dh, dw

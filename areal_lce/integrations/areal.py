@@ -14,7 +14,10 @@ AReaL's contract (read from its source):
       every layer whose logits are not (h·Wᵀ)·logit_scale, found by inspecting it: anything but
       megatron-core's ColumnParallelLinear (AReaL's LM-head mixin on it allowed), a class or instance that
       replaces its forward (Gemma2's logit soft-capping; AReaL marks those chunked_loss_supported=False)
-      or its _forward_impl, an added bias (skip_bias_add=False with a bias).
+      or its _forward_impl, an added bias (skip_bias_add=False with a bias). With its
+      `gradient_accumulation_fusion=True` the weight gradient is added in fp32 into `weight.main_grad` and
+      `grad_added_to_main_grad` set, as megatron's own linear does (areal_lce/main_grad.py); with
+      `fp32_operands` the fp32 copy's gradient returns through autograd instead.
   hidden_states [s, b, H] (AReaL: [T, 1, H] packed): this rank's sequence shard [s/tp, b, H] under
       sequence parallel (gathered here, d_hidden reduce-scattered back), else the full sequence
       (d_hidden all-reduced over TP when `allreduce_dgrad`); under context parallelism, CP-local tokens.
@@ -54,6 +57,7 @@ import torch
 
 from .. import comms
 from ..api import check_temperature, linear_logprobs_entropy
+from ..main_grad import fuses_wgrad, linear_logprobs_entropy_into_main_grad
 from ..types import VocabParallel
 from ._common import (NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, patch,
                       positive_float, restore, token_rows)
@@ -151,7 +155,12 @@ def chunked_lm_head_logprobs_entropy(output_layer, hidden_states: torch.Tensor, 
     sp = tp > 1 and bool(getattr(output_layer, "sequence_parallel", False))
     h2, y = token_rows(hidden_states, labels, _NAME, seq_factor=tp if sp else 1)
     check_no_negative_labels(y, check_labels, tp, _NAME)
-    if getattr(output_layer, "fp32_operands", False):  # AReaL's enable_fp32_lm_head: fp32 GEMM operands
+    # the layer's gradient_accumulation_fusion: d_weight added in fp32 into weight.main_grad (main_grad.py);
+    # with fp32 operands the op's weight is an fp32 copy, whose fp32 gradient autograd returns to the weight
+    fp32_operands = bool(getattr(output_layer, "fp32_operands", False))
+    into_main_grad = fuses_wgrad(output_layer, weight) and not fp32_operands
+    op = linear_logprobs_entropy_into_main_grad if into_main_grad else linear_logprobs_entropy
+    if fp32_operands:  # AReaL's enable_fp32_lm_head: fp32 GEMM operands
         h2, weight = h2.float(), weight.float()
     elif h2.dtype != weight.dtype:
         raise ValueError(f"{_NAME}: hidden ({h2.dtype}) and weight ({weight.dtype}) dtypes must match")
@@ -160,9 +169,8 @@ def chunked_lm_head_logprobs_entropy(output_layer, hidden_states: torch.Tensor, 
     else:  # the layer's allreduce_dgrad (its input-gradient all-reduce, which this call replaces) or not
         d_hidden = "all_reduce" if getattr(output_layer, "allreduce_dgrad", tp > 1) else "caller"
     vp = VocabParallel(tp_group if tp > 1 else None, d_hidden)
-    out = linear_logprobs_entropy(h2, weight, y, temperature=t / scale, vocab_parallel=vp, return_stats=True,
-                                  return_logit_sums=True, ignore_index=NO_IGNORE_INDEX, check_labels=check_labels,
-                                  **consistency, **op_options)
+    out = op(h2, weight, y, temperature=t / scale, vocab_parallel=vp, return_stats=True, return_logit_sums=True,
+             ignore_index=NO_IGNORE_INDEX, check_labels=check_labels, **consistency, **op_options)
     vocab = weight.shape[0] * tp
     return output_type()(
         out.logprobs, out.entropy.detach(), out.min_logit * scale, out.max_logit * scale,

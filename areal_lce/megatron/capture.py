@@ -23,10 +23,13 @@ where its own GEMM gives them (an fp32 weight; a bf16 weight under "bf16"), else
 (`head.fp32_logits`) behind the output layer's input mappings, so a bf16 model's materialised logits are
 not rounded to bf16 under "fp32".
 
-The LM-head weight's gradient comes out of the op's autograd Function into `weight.grad`, so Megatron
-DDP's per-parameter hook adds it to `main_grad` (grad buffer) exactly as for the materialised route
-without gradient-accumulation fusion. Tied embeddings: GPTModel passes the shared embedding matrix as
-`weight=`; we use it as is, so both uses accumulate into one parameter.
+The LM-head weight's gradient: without gradient-accumulation fusion it comes out of the op's autograd
+Function into `weight.grad`, and Megatron DDP's per-parameter hook adds it to `main_grad` (grad buffer),
+as for the materialised route. With the output layer's `gradient_accumulation_fusion=True` the fused
+route adds it in fp32 into `weight.main_grad` itself and sets `grad_added_to_main_grad`, as Megatron's
+own linear does (areal_lce/main_grad.py), so it is not rounded to the weight's dtype first. Tied
+embeddings: GPTModel passes the shared embedding matrix as `weight=`; we use it as is, so both uses
+accumulate into one parameter.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ from typing import Any, Optional, Union
 import torch
 
 from ..api import linear_logprobs_entropy
+from ..main_grad import fuses_wgrad, linear_logprobs_entropy_into_main_grad
 from ..materialised import logprobs_entropy_from_logits
 from ..types import VocabParallel
 from .compat import has_output_processor
@@ -167,7 +171,9 @@ def _fused_packed(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx:
     labels, temperature = _seq_first(ctx, s, b)
     if torch.is_tensor(temperature):
         temperature = temperature.reshape(-1)
-    out = linear_logprobs_entropy(
+    # gradient_accumulation_fusion: the weight gradient goes into weight.main_grad in fp32 (main_grad.py)
+    op = linear_logprobs_entropy_into_main_grad if fuses_wgrad(output_layer, weight) else linear_logprobs_entropy
+    out = op(
         hidden.reshape(s * b, h), weight, labels.reshape(-1).to(hidden.device),
         temperature=temperature / mult, ignore_index=ctx.ignore_index, vocab_size=ctx.vocab_size,
         return_stats=True, backend=ctx.backend, cache_bytes=ctx.cache_bytes, compact_ignored=ctx.compact_ignored,

@@ -167,7 +167,7 @@ class AscendBackend:
 
         if need_d_weight:
             if n == 0 or valid == 0:
-                d_weight = torch.zeros(v_shard, h, dtype=weight.dtype, device=dev)
+                d_weight = torch.zeros(v_shard, h, dtype=params.d_weight_dtype(weight.dtype), device=dev)
             else:
                 acc = alloc((v_shard, h), torch.float32, dev)
                 t = self.tiles("bwd_dw", hidden, n, valid)
@@ -180,5 +180,5 @@ class AscendBackend:
                     BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_H=t.block_h,
                 )
                 acc[valid:].zero_()  # vocabulary padding rows: exactly 0 (the kernel skips them)
-                d_weight = acc.to(weight.dtype)  # the single cast of the fp32 accumulation
+                d_weight = acc.to(params.d_weight_dtype(weight.dtype))  # the single cast of the fp32 accumulation
         return d_hidden, d_weight

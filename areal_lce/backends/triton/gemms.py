@@ -51,9 +51,17 @@ class Gemms:
         return self._h32
 
     def d_weight(self, dl, out):
+        """out = dlᵀ · h in out's dtype: the weight's, or fp32 for bf16 / fp16 operands when the caller asks
+        for an fp32 d_weight (LCEParams.d_weight_fp32): then the fp32 accumulation is not rounded."""
         h = self._h()
-        if self.mode == "upcast" and out.dtype != torch.float32:
-            out.copy_(torch.mm(dl.t().float(), h))
+        if self.mode == "upcast":
+            a = dl.t() if dl.dtype == torch.float32 else dl.t().float()
+            if out.dtype == torch.float32:
+                torch.mm(a, h, out=out)
+            else:
+                out.copy_(torch.mm(a, h))
+        elif self.mode == "out_dtype" and out.dtype == torch.float32:
+            torch.mm(dl.t(), h, out_dtype=torch.float32, out=out)
         else:
             torch.mm(dl.t(), h, out=out)
 

@@ -262,7 +262,7 @@ class TritonBackend:
         valid = params.shard_valid
         dev = hidden.device
         dh = _alloc((N, H), torch.float32, dev) if need_d_hidden else None
-        dw = _alloc((Vs, H), weight.dtype, dev) if need_d_weight else None
+        dw = _alloc((Vs, H), params.d_weight_dtype(weight.dtype), dev) if need_d_weight else None
         if dw is not None and valid < Vs:
             dw[valid:].zero_()  # vocabulary padding rows get no gradient
         if N == 0 or valid == 0:

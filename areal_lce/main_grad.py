@@ -1,0 +1,103 @@
+"""The LM-head weight gradient added in fp32 into `weight.main_grad`, as Megatron's own linear layer adds it
+under `gradient_accumulation_fusion`.
+
+    out = linear_logprobs_entropy_into_main_grad(hidden, weight, labels, **options)  # options: the op's
+
+Megatron's `LinearWithGradAccumulationAndAsyncCommunication` with gradient_accumulation_fusion=True adds its
+weight gradient to `weight.main_grad` (the fp32 gradient buffer of Megatron's DDP) inside its backward,
+accumulating in fp32, sets `weight.grad_added_to_main_grad = True` and hands autograd a placeholder
+gradient, so that DDP's per-parameter hook still fires (it marks the parameter ready for the bucket's
+reduction) but adds nothing. Through autograd the op's d_weight would reach DDP rounded to the weight's
+dtype (torch casts a gradient to its tensor's dtype) and be added from there: one bf16 rounding of each
+micro-batch's gradient. `IntoMainGrad` runs the op through its tensor-parallel Function (function.py: the
+same forward, backward and collectives) with the backend's d_weight left in fp32 (LCEParams.d_weight_fp32)
+and adds that into main_grad itself.
+
+Used by the capture seam (megatron/capture.py) and the AReaL adapter where the output layer has
+gradient_accumulation_fusion=True.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from .api import linear_logprobs_entropy, prepare_call
+from .function import LinearLogprobsEntropy
+from .types import LCEOutput, LCEParams
+
+# linear_logprobs_entropy's keyword options and their defaults (one definition: its signature)
+_OPTIONS = {name: p.default for name, p in inspect.signature(linear_logprobs_entropy).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def _placeholder_grad(weight: torch.Tensor):
+    """What Megatron's linear returns as the weight's gradient once main_grad holds it: with DDP's
+    `grad_added_to_main_grad` attribute, a placeholder (zeros under `zero_out_wgrad`, else uninitialised)
+    and the flag set, so that DDP's hook fires and adds nothing; without it, no gradient."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):
+        return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
+class IntoMainGrad(LinearLogprobsEntropy):
+    """The op's tensor-parallel Function (same inputs, outputs, collectives and d_hidden) whose backward adds
+    the fp32 d_weight (params.d_weight_fp32) into the main_grad the weight had at the forward (kept on ctx,
+    as Megatron's linear keeps it: a layer called twice, e.g. by MTP, accumulates into the buffer of each
+    call) and returns `_placeholder_grad` for the weight."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, inv_t, params: LCEParams):
+        ctx.main_grad = weight.main_grad
+        return LinearLogprobsEntropy.forward(ctx, hidden, weight, labels, inv_t, params)
+
+    @staticmethod
+    def backward(ctx, g_diff, g_stats):
+        dh, dw, *rest = LinearLogprobsEntropy.backward(ctx, g_diff, g_stats)
+        if dw is None:
+            return (dh, None, *rest)
+        weight = ctx.saved_tensors[1]
+        with torch.no_grad():
+            ctx.main_grad.add_(dw)  # the fp32 d_weight, rounded once: by the add into main_grad's dtype
+        weight.main_grad = ctx.main_grad
+        return (dh, _placeholder_grad(weight), *rest)
+
+
+def fuses_wgrad(output_layer, weight: torch.Tensor) -> bool:
+    """Whether the weight gradient goes into main_grad here: the output layer was built with
+    gradient_accumulation_fusion=True (Megatron's linear would add it there itself) and a gradient of the
+    weight is being recorded."""
+    return (bool(getattr(output_layer, "gradient_accumulation_fusion", False)) and weight.requires_grad
+            and torch.is_grad_enabled())
+
+
+def check_main_grad(weight: torch.Tensor, where: str) -> None:
+    """Refuse, naming `where`, a weight without the gradient buffer gradient_accumulation_fusion adds to."""
+    main_grad = getattr(weight, "main_grad", None)
+    if not torch.is_tensor(main_grad) or tuple(main_grad.shape) != tuple(weight.shape):
+        got = f"main_grad {tuple(main_grad.shape)}" if torch.is_tensor(main_grad) else "no main_grad"
+        raise ValueError(f"{where}: gradient_accumulation_fusion=True adds the LM-head weight gradient into "
+                         f"weight.main_grad (Megatron DDP's gradient buffer), but the weight {tuple(weight.shape)} "
+                         f"has {got}: wrap the model in megatron's DistributedDataParallel, or build it with "
+                         "gradient_accumulation_fusion=False")
+
+
+@torch.compiler.disable
+def linear_logprobs_entropy_into_main_grad(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                           **options) -> LCEOutput:
+    """`linear_logprobs_entropy(hidden, weight, labels, **options)` (same options, same outputs and d_hidden)
+    whose weight gradient is added in fp32 into `weight.main_grad` (the module docstring)."""
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown or "d_weight_fp32" in options:
+        raise TypeError(f"linear_logprobs_entropy_into_main_grad: unexpected options {unknown or ['d_weight_fp32']} "
+                        "(d_weight_fp32 is set here)")
+    check_main_grad(weight, "linear_logprobs_entropy_into_main_grad")
+    call = prepare_call(hidden, weight, labels, **{**_OPTIONS, **options, "d_weight_fp32": True})
+    if call.weight is not weight:
+        raise ValueError("linear_logprobs_entropy_into_main_grad: weight must be contiguous (its main_grad is "
+                         "laid out like it)")
+    diff, stats = IntoMainGrad.apply(call.hidden, weight, call.labels, call.inv_t, call.params)
+    return call.output(diff, stats)
