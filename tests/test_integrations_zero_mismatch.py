@@ -101,6 +101,9 @@ def test_slime_apply_and_remove(monkeypatch):
     finally:
         assert lce_slime.remove() == names
     assert all(mods[n].get_log_probs_and_entropy is originals[n] for n in lce_slime.STEP_TARGETS)
+    from argparse import Namespace
+    assert lce_slime.megatron_init(Namespace(sequence_parallel=False)) == names  # the init-hook spelling
+    assert lce_slime.remove() == names
 
 
 def _nemo_args(s=4, b=2, h=8, v=16, dtype=torch.float32):

@@ -205,3 +205,10 @@ def output_weight():
     if model.share_embeddings_and_output_weights:
         return model.shared_embedding_or_output_weight()
     return model.output_layer.weight
+
+
+def megatron_init(args) -> list:
+    """A `--custom-megatron-init-path areal_lce.integrations.slime.megatron_init` hook (slime calls it with
+    its args in each training process): `apply(output_weight, sequence_parallel=args.sequence_parallel)`
+    with the default semantics. For other options, a hook of one's own calls `apply` with them."""
+    return apply(output_weight, sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
