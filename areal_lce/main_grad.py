@@ -31,8 +31,8 @@ _OPTIONS = {name: p.default for name, p in inspect.signature(linear_logprobs_ent
             if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
-def _placeholder_grad(weight: torch.Tensor):
-    """What Megatron's linear returns as the weight's gradient once main_grad holds it: with DDP's
+def placeholder_grad(weight: torch.Tensor):
+    """Call after adding the weight's gradient into its main_grad. What Megatron's linear returns as the weight's gradient once main_grad holds it: with DDP's
     `grad_added_to_main_grad` attribute, a placeholder (zeros under `zero_out_wgrad`, else uninitialised)
     and the flag set, so that DDP's hook fires and adds nothing; without it, no gradient."""
     if not hasattr(weight, "grad_added_to_main_grad"):
@@ -47,7 +47,7 @@ class IntoMainGrad(LinearLogprobsEntropy):
     """The op's tensor-parallel Function (same inputs, outputs, collectives and d_hidden) whose backward adds
     the fp32 d_weight (params.d_weight_fp32) into the main_grad the weight had at the forward (kept on ctx,
     as Megatron's linear keeps it: a layer called twice, e.g. by MTP, accumulates into the buffer of each
-    call) and returns `_placeholder_grad` for the weight."""
+    call) and returns `placeholder_grad` for the weight."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, inv_t, params: LCEParams):
@@ -63,7 +63,7 @@ class IntoMainGrad(LinearLogprobsEntropy):
         with torch.no_grad():
             ctx.main_grad.add_(dw)  # the fp32 d_weight, rounded once: by the add into main_grad's dtype
         weight.main_grad = ctx.main_grad
-        return (dh, _placeholder_grad(weight), *rest)
+        return (dh, placeholder_grad(weight), *rest)
 
 
 def fuses_wgrad(output_layer, weight: torch.Tensor) -> bool:

@@ -170,3 +170,28 @@ def test_areal_adapter_adds_into_main_grad():
     (out.logprobs * g_lp).sum().backward()
     assert torch.equal(res[True].main_grad, init + p0.main_grad)
     assert not torch.equal(res[True].main_grad, res[False].main_grad)  # the bf16 rounding the fusion removes
+
+
+def test_materialised_fp32_logits_add_into_main_grad():
+    """The materialised route's fp32 logits of a bf16 model (head.fp32_logits) under the output layer's
+    gradient_accumulation_fusion: d_weight accumulated in fp32 into main_grad (the flag set), not rounded to
+    bf16 as the gradient through autograd is."""
+    import _integrations as I
+
+    from areal_lce.megatron.head import fp32_logits
+
+    h, w, _, _, _ = _inputs()
+    hidden = h.reshape(N // 2, 2, H)
+    g = torch.randn(N // 2, 2, V, generator=torch.Generator().manual_seed(3))
+    init = torch.randn(V, H, generator=torch.Generator().manual_seed(4)) * 1e-2
+    res = {}
+    for fusion in (False, True):
+        p = _param(w, init)
+        (fp32_logits(hidden, p, I.output_layer(H, V, gradient_accumulation_fusion=fusion)) * g).sum().backward()
+        if not fusion:  # megatron DDP's add of the bf16 gradient
+            p.main_grad += p.grad.float()
+        res[fusion] = p
+    assert res[True].grad_added_to_main_grad is True and res[False].grad_added_to_main_grad is False
+    dw32 = g.reshape(N, V).bfloat16().float().t() @ h.float()  # the layer's bf16 output gradient, fp32 accumulation
+    assert torch.equal(res[True].main_grad, init + dw32)
+    assert torch.equal(res[False].grad, dw32.bfloat16())  # the rounding the fusion removes

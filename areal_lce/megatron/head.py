@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from ..main_grad import check_main_grad, fuses_wgrad, placeholder_grad
+
 
 def tp_of(output_layer):
     """(tp group or None, tp size) of the output layer: its own `tp_group` (megatron-core's parallel layers
@@ -52,28 +54,42 @@ def head_input(hidden: torch.Tensor, weight: torch.Tensor, output_layer):
     return hidden, tp_group
 
 
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a · b of bf16 / fp16 operands, the fp32 accumulation not rounded to their dtype. CUDA: one cuBLAS GEMM
+    with an fp32 output (`out_dtype`; on an H100 its error against fp64 is that of fp32 accumulation, 1e-5
+    at H = 896, where the bf16-rounded result is 1.6e-2 off); elsewhere the operands are upcast (their
+    products are exact in fp32)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
 class Fp32Logits(torch.autograd.Function):
     """[n, H] · [V, H]ᵀ of bf16 / fp16 operands with the fp32 result of the fp32 accumulation (what the
     fused op and an fp32 LM head compute), not rounded to the operands' dtype as `F.linear` rounds it.
-    CUDA: one cuBLAS GEMM with an fp32 output (`out_dtype`; on an H100 its error against fp64 is that of
-    fp32 accumulation, 1e-5 at H = 896, where the bf16-rounded result is 1.6e-2 off); elsewhere the
-    operands are upcast (their products are exact in fp32). Backward in the operands' dtype, as the
-    output layer's own GEMM runs it."""
+    Backward in the operands' dtype, as the output layer's own GEMM runs it; with `into_main_grad`
+    (the output layer's gradient_accumulation_fusion) d_weight is accumulated in fp32 into the
+    weight's main_grad instead, as Megatron's linear does (main_grad.py)."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, into_main_grad: bool = False) -> torch.Tensor:
         ctx.save_for_backward(hidden, weight)
-        if hidden.is_cuda:
-            return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
-        return torch.mm(hidden.float(), weight.float().t())
+        ctx.main_grad = weight.main_grad if into_main_grad else None  # the buffer of this call (main_grad.py)
+        return _mm_fp32(hidden, weight.t())
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         hidden, weight = ctx.saved_tensors
         grad = grad.to(weight.dtype)
         d_hidden = grad @ weight if ctx.needs_input_grad[0] else None
-        d_weight = grad.t() @ hidden if ctx.needs_input_grad[1] else None
-        return d_hidden, d_weight
+        d_weight = None
+        if ctx.needs_input_grad[1] and ctx.main_grad is not None:
+            ctx.main_grad.add_(_mm_fp32(grad.t(), hidden))
+            weight.main_grad = ctx.main_grad
+            d_weight = placeholder_grad(weight)
+        elif ctx.needs_input_grad[1]:
+            d_weight = grad.t() @ hidden
+        return d_hidden, d_weight, None
 
 
 def output_layer_gives(weight: torch.Tensor, logits_precision: Optional[str]) -> bool:
@@ -91,4 +107,7 @@ def fp32_logits(hidden: torch.Tensor, weight: torch.Tensor, output_layer) -> tor
     parallel_output=True), through the output layer's input mappings (`head_input`)."""
     hidden, _ = head_input(hidden, weight, output_layer)
     s, b, h = hidden.shape
-    return Fp32Logits.apply(hidden.reshape(s * b, h), weight).view(s, b, -1)
+    into_main_grad = fuses_wgrad(output_layer, weight)
+    if into_main_grad:
+        check_main_grad(weight, "the materialised route's fp32 logits")
+    return Fp32Logits.apply(hidden.reshape(s * b, h), weight, into_main_grad).view(s, b, -1)
