@@ -69,9 +69,10 @@ def sft_microbatches(seed: int = 0, n: int = 2, b: int = 3, s: int = 14):
     return out
 
 
-def parity(tp: int = 1, sp: bool = False, pack: bool = True, fusions=(False,)) -> dict:
+def parity(tp: int = 1, sp: bool = False, pack: bool = True, fusions=(False,), **parallel) -> dict:
     """One train_step of the SFT loss on the fused route and on megatron's own loss path with each
-    `model.cross_entropy_loss_fusion` of `fusions`, all engines on the fused engine's parameters."""
+    `model.cross_entropy_loss_fusion` of `fusions`, all engines on the fused engine's parameters.
+    `parallel`: further ParallelConfig fields (context_parallel=2, pipeline_parallel=2)."""
     from areal_lce.megatron.compat import cpu_shims
     from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig
     from areal_lce.megatron.engine import MegatronEngine
@@ -81,7 +82,7 @@ def parity(tp: int = 1, sp: bool = False, pack: bool = True, fusions=(False,)) -
     def build(fused: bool, fusion: bool = False) -> MegatronEngine:
         # lr = 0: the step leaves the parameters alone; fp32 on CPU
         cfg = EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=32, cross_entropy_loss_fusion=fusion),
-                           parallel=ParallelConfig(tensor_parallel=tp, sequence_parallel=sp),
+                           parallel=ParallelConfig(tensor_parallel=tp, sequence_parallel=sp, **parallel),
                            optim=OptimConfig(lr=0.0, clip_grad=0.0), use_fused_linear_ce=fused,
                            lce=LCEConfig(backend="torch"), pack_sequences=pack, seed=11)
         return MegatronEngine(cfg, vocab_size=VOCAB)
@@ -93,7 +94,7 @@ def parity(tp: int = 1, sp: bool = False, pack: bool = True, fusions=(False,)) -
         loss_fn = SFTLoss(targets)
         with megatron_ce_spy() as counts:
             loss = eng.train_step(mbs, loss_fn)["loss"]
-        return {"loss": loss, "calls": dict(counts), "record_keys": sorted(loss_fn.records[0]),
+        return {"loss": loss, "calls": dict(counts), "record_keys": sorted(loss_fn.records[0]) if loss_fn.records else None,
                 "uses": eng.uses_megatron_loss(loss_fn), "grads": eng.grads()}
 
     fused = build(True)

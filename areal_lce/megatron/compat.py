@@ -3,7 +3,8 @@
 Everything that depends on *which* megatron-core is installed lives here, so the capture seam, the
 model builder and the engine ask one place: `has_output_processor()` says whether
 `GPTModel.forward(output_processor=...)` exists (megatron-core >= 0.18), `megatron_version()` gives
-the installed version. `use_device_grad_norm()` replaces megatron's host-syncing fallback L2 norm
+the installed version, `check_linear_cross_entropy` refuses the one seam that megatron-core's own fused
+linear cross entropy (an output layer of another class) would break. `use_device_grad_norm()` replaces megatron's host-syncing fallback L2 norm
 (no Apex / Transformer Engine) in its gradient clipping with a device-side one. `cpu_shims()` is a
 context manager that makes the CUDA-only calls megatron-core makes while building, running and
 training a model harmless on a CPU-only host, and restores everything on exit; it is a no-op when CUDA is available. The engine enters it around its own
@@ -43,6 +44,23 @@ def has_output_processor() -> bool:
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     return "output_processor" in inspect.signature(GPTModel.forward).parameters
+
+
+def check_linear_cross_entropy(config, seam: str) -> None:
+    """megatron-core's own fused linear cross entropy (`cross_entropy_loss_fusion` with
+    `cross_entropy_fusion_impl="linear"`: megatron-core's development branch at the time of writing,
+    Blackwell only) makes GPTModel's output layer a `LinearCrossEntropyModule`, a ColumnParallelLinear
+    whose forward also takes the labels. The output_processor seam runs in its place, as for any output
+    layer (its plain forward gives the logits: the materialised route; MTP heads keep megatron's own
+    loss); the output_layer seam's instance forward does not take those labels: refused, naming both."""
+    linear = getattr(config, "cross_entropy_loss_fusion", False) and \
+        getattr(config, "cross_entropy_fusion_impl", None) == "linear"
+    if linear and seam == "output_layer":
+        raise ValueError("cross_entropy_loss_fusion with cross_entropy_fusion_impl='linear' (megatron-core's fused "
+                         "linear cross entropy: the output layer is a LinearCrossEntropyModule, whose forward takes the "
+                         "labels) with capture_seam='output_layer', which replaces that forward: use "
+                         "capture_seam='output_processor' or 'auto' (every megatron-core with the linear "
+                         "implementation has it)")
 
 
 def _l2_norm_on_device(chunk_size, noop_flag, tensor_lists, per_tensor, *args):

@@ -20,7 +20,7 @@ from typing import Optional, Union
 import torch
 
 from ..checks import check_temperature
-from . import capture
+from . import capture, compat
 
 
 def find_gpt_model(model):
@@ -115,6 +115,7 @@ class Route:
     def check(self, config) -> None:
         """Refuse, naming the option, what this route cannot reproduce on a model of `config`."""
         capture.check_seam_config(config, self.seam, self.fused)
+        compat.check_linear_cross_entropy(config, self.seam)  # megatron's fused linear CE: another output layer
 
     def stats(self, model, input_ids: torch.Tensor, labels: torch.Tensor, *, vocab_size: int, position_ids=None,
               attention_mask=None, packed_seq_params=None, temperature=1.0, ignore_index: int = -100,
