@@ -257,7 +257,8 @@ class EngineConfig:
     use_fused_linear_ce: bool = field(
         default=True,
         metadata={"help": "compute logprobs/entropy/stats with the fused linear op at the LM head "
-                  "(the [tokens, vocab] logits are never built); false: materialised logits"},
+                  "(the [tokens, vocab] logits are never built); false: the SFT loss is megatron-core's own "
+                  "(GPTModel's labels= loss), the RL jobs' statistics come from materialised logits"},
     )
     lce: LCEConfig = field(default_factory=LCEConfig,
                            metadata={"help": "the fused LM head's options (engine.lce.*)"})
