@@ -26,11 +26,13 @@ in the input dtype (bf16 for a bf16 model) before the fp32 softmax: `logits_prec
 inputs, "fp32" for fp32 inputs. fp16 inputs are refused unless logits_precision is given (the op has no
 fp16 rounding). Exact mode: `vocab_size=` the true vocabulary (padding rows out of the softmax) and
 `logits_precision="fp32"`.
-Tolerance against NeMo-RL's own function: logprobs within a few bf16 ulps of the logits' magnitude in the
-default bf16 mode (both round the same logits; the fp32 reductions differ in order: ≤ ~1e-5 relative
-observed on CPU, bound 1e-4·max(1, |logprob|)); gradients: NeMo-RL accumulates d_weight in the weight's
-dtype chunk by chunk, the op in fp32 once, so they agree to bf16 rounding (2⁻⁸ relative) for bf16 weights.
-Exact mode against an fp64 reference of the true-vocabulary softmax: the op's own bounds (docs/op.md).
+Tolerance against NeMo-RL's own function (tests/zero_mismatch_worker.py `bounds`, relative to max(1, |ref|)):
+logprobs 1e-5 for fp32 inputs (fp32 reductions in another order) and 2⁻⁷ for bf16 (both round the same
+logits, and may round one differently at a tie); gradients 1e-4 (fp32), and for bf16 2⁻⁸ per rounding on
+either side (NeMo-RL rounds d_weight to the weight's dtype once per chunk, the op once). Exact mode against
+an fp64 reference of the true-vocabulary softmax: the same bounds.
+Labels: NO ignore_index (as NeMo-RL); check_labels=True raises at the call on CPU and, on GPUs, makes a bad
+token's logprob NaN without a host sync ("deferred": only areal_lce.check_deferred() raises).
 
 Differences, refused or stated:
   - context parallelism (cp_group of > 1 rank): refused, as NeMo-RL refuses it (its config check and assert):
