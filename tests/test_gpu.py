@@ -272,3 +272,30 @@ def test_public_op_matches_fp64_autograd(variant, api_reference, record_property
     assert all(bool((hh.grad[rows] == 0).all()) for rows in API_IGNORED), "ignored rows got a d_hidden"
     if variant == "triton_sums":
         assert r["sum"] < 1e-5 and r["sumsq"] < 1e-5, r
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_d_weight_fp32_on_cuda(dtype):
+    """d_weight_fp32=True (the main_grad path of gradient_accumulation_fusion): cuBLAS writes d_weight in
+    fp32 from the half-precision operands; the plain call's d_weight is within one rounding of it, and it
+    is closer to the fp64 gradient than the plain call's."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    h = torch.randn(512, 256, device=dev, generator=g).to(dtype)
+    w = (torch.randn(3000, 256, device=dev, generator=g) * 0.1).to(dtype)
+    y = torch.randint(0, 3000, (512,), device=dev, generator=g)
+    grads = {}
+    for fp32 in (False, True):
+        wr = w.clone().requires_grad_()
+        out = areal_lce.linear_logprobs_entropy(h, wr, y, d_weight_fp32=fp32)
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+        grads[fp32] = wr.grad
+    assert grads[True].dtype == torch.float32 and grads[False].dtype == dtype
+    # one rounding apart (at most an ulp of the half type, whatever cuBLAS's kernel for each output dtype)
+    assert ((grads[False].float() - grads[True]).abs() <= torch.finfo(dtype).eps * grads[True].abs() + 1e-12).all()
+    w64 = w.double().requires_grad_()
+    z = torch.log_softmax(h.double() @ w64.t(), -1)
+    (z.gather(1, y[:, None]).sum() - (z.exp() * z).sum()).backward()
+    err32 = (grads[True].double() - w64.grad).abs().max()
+    err_half = (grads[False].double() - w64.grad).abs().max()
+    assert err32 < err_half, (float(err32), float(err_half))
