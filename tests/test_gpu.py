@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
+import areal_lce
 from areal_lce.backends import get_backend
 from areal_lce.backends.reference import ReferenceBackend, grad_logits, reference_logprobs_entropy
 from areal_lce.types import LCEParams
