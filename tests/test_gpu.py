@@ -276,27 +276,32 @@ def test_public_op_matches_fp64_autograd(variant, api_reference, record_property
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_d_weight_fp32_on_cuda(dtype):
-    """d_weight_fp32=True (the main_grad path of gradient_accumulation_fusion): cuBLAS writes d_weight in
-    fp32 from the half-precision operands; the plain call's d_weight is within one rounding of it, and it
-    is closer to the fp64 gradient than the plain call's."""
+def test_d_weight_fp32_into_main_grad_on_cuda(dtype):
+    """The main_grad path of gradient_accumulation_fusion on CUDA: cuBLAS writes d_weight in fp32 from the
+    half-precision operands into main_grad; the plain call's d_weight is within one rounding of it, and
+    main_grad is closer to the fp64 gradient."""
+    from areal_lce.main_grad import linear_logprobs_entropy_into_main_grad
+
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     h = torch.randn(512, 256, device=dev, generator=g).to(dtype)
     w = (torch.randn(3000, 256, device=dev, generator=g) * 0.1).to(dtype)
     y = torch.randint(0, 3000, (512,), device=dev, generator=g)
-    grads = {}
-    for fp32 in (False, True):
-        wr = w.clone().requires_grad_()
-        out = areal_lce.linear_logprobs_entropy(h, wr, y, d_weight_fp32=fp32)
-        (out.logprobs.sum() + out.entropy.sum()).backward()
-        grads[fp32] = wr.grad
-    assert grads[True].dtype == torch.float32 and grads[False].dtype == dtype
+    wr = w.clone().requires_grad_()
+    out = areal_lce.linear_logprobs_entropy(h, wr, y)
+    (out.logprobs.sum() + out.entropy.sum()).backward()
+    plain = wr.grad
+    wm = w.clone().requires_grad_()
+    wm.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=dev)
+    out = linear_logprobs_entropy_into_main_grad(h, wm, y)
+    (out.logprobs.sum() + out.entropy.sum()).backward()
+    fp32 = wm.main_grad
+    assert getattr(wm, "grad_added_to_main_grad", False)
     # one rounding apart (at most an ulp of the half type, whatever cuBLAS's kernel for each output dtype)
-    assert ((grads[False].float() - grads[True]).abs() <= torch.finfo(dtype).eps * grads[True].abs() + 1e-12).all()
+    assert ((plain.float() - fp32).abs() <= torch.finfo(dtype).eps * fp32.abs() + 1e-12).all()
     w64 = w.double().requires_grad_()
     z = torch.log_softmax(h.double() @ w64.t(), -1)
     (z.gather(1, y[:, None]).sum() - (z.exp() * z).sum()).backward()
-    err32 = (grads[True].double() - w64.grad).abs().max()
-    err_half = (grads[False].double() - w64.grad).abs().max()
+    err32 = (fp32.double() - w64.grad).abs().max()
+    err_half = (plain.double() - w64.grad).abs().max()
     assert err32 < err_half, (float(err32), float(err_half))
