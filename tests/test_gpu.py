@@ -293,6 +293,7 @@ def test_d_weight_fp32_into_main_grad_on_cuda(dtype):
     plain = wr.grad
     wm = w.clone().requires_grad_()
     wm.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=dev)
+    wm.grad_added_to_main_grad = False  # megatron's DDP sets the attribute; the op sets it True
     out = linear_logprobs_entropy_into_main_grad(h, wm, y)
     (out.logprobs.sum() + out.entropy.sum()).backward()
     fp32 = wm.main_grad
