@@ -31,7 +31,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen2.5-0.5b")
     ap.add_argument("--seq", type=int, default=32768)
-    ap.add_argument("--route", choices=["fused", "materialised"], default="fused")
+    ap.add_argument("--route", choices=["fused", "megatron", "materialised"], default="fused",
+                    help="megatron: the flag off with a logprobs-only loss, i.e. megatron-core's own loss path")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--recompute", action="store_true", help="model.activation_recompute (full, per layer)")
     ap.add_argument("--out", default="bench_out")
@@ -55,6 +56,10 @@ def main():
     def loss_fn(st, mb):
         mask = mb.labels.to(st.logprobs.device) != -100
         return -(st.logprobs * mask).sum() / n, {}
+
+    # reads the logprobs alone: with the flag off the engine then runs megatron-core's own loss; the
+    # materialised route is areal_lce's (entropy and logit stats per token)
+    loss_fn.logprobs_only = args.route == "megatron"
 
     times, losses, oom = [], [], False
     cuda = torch.cuda.is_available()

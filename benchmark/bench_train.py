@@ -58,31 +58,53 @@ def _batches(args, vocab: int, step: int):
     return mbs
 
 
-def sft_loss(n_micro: int):
-    def loss_fn(stats, mb):
+class _NLL:
+    """The SFT loss. logprobs_only (route "megatron"): it reads the logprobs alone, so with the flag off the
+    engine computes it through megatron-core's own loss (MegatronEngine.uses_megatron_loss); otherwise it
+    also reads the entropy, which keeps the flag-off engine on areal_lce's materialised route."""
+
+    def __init__(self, n_micro: int, logprobs_only: bool):
+        self.n_micro, self.logprobs_only = n_micro, logprobs_only
+
+    def __call__(self, stats, mb):
         mask = mb.labels.to(stats.logprobs.device) != -100
         nll = -(stats.logprobs * mask).sum() / mask.sum().clamp_min(1)
-        return nll / n_micro, {"entropy": ((stats.entropy * mask).sum() / mask.sum().clamp_min(1)).detach()}
-    return loss_fn
+        if self.logprobs_only:
+            return nll / self.n_micro, {}
+        return nll / self.n_micro, {"entropy": ((stats.entropy * mask).sum() / mask.sum().clamp_min(1)).detach()}
 
 
-def run_sft(args, fused: bool) -> dict:
-    eng = _engine(args, fused)
+def sft_loss(n_micro: int, logprobs_only: bool = False):
+    return _NLL(n_micro, logprobs_only)
+
+
+SFT_ROUTES = ("fused", "megatron", "materialised")  # megatron: flag off, megatron-core's own loss path
+
+
+def run_sft(args, route: str) -> dict:
+    eng = _engine(args, route == "fused")
     times, losses, peaks, reserved = [], [], [], []
-    for step in range(args.steps):
-        mbs = _batches(args, eng.vocab_size, step)
-        sync()
-        t0 = time.perf_counter()
-        out = eng.train_step(mbs, sft_loss(len(mbs)))
-        sync()
-        times.append(time.perf_counter() - t0)
-        losses.append(out["loss"])
-        peaks.append(out["peak_mem_gib"])
-        reserved.append(out["peak_reserved_gib"])
+    try:
+        for step in range(args.steps):
+            mbs = _batches(args, eng.vocab_size, step)
+            sync()
+            t0 = time.perf_counter()
+            out = eng.train_step(mbs, sft_loss(len(mbs), route == "megatron"))
+            sync()
+            times.append(time.perf_counter() - t0)
+            losses.append(out["loss"])
+            peaks.append(out["peak_mem_gib"])
+            reserved.append(out["peak_reserved_gib"])
+    except torch.OutOfMemoryError as e:
+        del eng
+        torch.cuda.empty_cache()
+        print(f"[sft {route}] out of memory: {str(e).splitlines()[0]}", flush=True)
+        return {"route": route, "oom": True}
     tokens = args.micro_batch * args.seq * args.micro_batches
     med = statistics.median(times[1:] if len(times) > 1 else times)
     del eng
-    return {"route": "fused" if fused else "materialised", "step_s": med, "step_s_all": times,
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return {"route": route, "step_s": med, "step_s_all": times,
             "tokens_per_s": tokens / med, "peak_mem_gib": max(peaks[1:] or peaks),
             "peak_reserved_gib": max(reserved[1:] or reserved), "loss": losses}
 
@@ -126,7 +148,10 @@ def grpo_passes(args, eng, ref, prompts, resp, g) -> tuple:
     return {"behaviour_logprobs": t2 - t1, "reference_logprobs": t3 - t2, "update": t4 - t3}, out
 
 
-def run_grpo(args, fused: bool) -> dict:
+def run_grpo(args, route: str) -> dict:
+    if route not in ("fused", "materialised"):
+        raise SystemExit(f"--routes: the grpo job takes fused and materialised, got {route!r}")
+    fused = route == "fused"
     eng = _engine(args, fused)
     ref = _engine(args, fused, trainable=False)  # frozen reference policy, as the RL job builds it
     print(f"[grpo] engines built ({'fused' if fused else 'materialised'})", flush=True)
@@ -174,7 +199,9 @@ def main():
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--routes", default="fused,materialised")
+    ap.add_argument("--routes", default="fused,materialised",
+                    help="comma list: fused, materialised, and for sft megatron (flag off through megatron-core's "
+                         "own loss)")
     ap.add_argument("--logprob-max-tokens", default="auto",
                     help="rl.logprob_max_tokens of the logprob passes: tokens per forward, or auto (the job's "
                          "default: 16384 on the fused route, --micro-batch sequences on the materialised one)")
@@ -189,7 +216,7 @@ def main():
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
     runner = run_sft if args.job == "sft" else run_grpo
-    results = [runner(args, r == "fused") for r in args.routes.split(",")]
+    results = [runner(args, r) for r in args.routes.split(",")]
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:
         return
@@ -200,11 +227,21 @@ def main():
     print(f"\n{args.job} {args.preset} tp={args.tp} sp={args.sp} seq={args.seq} micro_batch={args.micro_batch} "
           f"x{args.micro_batches} rope_fusion={args.rope_fusion} model_graphs={args.model_graphs} on {meta['device']} (git {meta['git_sha']})")
     for r in results:
+        if r.get("oom"):
+            print(f"  {r['route']:>13}: out of memory")
+            continue
         extra = ("  " + "  ".join(f"{k}={v * 1e3:.0f}ms" for k, v in r["phase_s"].items())) if "phase_s" in r else ""
         loss = f" loss[0]={r['loss'][0]:.6f}" if "loss" in r else ""
         print(f"  {r['route']:>13}: step {r['step_s'] * 1e3:8.1f} ms  peak {r['peak_mem_gib']:7.2f} GiB allocated, "
               f"{r['peak_reserved_gib']:7.2f} GiB reserved{loss}{extra}")
-    if len(results) == 2:
+    ok = {r["route"]: r for r in results if not r.get("oom")}
+    if "fused" in ok and len(ok) > 2:
+        for other in (k for k in ok if k != "fused"):
+            meta[f"fused_over_{other}_time"] = ok["fused"]["step_s"] / ok[other]["step_s"]
+            meta[f"memory_saved_vs_{other}_gib"] = ok[other]["peak_mem_gib"] - ok["fused"]["peak_mem_gib"]
+            print(f"  fused/{other} step time {meta[f'fused_over_{other}_time']:.3f}; memory saved "
+                  f"{meta[f'memory_saved_vs_{other}_gib']:.2f} GiB")
+    if len(results) == 2 and len(ok) == 2:
         f, m = results
         if "phase_s" in f:
             passes = [sum(r["phase_s"][k] for k in ("behaviour_logprobs", "reference_logprobs")) for r in (f, m)]
@@ -221,7 +258,7 @@ def main():
             rel = abs(f["loss"][0] - m["loss"][0]) / max(abs(m["loss"][0]), 1e-12)
             meta["first_loss_rel_diff"] = rel
             print(f"  first-step loss relative difference {rel:.2e}")
-    routes = "" if len(results) == 2 else "_" + results[0]["route"]
+    routes = "" if args.routes == "fused,materialised" else "_" + args.routes.replace(",", "_")
     routes += "" if args.rope_fusion == "on" else "_unfused_rope"
     routes += "" if args.model_graphs == "auto" else f"_graphs_{args.model_graphs}"
     routes += "" if args.compact_ignored == "auto" else f"_compact_{args.compact_ignored}"
