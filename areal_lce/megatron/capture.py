@@ -319,6 +319,9 @@ def call_with_processor(model, gpt_model, seam: str, processor, context, input_i
     states on the others. `model` is what is called (DDP / Float16Module wrapped), `gpt_model` the bare
     GPTModel."""
     if seam == "output_processor":
+        if not has_output_processor(type(gpt_model)):  # HybridModel: the output_layer seam only
+            raise ValueError(f"capture_seam='output_processor': {type(gpt_model).__name__}.forward has no "
+                             "output_processor argument; use the output_layer seam")
         return model(input_ids, position_ids, attention_mask, **model_kwargs, output_processor=processor,
                      output_processor_context=context)
     if not gpt_model.post_process:

@@ -2,8 +2,10 @@
 
 Everything that depends on *which* megatron-core is installed lives here, so the capture seam, the
 model builder and the engine ask one place: `has_output_processor()` says whether
-`GPTModel.forward(output_processor=...)` exists (megatron-core >= 0.18), `megatron_version()` gives
-the installed version, `check_linear_cross_entropy` refuses the one seam that megatron-core's own fused
+`GPTModel.forward(output_processor=...)` exists (megatron-core >= 0.18; of another model class when
+given one), `language_model_classes()` names the models the seam accepts (GPTModel, and HybridModel from
+0.19), `quiet_gpt_deprecation()` drops 0.19's GPTModel deprecation notice where the engine builds its
+GPTModel, `megatron_version()` gives the installed version, `check_linear_cross_entropy` refuses the one seam that megatron-core's own fused
 linear cross entropy (an output layer of another class) would break. `use_device_grad_norm()` replaces megatron's host-syncing fallback L2 norm
 (no Apex / Transformer Engine) in its gradient clipping with a device-side one. `cpu_shims()` is a
 context manager that makes the CUDA-only calls megatron-core makes while building, running and
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 from typing import List, Tuple
 
 import torch
@@ -39,11 +42,55 @@ def megatron_version() -> Tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def has_output_processor() -> bool:
-    """True when GPTModel.forward accepts `output_processor=` (megatron-core >= 0.18)."""
-    from megatron.core.models.gpt.gpt_model import GPTModel
+def has_output_processor(model_class=None) -> bool:
+    """True when `model_class.forward` (GPTModel's when None) accepts `output_processor=` (GPTModel of
+    megatron-core >= 0.18; HybridModel has no such argument)."""
+    if model_class is None:
+        from megatron.core.models.gpt.gpt_model import GPTModel
 
-    return "output_processor" in inspect.signature(GPTModel.forward).parameters
+        model_class = GPTModel
+    return "output_processor" in inspect.signature(model_class.forward).parameters
+
+
+def hybrid_model_class():
+    """megatron-core's HybridModel (0.19+, the successor of GPTModel and MambaModel), or None before it."""
+    try:
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+    except ImportError:
+        return None
+    return HybridModel
+
+
+def language_model_classes() -> Tuple[type, ...]:
+    """The megatron-core language models whose LM head the capture seam replaces: GPTModel, and
+    HybridModel where installed (MambaModel, its deprecated subclass, included)."""
+    from megatron.core.models.gpt import GPTModel
+
+    hybrid = hybrid_model_class()
+    return (GPTModel,) if hybrid is None else (GPTModel, hybrid)
+
+
+_GPT_DEPRECATION = "GPTModel IS DEPRECATED"  # megatron-core 0.19's notice at every GPTModel construction
+
+
+class _DropGptDeprecation(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_GPT_DEPRECATION)
+
+
+@contextlib.contextmanager
+def quiet_gpt_deprecation():
+    """Within the block, megatron-core 0.19's "GPTModel IS DEPRECATED ... HybridModel" notice (logged by
+    its gpt_model module at every construction) is dropped; every other record of that logger passes.
+    The engine builds a GPTModel on purpose (docs/megatron.md, "HybridModel"), so the notice only tells
+    its users of a migration that is not theirs to make."""
+    logger = logging.getLogger("megatron.core.models.gpt.gpt_model")
+    drop = _DropGptDeprecation()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def check_linear_cross_entropy(config, seam: str) -> None:

@@ -10,7 +10,9 @@
 logprob passes and generation through it (`engine.route`), so the flag is read in one place. Both routes
 make one model call through the same seam (capture.py) and give the same outputs and gradients;
 `name` ("fused" | "materialised") and `description` ("fused linear op" | "materialised logits") name
-the route for logs.
+the route for logs. The model is a GPTModel or a HybridModel (megatron-core >= 0.19), whose forward has no
+output_processor: "auto" takes the output_layer seam there, and `check_hybrid` refuses what that seam
+cannot serve on it (MTP depths, the KV-cache decode path).
 """
 from __future__ import annotations
 
@@ -24,18 +26,51 @@ from . import capture, compat
 
 
 def find_gpt_model(model):
-    """The GPTModel inside `model` (itself, or reached through `.module` of DDP / Float16Module / ...)."""
-    from megatron.core.models.gpt import GPTModel
-
+    """The megatron language model inside `model` (itself, or reached through `.module` of DDP /
+    Float16Module / ...): a GPTModel, or a HybridModel (megatron-core >= 0.19; see `check_hybrid`)."""
+    classes = compat.language_model_classes()
     seen = model
     for _ in range(16):
-        if isinstance(seen, GPTModel):
+        if isinstance(seen, classes):
             return seen
         seen = getattr(seen, "module", None)
         if seen is None:
             break
-    raise TypeError(f"token_stats: found no megatron GPTModel in {type(model).__name__} (looked through "
+    names = " or ".join(c.__name__ for c in classes)
+    raise TypeError(f"token_stats: found no megatron {names} in {type(model).__name__} (looked through "
                     "`.module` of wrappers such as DistributedDataParallel and Float16Module)")
+
+
+def is_hybrid(lm) -> bool:
+    """Whether `lm` (find_gpt_model's result) is a HybridModel."""
+    hybrid = compat.hybrid_model_class()
+    return hybrid is not None and isinstance(lm, hybrid)
+
+
+def check_hybrid(lm, seam: str, **model_kwargs) -> None:
+    """Refuse, with the reason, the parts of a HybridModel the output_layer seam cannot serve. Its
+    forward has no output_processor argument, so the seam is the instance-level output_layer one
+    (capture.output_layer_seam), on which:
+      * MTP depths (a hybrid_layer_pattern with "/"): the MTP block calls the replaced output layer for
+        its own losses, with labels the seam does not see -- refused on both routes, which must agree;
+      * the KV-cache decode path (inference_context=): HybridModel's inference path keeps Mamba states in
+        the context and, under megatron's InferenceMode, slices the hidden states itself before the
+        output layer, which the last-token processor already does -- refused.
+    Sequence and tensor parallelism, THD packing, tied embeddings, pipeline stages without the head:
+    the seam serves them as for GPTModel (MuP scaling after the output layer: check_seam_config)."""
+    name = type(lm).__name__
+    if seam == "output_processor":
+        raise ValueError(f"capture_seam='output_processor' with a {name}: its forward has no output_processor "
+                         "argument; use capture_seam='output_layer' or 'auto' (which picks it for this model)")
+    depths = getattr(lm, "mtp_num_depths", 0) or 0
+    if depths > 0:
+        raise ValueError(f"{name} with {depths} MTP depth(s) (hybrid_layer_pattern {lm.hybrid_layer_pattern!r}): "
+                         "its MTP block calls the output layer that the output_layer seam replaces, with labels "
+                         "that seam does not receive; build the model without MTP depths for token_stats")
+    if model_kwargs.get("inference_context") is not None or model_kwargs.get("inference_params") is not None:
+        raise ValueError(f"inference_context with a {name}: its inference path keeps Mamba states in the context "
+                         "and picks the last token's hidden states itself before the output layer, which the "
+                         "last-token processor does too; decode with the KV cache is supported for GPTModel only")
 
 
 def _check_inputs(gpt, input_ids, labels, position_ids, packed_seq_params, vocab_size) -> None:
@@ -83,7 +118,8 @@ class Route:
     """fused: the fused op at the LM head (no [tokens, vocab] logits) or the output layer's logits;
     seam: "output_processor" | "output_layer" (resolved, see capture.py); backend, cache_bytes: passed
     to `linear_logprobs_entropy` on the fused route; invariant, logits_precision: passed to the head of
-    either route (`linear_logprobs_entropy` / `logprobs_entropy_from_logits`), None = the op's default."""
+    either route (`linear_logprobs_entropy` / `logprobs_entropy_from_logits`), None = the op's default;
+    auto_seam: the seam was asked as "auto" (a HybridModel then takes the output_layer seam, `seam_for`)."""
 
     fused: bool
     seam: str
@@ -91,6 +127,7 @@ class Route:
     cache_bytes: Union[int, str] = 0
     invariant: Optional[bool] = None
     logits_precision: Optional[str] = None
+    auto_seam: bool = False
 
     @classmethod
     def choose(cls, fused: bool = True, seam: str = "auto", backend: str = "auto",
@@ -102,7 +139,8 @@ class Route:
             raise TypeError(f"invariant={invariant!r}: expected True, False or None (the backend's default)")
         if logits_precision is not None and not isinstance(logits_precision, str):
             raise TypeError(f"logits_precision={logits_precision!r}: expected a str ('fp32' or 'bf16') or None")
-        return cls(bool(fused), capture.resolve_seam(seam), backend, cache_bytes, invariant, logits_precision)
+        return cls(bool(fused), capture.resolve_seam(seam), backend, cache_bytes, invariant, logits_precision,
+                   seam == "auto")
 
     @property
     def name(self) -> str:
@@ -112,10 +150,22 @@ class Route:
     def description(self) -> str:
         return "fused linear op" if self.fused else "materialised logits"
 
-    def check(self, config) -> None:
-        """Refuse, naming the option, what this route cannot reproduce on a model of `config`."""
-        capture.check_seam_config(config, self.seam, self.fused)
-        compat.check_linear_cross_entropy(config, self.seam)  # megatron's fused linear CE: another output layer
+    def check(self, config, seam: Optional[str] = None) -> None:
+        """Refuse, naming the option, what this route cannot reproduce on a model of `config` through `seam`
+        (None: the route's own, `seam_for` of the model otherwise)."""
+        seam = self.seam if seam is None else seam
+        capture.check_seam_config(config, seam, self.fused)
+        compat.check_linear_cross_entropy(config, seam)  # megatron's fused linear CE: another output layer
+
+    def seam_for(self, lm, **model_kwargs) -> str:
+        """The seam this route uses on the language model `lm`: its own, except on a HybridModel (no
+        output_processor argument) where "auto" means the output_layer seam; what a HybridModel cannot
+        do on it is refused (`check_hybrid`)."""
+        if not is_hybrid(lm):
+            return self.seam
+        seam = "output_layer" if self.auto_seam else self.seam
+        check_hybrid(lm, seam, **model_kwargs)
+        return seam
 
     def stats(self, model, input_ids: torch.Tensor, labels: torch.Tensor, *, vocab_size: int, position_ids=None,
               attention_mask=None, packed_seq_params=None, temperature=1.0, ignore_index: int = -100,
@@ -124,15 +174,16 @@ class Route:
         with the LM head, the decoder's output (what a pipeline schedule sends on) on the other stages.
         Arguments as `token_stats`'; `compact_ignored` is this call's (the engine picks it per micro-batch)."""
         gpt = find_gpt_model(model)
+        seam = self.seam_for(gpt)
         _check_inputs(gpt, input_ids, labels, position_ids, packed_seq_params, vocab_size)
-        self.check(gpt.config)
+        self.check(gpt.config, seam)
         labels = labels.to(input_ids.device)
         ctx = capture.CaptureContext(labels=labels, temperature=_temperature(temperature, labels),
                                      vocab_size=vocab_size, backend=self.backend, cache_bytes=self.cache_bytes,
                                      ignore_index=ignore_index, fused=self.fused, compact_ignored=compact_ignored,
                                      invariant=self.invariant, logits_precision=self.logits_precision)
         run = capture.run_fused if self.fused else capture.run_materialised
-        return run(model, gpt, self.seam, ctx, input_ids, position_ids, attention_mask, packed_seq_params)
+        return run(model, gpt, seam, ctx, input_ids, position_ids, attention_mask, packed_seq_params)
 
     def last_token_logits(self, model, gpt_model, positions: torch.Tensor, input_ids, position_ids, attention_mask,
                           *, cp_group=None, **model_kwargs):
@@ -140,6 +191,7 @@ class Route:
         stage (only those rows are built, on either route), hidden states on the others. `cp_group`: the
         context-parallel group when the batch is this CP rank's share; `model_kwargs` go to GPTModel
         (e.g. inference_context= for the KV cache)."""
+        seam = self.seam_for(gpt_model, **model_kwargs)
         ctx = capture.LastTokenContext(positions=positions, cp_group=cp_group)
-        return capture.run_last_token(model, gpt_model, self.seam, ctx, input_ids, position_ids, attention_mask,
+        return capture.run_last_token(model, gpt_model, seam, ctx, input_ids, position_ids, attention_mask,
                                       **model_kwargs)
