@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -20,11 +21,14 @@ from .packing import host_to_device, row_lengths
 class MicroBatch:
     """Right-padded rows: `input_ids` [b, s] token ids, `labels` [b, s] next-token targets aligned with
     input positions (-100 where there is no target: padding, prompts, the last token), and the softmax
-    temperature the token statistics are taken at (a float > 0; validated by the op)."""
+    temperature the token statistics are taken at (a float > 0; validated by the op). Optional
+    `selected_ids` [b, s, K]: per position, K global vocabulary ids whose logprobs the stats also carry
+    (`TokenStats.selected_logprobs`; -100 entries give 0), laid out and padded like labels."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     temperature: float = 1.0
+    selected_ids: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         for name in ("input_ids", "labels"):
@@ -35,6 +39,12 @@ class MicroBatch:
         if self.input_ids.shape != self.labels.shape:
             raise ValueError(f"MicroBatch.labels {tuple(self.labels.shape)} must match input_ids "
                              f"{tuple(self.input_ids.shape)}")
+        sel = self.selected_ids
+        if sel is not None and (not torch.is_tensor(sel) or sel.dim() != 3 or sel.dtype != torch.int64
+                                or tuple(sel.shape[:2]) != tuple(self.labels.shape) or sel.shape[2] < 1):
+            got = f"{tuple(sel.shape)} {sel.dtype}" if torch.is_tensor(sel) else type(sel).__name__
+            raise ValueError(f"MicroBatch.selected_ids must be an int64 tensor [batch, seq, K>=1] laid out like "
+                             f"labels {tuple(self.labels.shape)}; got {got}")
 
     @property
     def rows(self) -> int:
