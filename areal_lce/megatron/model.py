@@ -25,7 +25,7 @@ from typing import Dict
 import torch
 import torch.nn.functional as F
 
-from .compat import cpu_shims
+from .compat import cpu_shims, quiet_gpt_deprecation
 from .config import ModelConfig, ParallelConfig
 
 TINY_VOCAB = 512
@@ -239,7 +239,9 @@ def build_gpt_model(arch: ArchSpec, model_cfg: ModelConfig, parallel: ParallelCo
             layer_specs=[layer_spec] * get_num_layers_to_build(config), layer_norm=norm
         )
     vocab = padded_vocab_size(arch.vocab_size, model_cfg.make_vocab_size_divisible_by, parallel.tensor_parallel)
-    with cpu_shims(), warnings.catch_warnings():  # cpu_shims: on a CPU-only host, tied embeddings under PP
+    # cpu_shims: on a CPU-only host, tied embeddings under PP; quiet_gpt_deprecation: megatron-core 0.19's
+    # GPTModel deprecation notice, and only it (the engine's GPTModel is deliberate: docs/megatron.md)
+    with cpu_shims(), quiet_gpt_deprecation(), warnings.catch_warnings():
         # megatron's local spec builds its MLP without ffn_hidden_size (it falls back to the config's, ours)
         warnings.filterwarnings("ignore", message="MLP requires ffn_hidden_size", category=DeprecationWarning)
         model = GPTModel(
