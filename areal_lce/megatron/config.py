@@ -15,7 +15,7 @@ from ..api import LOGITS_PRECISIONS
 from ..backends import BACKENDS
 from .capture import SEAMS
 
-PRESETS = ("tiny", "tiny-llama", "qwen2.5-0.5b", "qwen2.5-7b")
+PRESETS = ("tiny", "tiny-llama", "tiny-qwen3", "qwen2.5-0.5b", "qwen2.5-7b")
 DTYPES = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine")
 CAPTURE_SEAMS = ("auto",) + SEAMS  # "auto": the installed megatron-core's seam (capture.resolve_seam)
@@ -31,7 +31,7 @@ class ModelConfig:
     )
     hf_config_dir: str = field(
         default="",
-        metadata={"help": "local directory with a Hugging Face config.json (Qwen2 or Llama family); "
+        metadata={"help": "local directory with a Hugging Face config.json (Qwen2, Llama or Qwen3 family); "
                   "the model is built from it and randomly initialised"},
     )
     hf_checkpoint_dir: str = field(

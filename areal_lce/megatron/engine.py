@@ -350,3 +350,8 @@ class MegatronEngine:
         """Resume from `save`'s files: weights, optimizer state (a trainable engine), counters, RNG states."""
         counters = engine_state.load_state(path, self.gpt, self.optimizer, self.dist)
         self.step_count, self._gen_calls = counters["step_count"], counters["gen_calls"]
+
+    def export_hf(self, out_dir, tokenizer=None, **kwargs):
+        """Collective: write this model as a Hugging Face checkpoint directory (areal_lce.export.hf.export_hf)."""
+        from ..export.hf import export_hf
+        return export_hf(self, out_dir, tokenizer=tokenizer, **kwargs)

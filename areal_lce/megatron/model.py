@@ -1,7 +1,10 @@
 """Build a megatron-core GPTModel from a Hugging Face config or a preset, and load HF weights into it.
 
-Supported families: Qwen2 (q/k/v bias) and Llama (optional attention bias): grouped-query attention,
-RoPE (default rope type, any theta), RMSNorm, SwiGLU MLP, tied or untied embeddings. Layer spec: the
+Supported families: Qwen2 (q/k/v bias), Llama (no attention bias) and Qwen3 (no attention bias, RMSNorm of
+each query and key head over head_dim before RoPE: megatron's qk_layernorm; head_dim from the config):
+grouped-query attention, RoPE (default rope type, any theta), RMSNorm, SwiGLU MLP, tied or untied
+embeddings. `attention_bias=True` (Llama, Qwen3) is refused: it also puts a bias on o_proj, which
+megatron adds only together with biases on every MLP linear (add_bias_linear). Layer spec: the
 Transformer Engine spec when `transformer_engine` imports (GPU only), else megatron-core's local spec
 with a torch RMSNorm that marks its weight `sequence_parallel` (Megatron then all-reduces those
 grads over TP when sequence parallelism is on, as it does for its own fused norms) and, by default,
@@ -9,6 +12,7 @@ causal attention through torch SDPA (`model.attention`).
 
 Weight layout (HF -> Megatron, per tensor-parallel rank r of t):
   q/k/v_proj      -> linear_qkv: per query group g, rows [q heads of g | k_g | v_g]; groups split over t
+  q_norm / k_norm -> q_layernorm / k_layernorm (Qwen3; [head_dim], the same on every rank)
   o_proj          -> linear_proj (row parallel: columns split over t)
   gate/up_proj    -> linear_fc1 = [gate rows of r | up rows of r]
   down_proj       -> linear_fc2 (row parallel)
@@ -29,13 +33,14 @@ from .compat import cpu_shims, quiet_gpt_deprecation
 from .config import ModelConfig, ParallelConfig
 
 TINY_VOCAB = 512
+FAMILIES = ("qwen2", "llama", "qwen3")  # HF model_type values the builder maps
 
 
 @dataclass(frozen=True)
 class ArchSpec:
     """The architecture numbers the builder needs, whatever their source."""
 
-    family: str  # "qwen2" | "llama"
+    family: str  # "qwen2" | "llama" | "qwen3"
     num_layers: int
     hidden_size: int
     ffn_hidden_size: int
@@ -48,6 +53,7 @@ class ArchSpec:
     qkv_bias: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
+    qk_norm: bool = False  # RMSNorm of every query and key head over head_dim (Qwen3)
 
 
 def _preset_hf_config(name: str):
@@ -61,6 +67,12 @@ def _preset_hf_config(name: str):
         return LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
                            rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=2048)
+    if name == "tiny-qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10000.0,
+                           rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=2048)
     if name == "qwen2.5-0.5b":  # Qwen/Qwen2.5-0.5B config.json
         return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                            num_attention_heads=14, num_key_value_heads=2, rope_theta=1000000.0,
@@ -83,16 +95,20 @@ def _rope_theta(hf) -> float:
 
 
 def arch_from_hf(hf) -> ArchSpec:
-    """ArchSpec of a transformers Qwen2Config / LlamaConfig (clear errors for what is not mapped)."""
+    """ArchSpec of a transformers Qwen2Config / LlamaConfig / Qwen3Config (clear errors for what is not
+    mapped)."""
     family = getattr(hf, "model_type", "")
-    if family not in ("qwen2", "llama"):
-        raise ValueError(f"HF model_type={family!r} is not supported (qwen2, llama)")
+    if family not in FAMILIES:
+        raise ValueError(f"HF model_type={family!r} is not supported ({', '.join(FAMILIES)})")
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf.hidden_act!r} is not supported (SwiGLU/silu only)")
     if getattr(hf, "mlp_bias", False):
         raise ValueError("mlp_bias=True is not supported")
-    if family == "qwen2" and getattr(hf, "use_sliding_window", False):
-        raise ValueError("Qwen2 use_sliding_window=True is not supported")
+    if family in ("qwen2", "qwen3") and getattr(hf, "use_sliding_window", False):
+        raise ValueError(f"{family} use_sliding_window=True is not supported")
+    if family != "qwen2" and getattr(hf, "attention_bias", False):
+        raise ValueError(f"{family} attention_bias=True is not supported: it puts a bias on o_proj too, which "
+                         "megatron's layers have only together with biases on every MLP linear")
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     return ArchSpec(
@@ -100,7 +116,7 @@ def arch_from_hf(hf) -> ArchSpec:
         ffn_hidden_size=hf.intermediate_size, num_heads=heads,
         num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads, head_dim=head_dim,
         vocab_size=hf.vocab_size, rope_theta=_rope_theta(hf), rms_norm_eps=hf.rms_norm_eps,
-        qkv_bias=True if family == "qwen2" else bool(getattr(hf, "attention_bias", False)),
+        qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         max_position_embeddings=getattr(hf, "max_position_embeddings", 4096),
     )
@@ -180,7 +196,7 @@ def build_transformer_config(arch: ArchSpec, parallel: ParallelConfig, dtype: to
             num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
             num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim,
             normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, gated_linear_unit=True,
-            activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias,
+            activation_func=F.silu, add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
             hidden_dropout=0.0, attention_dropout=0.0,
             tensor_model_parallel_size=parallel.tensor_parallel,
             pipeline_model_parallel_size=parallel.pipeline_parallel,
@@ -224,15 +240,18 @@ def build_gpt_model(arch: ArchSpec, model_cfg: ModelConfig, parallel: ParallelCo
                                       rope_fusion=fuse_rope,
                                       cross_entropy_loss_fusion=model_cfg.cross_entropy_loss_fusion)
     if te:
-        layer_spec = get_gpt_layer_with_transformer_engine_spec()
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     else:
         if model_cfg.attention != "sdpa" and config.context_parallel_size > 1:
             raise ValueError(f"model.attention={model_cfg.attention!r} (megatron's DotProductAttention) does not "
                              "support context parallelism; use model.attention: sdpa")
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm)
         norm = _local_rms_norm_class()
+        attention = layer_spec.submodules.self_attention.submodules
         if model_cfg.attention == "sdpa":
-            layer_spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
+            attention.core_attention = _sdpa_attention_class()
+        if arch.qk_norm:  # megatron sums these weights' grads over TP by name (each rank norms its own heads)
+            attention.q_layernorm = attention.k_layernorm = norm
         layer_spec.submodules.input_layernorm = norm
         layer_spec.submodules.pre_mlp_layernorm = norm
         layer_spec = TransformerBlockSubmodules(
@@ -311,6 +330,9 @@ def hf_to_megatron_shard(hf: Dict[str, torch.Tensor], arch: ArchSpec, padded_voc
             kb = hf[src + "self_attn.k_proj.bias"].reshape(g, d)
             vb = hf[src + "self_attn.v_proj.bias"].reshape(g, d)
             out[dst + "self_attention.linear_qkv.bias"] = _split(torch.cat([qb, kb, vb], 1), 0, tp, rank).reshape(-1)
+        if arch.qk_norm:
+            out[dst + "self_attention.q_layernorm.weight"] = hf[src + "self_attn.q_norm.weight"]
+            out[dst + "self_attention.k_layernorm.weight"] = hf[src + "self_attn.k_norm.weight"]
         out[dst + "self_attention.linear_proj.weight"] = _split(hf[src + "self_attn.o_proj.weight"], 1, tp, rank)
         gate = _split(hf[src + "mlp.gate_proj.weight"], 0, tp, rank)
         up = _split(hf[src + "mlp.up_proj.weight"], 0, tp, rank)

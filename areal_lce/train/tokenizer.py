@@ -2,13 +2,42 @@
 
 Both expose the same small surface the jobs use: `encode(text) -> list[int]` (no special tokens),
 `decode(ids)`, `vocab_size` (true vocabulary, before any Megatron padding), `pad_id`, `bos_id`,
-`eos_id`, `name`. The built-in one needs no file and no download: ids 0..255 are the UTF-8 bytes,
-256 = <pad>, 257 = <bos>, 258 = <eos>, so any text round-trips and the vocabulary is 259.
+`eos_id`, `name`, and `save_pretrained(directory)`, which writes Hugging Face tokenizer files
+(areal_lce.export puts them beside an exported model). The built-in one needs no file and no download:
+ids 0..255 are the UTF-8 bytes, 256 = <pad>, 257 = <bos>, 258 = <eos>, so any text round-trips and the
+vocabulary is 259.
+
+The built-in tokenizer's files: a `tokenizer.json` (tokenizers library) whose byte-level pre-tokenizer
+maps every byte to one character of GPT-2's byte alphabet, a BPE model without merges whose vocabulary
+gives that character the byte's id, and the three special tokens as added tokens 256..258; plus a
+`tokenizer_config.json` with `split_special_tokens: true` (a text "<eos>" is five bytes, as here) and
+`clean_up_tokenization_spaces: false`. `AutoTokenizer.from_pretrained(dir)` then encodes any text
+(`add_special_tokens=False`: nothing is prepended, prepend `bos_token_id` as the jobs' data.add_bos does)
+and decodes any ids as `ByteTokenizer` does; invalid UTF-8 becomes U+FFFD in both.
 """
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Iterable, Optional
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")  # ids 256, 257, 258 of the built-in tokenizer
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's printable stand-in for each byte (index = byte value), the alphabet of the tokenizers
+    library's ByteLevel pre-tokenizer and decoder: printable Latin-1 bytes stand for themselves, the
+    others for the code points from 256 up, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    out, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return out
 
 
 class ByteTokenizer:
@@ -35,6 +64,27 @@ class ByteTokenizer:
                 out.extend({self.PAD: b"<pad>", self.BOS: b"<bos>", self.EOS: b"<eos>"}.get(i, b"<unk>"))
         return out.decode("utf-8", errors="replace")
 
+    def save_pretrained(self, directory) -> list[str]:
+        """Write tokenizer.json and tokenizer_config.json (see the module docstring) into `directory`;
+        returns the file names."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+        alphabet = byte_alphabet()
+        tok = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(alphabet)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+        ids = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
+        if ids != [self.PAD, self.BOS, self.EOS]:  # the tokenizers library numbers added tokens in order
+            raise RuntimeError(f"built-in tokenizer export: special tokens got ids {ids}, expected 256..258")
+        tok.save(os.path.join(directory, "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "bos_token": "<bos>",
+                  "eos_token": "<eos>", "split_special_tokens": True, "clean_up_tokenization_spaces": False,
+                  "add_bos_token": False, "add_eos_token": False}
+        with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+        return ["tokenizer.json", "tokenizer_config.json"]
+
 
 class HFTokenizer:
     """Thin adapter over `transformers.AutoTokenizer` loaded from a local directory (no download)."""
@@ -58,6 +108,10 @@ class HFTokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def save_pretrained(self, directory) -> list[str]:
+        """The tokenizer's own files (transformers' save_pretrained) in `directory`; returns their names."""
+        return [os.path.basename(p) for p in self.hf.save_pretrained(str(directory))]
 
 
 def load_tokenizer(spec: str):

@@ -1,0 +1,201 @@
+"""Hugging Face export (areal_lce.export) and the Qwen3 import: round trips through transformers.
+
+Oracles: the exported tensors are bitwise the imported ones (the export only moves and cuts tensors), at
+TP=1, TP=2 and PP=2; transformers' model loaded from the export computes the engine's logits; the export
+imported back gives bitwise the same token_stats; the built-in byte tokenizer's files reproduce its ids.
+
+Logit bound: the engine and transformers evaluate the same fp32 function with other summation orders
+(fused QKV GEMM, SDPA vs eager attention). Each lies within the first-order rounding bound of the exact
+(fp64) value, of the size transformers' own fp32 error shows; the engine may not be more than 4x worse,
+plus 8 ulp of the largest logit for the case where transformers' own error happens to be tiny.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from areal_lce.megatron.compat import cpu_shims  # noqa: E402
+from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig  # noqa: E402
+from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
+from areal_lce.megatron.model import arch_from_hf  # noqa: E402
+from areal_lce.train.tokenizer import ByteTokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 300  # megatron pads it to 384: the export must cut the embedding and LM head back
+U32 = 2.0 ** -24
+
+
+def make_checkpoint(path, family: str, tied: bool, seed: int = 0) -> None:
+    """A tiny random transformers model (random norm weights and q/k/v biases, so no layout hides behind
+    ones and zeros) saved as safetensors. Qwen3's head_dim (24) is not hidden/heads (16)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=tied,
+              max_position_embeddings=256)
+    cls = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3Config"}[family]
+    cfg = getattr(transformers, cls)(**kw, **({"head_dim": 24} if family == "qwen3" else {}))
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(path)
+
+
+def engine_of(hf_dir, **model) -> MegatronEngine:
+    cfg = EngineConfig(model=ModelConfig(hf_checkpoint_dir=str(hf_dir), max_seq_len=64, **model),
+                       lce=LCEConfig(backend="torch"))
+    return MegatronEngine(cfg, trainable=False)
+
+
+def engine_logits(engine, ids) -> torch.Tensor:
+    """The engine's fp32 logits [b, s, true vocab] (TP=1: the GPTModel's output layer, padding cut)."""
+    with torch.no_grad(), cpu_shims():
+        pos = torch.arange(ids.shape[1]).expand_as(ids)
+        return engine.gpt(input_ids=ids, position_ids=pos, attention_mask=None)[..., :engine.vocab_size]
+
+
+def hf_logits(hf_dir, ids, dtype=torch.float32) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, local_files_only=True).eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def assert_logits_close(got, hf_dir, ids) -> None:
+    """The module docstring's bound, against transformers in fp64 (the oracle) and in fp32."""
+    exact, hf32 = hf_logits(hf_dir, ids, torch.float64), hf_logits(hf_dir, ids).double()
+    own = (hf32 - exact).abs().max().item()
+    err = (got.double() - exact).abs().max().item()
+    bound = 4 * own + 8 * U32 * exact.abs().max().item()
+    assert err <= bound, f"engine logits vs fp64: {err:.3e} > bound {bound:.3e} (transformers fp32: {own:.3e})"
+
+
+def safetensors_of(directory) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        out.update(load_file(f))
+    return out
+
+
+def assert_same_tensors(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{k} differs"
+
+
+def batch(seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+    labels = torch.roll(ids, -1, 1)
+    labels[:, -1] = -100
+    labels[0, 2] = VOCAB - 1  # the last true row, next to the padding rows
+    return ids, labels
+
+
+# -------------------------------------------------------------------------------------------- tokenizer
+ODD_TEXTS = ["", " ", "  two  spaces ", "\t\r\n\x00\x7f", "héllo wörld", "世界 🙂 \u200b", "<eos>", "a<bos>b<pad>",
+             "Ġ Ċ ĉ", "\\u00ff \U0010ffff"]
+ODD_IDS = [[0xFF], [0xC3], [0xE4, 0xB8], [0xF0, 0x9F, 0x99], [0xED, 0xA0, 0x80], [0xC0, 0x80], [0xF5, 0x41],
+           [0x80, 0x41, 0xBF], list(range(256)), [257, 72, 258, 105, 256, 256], [0xE4, 0xB8, 258, 0x96]]
+
+
+def test_byte_tokenizer_files_reproduce_its_ids(tmp_path):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    bt = ByteTokenizer()
+    assert sorted(bt.save_pretrained(tmp_path)) == ["tokenizer.json", "tokenizer_config.json"]
+    rows = [json.loads(line) for line in (REPO / "areal_lce/train/data/sft_tiny.jsonl").read_text().splitlines()]
+    texts = [r[k] for r in rows for k in ("prompt", "response")] + ODD_TEXTS
+    for hf in (AutoTokenizer.from_pretrained(tmp_path, local_files_only=True),
+               PreTrainedTokenizerFast.from_pretrained(tmp_path, local_files_only=True)):
+        assert len(hf) == bt.vocab_size == 259
+        assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (bt.pad_id, bt.bos_id, bt.eos_id)
+        for text in texts:
+            ids = hf.encode(text, add_special_tokens=False)
+            assert ids == bt.encode(text), text
+            assert hf.decode(ids) == text
+        for ids in ODD_IDS + [bt.encode(t) for t in ODD_TEXTS]:  # invalid UTF-8 -> U+FFFD in both
+            for skip in (True, False):
+                assert hf.decode(ids, skip_special_tokens=skip) == bt.decode(ids, skip_special_tokens=skip), (ids, skip)
+
+
+# -------------------------------------------------------------------------------------------- import / export
+def test_attention_bias_with_its_o_proj_bias_is_refused():
+    from transformers import LlamaConfig, Qwen3Config
+
+    # o_proj carries a bias too under attention_bias=True; the builder once mapped only the q/k/v ones and
+    # dropped o_proj.bias without a word
+    for cfg in (LlamaConfig(attention_bias=True), Qwen3Config(attention_bias=True)):
+        with pytest.raises(ValueError, match="attention_bias=True is not supported"):
+            arch_from_hf(cfg)
+
+
+@pytest.mark.parametrize("family,tied", [pytest.param("qwen2", False, id="qwen2-untied"),
+                                         pytest.param("llama", True, id="llama-tied"),
+                                         pytest.param("qwen3", True, id="qwen3-tied")])
+def test_export_round_trip_through_transformers(tmp_path, family, tied):
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_checkpoint(src, family, tied)
+    e = engine_of(src)
+    assert e.gpt.config.qk_layernorm == (family == "qwen3") and e.arch.head_dim == (24 if family == "qwen3" else 16)
+    assert e.gpt.vocab_size == 384 and e.vocab_size == VOCAB
+    ids, labels = batch()
+    logits = engine_logits(e, ids)
+    assert_logits_close(logits, src, ids)  # the import: the engine computes transformers' model
+    # shards of at most 40 kB: several files and their index
+    e.export_hf(out, max_shard_bytes=40_000)
+    assert_same_tensors(safetensors_of(out), safetensors_of(src))  # bitwise, padding rows cut
+    assert len(glob.glob(str(out / "model-*-of-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["model_type"], cfg["vocab_size"], cfg["tie_word_embeddings"]) == (family, VOCAB, tied)
+    assert_logits_close(logits, out, ids)  # transformers' model of the export
+    back = engine_of(out)  # the export imported back
+    a, b = e.token_stats(ids, labels), back.token_stats(ids, labels)
+    for name in ("logprobs", "entropy"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    if family == "qwen3" and tied:  # greedy decoding (KV cache, q/k norms on every new token) as transformers
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
+        prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]]
+        ours = e.generate(prompts, 6, temperature=0.0)
+        for p, mine in zip(prompts, ours):
+            got = hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None)
+            assert got[0, len(p):].tolist() == mine
+
+
+def test_export_refusals(tmp_path):
+    e = MegatronEngine(EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=32), lce=LCEConfig(backend="torch")),
+                       vocab_size=ByteTokenizer().vocab_size, trainable=False)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    with pytest.raises(ValueError, match="not an empty directory"):
+        e.export_hf(tmp_path / "full")
+    assert os.listdir(tmp_path / "full") == ["keep.txt"]
+
+    big = ByteTokenizer()
+    big.vocab_size = 1000  # more ids than the model's vocabulary
+    with pytest.raises(ValueError, match="tokenizer has 1000 ids"):
+        e.export_hf(tmp_path / "big", tokenizer=big)
+    with pytest.raises(ValueError, match="float64"):  # an unsupported dtype
+        e.export_hf(tmp_path / "f64", dtype=torch.float64)
+    e.gpt.decoder.layers[0].register_parameter("extra", torch.nn.Parameter(torch.zeros(2)))
+    with pytest.raises(ValueError, match="decoder.layers.0.extra"):
+        e.export_hf(tmp_path / "extra")
+    assert sorted(os.listdir(tmp_path)) == ["full"]
