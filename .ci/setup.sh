@@ -11,7 +11,7 @@ python -m pip install -q --upgrade pip
 if ! python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then python -m pip install -q torch; else python -m pip install -q torch==2.13.0; fi
 fi
-python -m pip install -q "numpy<2.5" "triton==3.7.1" transformers safetensors pyyaml packaging tqdm matplotlib pytest "import-linter>=2.1"
+python -m pip install -q "numpy<2.5" "triton==3.7.1" transformers safetensors pyyaml packaging tqdm matplotlib pytest "import-linter>=2.1" "tensorboard==2.21.0"
 python -m pip install -q --no-deps -e .
 python -m pip install -q --no-deps --ignore-requires-python "megatron-core==0.19.2"
 # megatron-core 0.16.1 aside (no output_processor seam): the tests run the legacy capture seam on it

@@ -19,6 +19,7 @@ from areal_lce.megatron.config import EngineConfig
 from . import config_io
 from .config_io import (ConfigError, dump_yaml, from_dict, iter_fields, load_yaml, parse_value,  # noqa: F401
                         to_dict)
+from .loggers import LOGGERS
 from .rl_config import RLConfig
 
 RL_JOBS = ("grpo", "ppo")
@@ -114,7 +115,16 @@ class TrainerConfig:
     seed: int = field(default=1234, metadata=_help("seeds python's and torch's RNGs once the engine is built "
                                                    "(engine.seed seeds the model init)"))
     progress: bool = field(default=True, metadata=_help("show a tqdm progress bar on rank 0"))
-    plot: bool = field(default=True, metadata=_help("write metrics.png (matplotlib) at the end of the run"))
+    plot: bool = field(default=True, metadata=_help("write metrics.png (matplotlib, drawn from metrics.jsonl) at "
+                                                    "the end of the run"))
+    loggers: list[str] = field(
+        default_factory=lambda: ["jsonl"],
+        metadata=_help(f"where rank 0 logs each step's metrics, some of {tuple(LOGGERS)}: jsonl = "
+                       "RUN_DIR/metrics.jsonl; tensorboard = event files in RUN_DIR/tensorboard/ (extra "
+                       "'tensorboard'); wandb = a W&B run in RUN_DIR/wandb/ (extra 'wandb'; WANDB_MODE=offline "
+                       "needs no network; WANDB_PROJECT, default areal_lce). On the command line: "
+                       "trainer.loggers=jsonl,tensorboard"),
+    )
     sample_prompts: int = field(
         default=0, metadata=_help("after the last step, greedily complete this many prompts of the dataset "
                                   "(file order) and print them with their reference responses; also "
@@ -138,6 +148,13 @@ class TrainerConfig:
             raise ConfigError("trainer.output_dir is empty")
         if self.sample_prompts < 0:
             raise ConfigError(f"trainer.sample_prompts={self.sample_prompts} must be >= 0")
+        unknown = [name for name in self.loggers if name not in LOGGERS]
+        if unknown or len(set(self.loggers)) != len(self.loggers):
+            raise ConfigError(f"trainer.loggers={list(self.loggers)}: expected distinct names among "
+                              f"{tuple(LOGGERS)}")
+        if self.plot and "jsonl" not in self.loggers:
+            raise ConfigError(f"trainer.plot=true draws metrics.png from metrics.jsonl, but trainer.loggers="
+                              f"{list(self.loggers)} leaves out jsonl: add jsonl or set trainer.plot=false")
 
 
 def split_global_batch(global_batch_size: int, micro_batch_size: int, dp_size: int = 1) -> int:

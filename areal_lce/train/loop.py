@@ -12,8 +12,9 @@
 3. engines   `job.build_engines()`, then python's and torch's RNGs are seeded with trainer.seed (after
              the engines, whose set-up seeds torch with engine.seed);
 4. resume    the checkpoint's engine state and step (a damaged checkpoint falls back to the previous one);
-             metrics.jsonl drops the lines the interrupted run wrote past that step;
-5. steps     `job.step(step)` for every remaining step: its record goes to metrics.jsonl (rank 0), the
+             the loggers of trainer.loggers (loggers.py) open on rank 0 and hide what the interrupted run
+             wrote past that step (metrics.jsonl drops those lines);
+5. steps     `job.step(step)` for every remaining step: its record goes to the loggers (rank 0), the
              progress bar and every trainer.log_interval steps a metrics line; then the end-of-step
              checkpoint (trainer.save_interval, the final one) and trainer.stop_at. SIGINT / SIGTERM
              during the steps only set a flag; at the step boundary the ranks agree on it, save a
@@ -33,9 +34,10 @@ import torch
 
 from ..device import cuda_advice_hidden_on_cpu
 from . import checkpoint as ckpt
-from .config import check_runs_here, dump_yaml
+from .config import check_runs_here, dump_yaml, to_dict
 from .job import Job
-from .logging_utils import MetricsLog, ProgressBar, format_record, plot_metrics, read_metrics
+from .loggers import RunLoggers, check_loggers_installed
+from .logging_utils import ProgressBar, format_record, plot_metrics, read_metrics
 from .ranks import Interrupted, StopOnSignal, check_same_config
 from .run_dir import close_run, open_run
 
@@ -59,6 +61,7 @@ def run(cfg, make_job: Callable[..., Job]) -> dict:
 def train(job: Job, cfg, dist_info) -> dict:
     """The loop itself (module docstring), on an initialised job and distributed set-up."""
     tr, is_main = cfg.trainer, dist_info.is_main
+    check_loggers_installed(tr.loggers)  # every rank, before the run directory is touched
     out = Path(tr.output_dir)
     run_dir = open_run(cfg, out, is_main)  # rank 0 locks it; a fresh start refuses another run's files
     resume_from = run_dir.resume_from
@@ -74,14 +77,16 @@ def train(job: Job, cfg, dist_info) -> dict:
     if resume_from is not None:
         resume_from, state = ckpt.load_resumable(job.engine, out, resume_from)  # falls back past a damaged one
         start = int(state["step"])
-    metrics = MetricsLog(out / "metrics.jsonl", enabled=is_main, resume_step=start)
+    metrics = RunLoggers(tr.loggers, out, resume_step=start, config=to_dict(cfg), enabled=is_main)
     if is_main:
         resumed = f", resumed from {resume_from} (step {start})" if resume_from else ""
         print(f"[{job.name}] {job.banner()}{resumed}", flush=True)
+        for where in metrics.where():
+            print(f"[{job.name}] logging to {where}", flush=True)
 
     bar = ProgressBar(tr.steps, initial=start, enabled=tr.progress, is_main=is_main, desc=job.name)
     records, step = [], start
-    with StopOnSignal() as stop:
+    with StopOnSignal() as stop, metrics:
         for step in range(start + 1, tr.steps + 1):
             rec = {"step": step, **job.step(step)}
             records.append(rec)
