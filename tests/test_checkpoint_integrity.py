@@ -74,56 +74,106 @@ def engine_ckpt(tmp_path_factory):
 def _copy(src: Path, dst: Path) -> Path:
     dst.mkdir(parents=True)
     for name, data in _tree(src).items():
+        (dst / name).parent.mkdir(parents=True, exist_ok=True)
         (dst / name).write_bytes(data)
     return dst
+
+
+ENGINE_FILES = [durable.MANIFEST, "rank00000.pt", "sharded/.metadata", "sharded/__0_0.distcp", "sharded/metadata.json",
+                "state.pt"]
 
 
 def test_engine_files_load_only_when_they_match_the_manifest(engine_ckpt, tmp_path):
     e, _cfg_, saved = engine_ckpt
     marker = tmp_path / "code_ran"
-    files = sorted(_tree(saved))
-    assert files == [durable.MANIFEST, "rank00000.pt"]
+    assert sorted(_tree(saved)) == ENGINE_FILES
     e.load(str(saved))  # the engine's own files: accepted
 
-    # a crafted pickle in place of the rank file, the manifest left alone: refused before any unpickling
+    # a crafted pickle in place of torch's checkpoint index (`.metadata`: torch's reader unpickles it with no
+    # restriction), the manifest left alone: refused by the hash check before anything is unpickled
     crafted = _copy(saved, tmp_path / "crafted")
-    _craft(crafted / "rank00000.pt", marker)
-    with pytest.raises(durable.IntegrityError, match=r"crafted/rank00000.pt: .*(bytes|sha256)"):
+    _craft(crafted / "sharded" / ".metadata", marker)
+    with pytest.raises(durable.IntegrityError, match=r"crafted/sharded/.metadata: .*(bytes|sha256)"):
         e.load(str(crafted))
-    # ... and with a manifest rewritten to match it (a manifest is no signature): weights_only refuses it
+    with pytest.raises(durable.IntegrityError, match=r"crafted/sharded/.metadata: .*(bytes|sha256)"):
+        e.load_weights(str(crafted))
+    # ... and with a manifest rewritten to match it (a manifest is no signature): the index's allowlist
+    # unpickler refuses it before torch's reader opens it
     durable.write_manifest(crafted)
-    with pytest.raises(pickle.UnpicklingError, match="refused: it holds something other than tensors"):
+    with pytest.raises(pickle.UnpicklingError, match=r"\.metadata: refused: not a checkpoint index \(io.open is not"):
         e.load(str(crafted))
+    # a crafted plain-state file under a forged manifest: torch.load(weights_only=True) refuses it
+    forged = _copy(saved, tmp_path / "forged")
+    _craft(forged / "state.pt", marker)
+    durable.write_manifest(forged)
+    with pytest.raises(pickle.UnpicklingError, match="state.pt: refused: it holds something other than tensors"):
+        e.load(str(forged))
     assert not marker.exists(), "the crafted pickle's code ran"
 
-    # one flipped byte: refused, naming the file
+    # one flipped byte in a tensor file: refused, naming the file
     flipped = _copy(saved, tmp_path / "flipped")
-    data = bytearray((flipped / "rank00000.pt").read_bytes())
+    data = bytearray((flipped / "sharded" / "__0_0.distcp").read_bytes())
     data[len(data) // 2] ^= 0x01
-    (flipped / "rank00000.pt").write_bytes(bytes(data))
-    with pytest.raises(durable.IntegrityError, match=r"flipped/rank00000.pt: sha256 differs"):
+    (flipped / "sharded" / "__0_0.distcp").write_bytes(bytes(data))
+    with pytest.raises(durable.IntegrityError, match=r"flipped/sharded/__0_0.distcp: sha256 differs"):
         e.load(str(flipped))
 
     # a file the job did not write, a missing manifest
     extra = _copy(saved, tmp_path / "extra")
-    (extra / "rank00001.pt").write_bytes(b"x")
-    with pytest.raises(durable.IntegrityError, match=r"extra/rank00001.pt: not listed"):
+    (extra / "sharded" / "__1_0.distcp").write_bytes(b"x")
+    with pytest.raises(durable.IntegrityError, match=r"extra/sharded/__1_0.distcp: not listed"):
         e.load(str(extra))
-    (extra / "rank00001.pt").unlink()
+    (extra / "sharded" / "__1_0.distcp").unlink()
     (extra / durable.MANIFEST).unlink()
     with pytest.raises(durable.IntegrityError, match=r"no MANIFEST.json"):
         e.load(str(extra))
 
 
 def test_a_model_that_does_not_fit_is_named_not_taken_for_damage(engine_ckpt):
+    from areal_lce.megatron.config import EngineConfig, ModelConfig
     from areal_lce.megatron.engine import MegatronEngine
     from areal_lce.megatron.state import CheckpointMismatch
 
     _e, cfg, saved = engine_ckpt
     other = MegatronEngine(cfg, vocab_size=300)  # padded vocabulary 384 rows instead of 256
-    with pytest.raises(CheckpointMismatch, match=r"'embedding.word_embeddings.weight' is \[256, \d+\] in the "
-                                                 r"checkpoint and \[384, \d+\] in the model"):
+    with pytest.raises(CheckpointMismatch, match=r"written for a vocabulary of 200 tokens, this model has 300"):
         other.load(str(saved))
+    deeper = MegatronEngine(EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=32, num_layers=2)),
+                            vocab_size=200, trainable=False)
+    with pytest.raises(CheckpointMismatch, match=r"'decoder.layers.[a-z_.]+' is \[1, .*\] in the checkpoint and "
+                                                 r"\[2, .*\] in the model"):
+        deeper.load_weights(str(saved))
+
+
+def test_model_weights_alone_and_the_previous_per_rank_format(engine_ckpt, tmp_path):
+    """load_weights (a frozen engine: a teacher, an export) reads the weights and nothing else; a directory of
+    the previous per-rank format loads at its own layout and is refused, naming the format, at another."""
+    from areal_lce.megatron.config import EngineConfig
+    from areal_lce.megatron.engine import MegatronEngine
+    from areal_lce.megatron.state import CheckpointMismatch, rng_states
+
+    e, cfg, saved = engine_ckpt
+    frozen = MegatronEngine(EngineConfig(model=cfg.model, seed=99), vocab_size=200, trainable=False)
+    frozen.load_weights(str(saved))
+    assert all(torch.equal(p, frozen.parameters_named()[n]) for n, p in e.parameters_named().items())
+    assert frozen.step_count == 0 and e.step_count == 1
+
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    durable.torch_save({"model": e.gpt.state_dict(), "optimizer": e.optimizer.state_dict(), "step_count": 7,
+                        "gen_calls": 0, "rng": rng_states(), "meta": {"world_size": 1, "tp": 1, "vocab_size": 200}},
+                       v1 / "rank00000.pt")
+    durable.write_manifest(v1)
+    other = MegatronEngine(EngineConfig(model=cfg.model, optim=cfg.optim, seed=99), vocab_size=200)
+    other.load(str(v1))
+    assert other.step_count == 7
+    assert all(torch.equal(p, other.parameters_named()[n]) for n, p in e.parameters_named().items())
+    state = torch.load(v1 / "rank00000.pt", weights_only=True)
+    durable.torch_save({**state, "meta": {"world_size": 2, "tp": 2, "vocab_size": 200}}, v1 / "rank00000.pt")
+    durable.write_manifest(v1)
+    with pytest.raises(CheckpointMismatch, match=r"previous per-rank format, written with world_size=2, tp=2; "
+                                                 r"this run has 1, 1.*new checkpoints load at any layout"):
+        frozen.load_weights(str(v1))
 
 
 def test_saved_state_is_checked_for_weights_only_loading():
@@ -154,18 +204,20 @@ def test_resume_refuses_a_crafted_or_damaged_checkpoint(engine_ckpt, tmp_path):
     run, marker = tmp_path / "run", tmp_path / "code_ran"
     loop.train(EngineJob(engine_ckpt[0]), _cfg(run, "trainer.steps=2", "trainer.stop_at=1"), ONE_RANK)
     step1 = ckpt.checkpoint_dir(run, 1)
-    assert sorted(_tree(step1)) == [ckpt.MARKER, durable.MANIFEST, "engine/MANIFEST.json", "engine/rank00000.pt",
-                                    ckpt.STATE_FILE]
-    _craft(step1 / "engine" / "rank00000.pt", marker)
-    with pytest.warns(RuntimeWarning, match="rank00000.pt"), \
-            pytest.raises(RuntimeError, match=r"no complete checkpoint .* can be loaded:\n.*rank00000.pt"):
+    assert sorted(_tree(step1)) == sorted([ckpt.MARKER, durable.MANIFEST, ckpt.STATE_FILE,
+                                           *(f"engine/{f}" for f in ENGINE_FILES)])
+    _craft(step1 / "engine" / "sharded" / ".metadata", marker)
+    with pytest.warns(RuntimeWarning, match=r"\.metadata"), \
+            pytest.raises(RuntimeError, match=r"no complete checkpoint .* can be loaded:\n.*\.metadata"):
         loop.train(EngineJob(engine_ckpt[0]), _cfg(run, "trainer.steps=2", "trainer.resume=auto"), ONE_RANK)
-    # both manifests forged to match: torch.load(weights_only=True) still refuses it
+    # both manifests forged to match: the index's allowlist unpickler still refuses it
     durable.write_manifest(step1 / "engine")
     durable.write_manifest(step1, exclude=(ckpt.MARKER,))
-    with pytest.warns(RuntimeWarning, match="refused: it holds something other than tensors"), \
+    with pytest.warns(RuntimeWarning, match="refused: not a checkpoint index"), \
             pytest.raises(RuntimeError, match="no complete checkpoint"):
         loop.train(EngineJob(engine_ckpt[0]), _cfg(run, "trainer.steps=2", "trainer.resume=auto"), ONE_RANK)
+    with pytest.raises(pickle.UnpicklingError, match="refused: not a checkpoint index"):
+        ckpt.load_model_weights(engine_ckpt[0], step1)
     assert not marker.exists(), "the crafted pickle's code ran"
 
     # the step directory's own files: a flipped byte in trainer_state.json, an extra file
@@ -244,16 +296,15 @@ def test_keep_last_deletes_only_this_runs_old_checkpoints(tmp_path):
 def test_resume_with_a_changed_config_names_the_options(tmp_path):
     run = tmp_path / "run"
     loop.train(CounterJob(), _cfg(run, "trainer.stop_at=2"), ONE_RANK)
-    for option, says in (("engine.model.num_layers=3", r"changed model \(engine.model.num_layers: 0 -> 3\)"),
-                         ("engine.parallel.tensor_parallel=2", r"engine.parallel.tensor_parallel: 1 -> 2\).*"
-                                                                r"checkpoints are saved per rank")):
-        with pytest.raises(ConfigError, match=rf"resuming .*step_00000002 with a {says}" if "model" in option
-                           else rf"resuming .*step_00000002 with changed engine.parallel options \({says}"):
-            loop.train(CounterJob(), _cfg(run, "trainer.resume=auto", option), ONE_RANK)
+    with pytest.raises(ConfigError, match=r"resuming .*step_00000002 with a changed model \(engine.model.num_layers: "
+                                          r"0 -> 3\)"):
+        loop.train(CounterJob(), _cfg(run, "trainer.resume=auto", "engine.model.num_layers=3"), ONE_RANK)
+    # another parallel layout is not refused (checkpoints load at any layout): named with the others
     with pytest.warns(RuntimeWarning, match=r"changed options: engine.optim.lr: 1e-05 -> 0.002, "
-                                            r"engine.optim.total_steps: 5 -> 6, trainer.steps: 5 -> 6$"):
+                                            r"engine.optim.total_steps: 5 -> 6, engine.parallel.tensor_parallel: "
+                                            r"1 -> 2, trainer.steps: 5 -> 6$"):
         res = loop.train(CounterJob(), _cfg(run, "trainer.resume=auto", "engine.optim.lr=0.002",
-                                            "trainer.steps=6"), ONE_RANK)
+                                            "engine.parallel.tensor_parallel=2", "trainer.steps=6"), ONE_RANK)
     assert res["step"] == 6
 
 
@@ -279,8 +330,8 @@ def test_metrics_are_never_truncated_in_place(tmp_path, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_mixed_precision_optimizer_state_round_trips_weights_only(tmp_path):
-    """bf16 engine: megatron's Float16 optimizer (fp32 master weights, Adam moments) saved and reloaded
-    through torch.load(weights_only=True); the reloaded engine's next step equals the original's."""
+    """bf16 engine: megatron's Float16 optimizer (fp32 master weights, Adam moments) saved as sharded tensors
+    and reloaded; the reloaded engine's next step equals the original's."""
     from areal_lce.megatron import MicroBatch
     from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig
     from areal_lce.megatron.engine import MegatronEngine
@@ -295,8 +346,10 @@ def test_gpu_mixed_precision_optimizer_state_round_trips_weights_only(tmp_path):
     assert a.megatron_optimizer, "expected megatron's optimizer on CUDA"
     a.train_step(batches[0], loss)
     a.save(str(tmp_path / "engine"))
-    state = torch.load(tmp_path / "engine" / "rank00000.pt", weights_only=True)
-    assert "fp32_from_fp16_params" in state["optimizer"], sorted(state["optimizer"])
+    from areal_lce.megatron.sharded import read_metadata, saved_shapes
+
+    keys = saved_shapes(read_metadata(str(tmp_path / "engine" / "sharded")))
+    assert any(k.startswith("optimizer.state.fp32_param.") for k in keys), sorted(keys)
     b = MegatronEngine(EngineConfig(model=cfg.model, optim=cfg.optim, seed=99), vocab_size=500)
     b.load(str(tmp_path / "engine"))
     ra, rb = a.train_step(batches[1], loss), b.train_step(batches[1], loss)

@@ -1,36 +1,50 @@
-"""MegatronEngine checkpoints: one file per rank (`rank00000.pt`, ...) holding this rank's model shard,
-its optimizer state (None for a frozen engine), the engine's counters and the RNG states (torch, CUDA,
-Megatron's tracker), so that a resumed run reproduces the next steps exactly.
+"""MegatronEngine checkpoints that load at any parallel layout (TP, PP, DP), the model and its optimizer
+state saved through megatron-core's dist_checkpointing (sharded.py). The engine's directory::
 
-Saving is collective: every rank writes its file durably (temp name, fsync, rename), and once all are
-on disk rank 0 seals the directory with a manifest (sha256 of every file, durable.write_manifest).
-Loading reads nothing before the directory matches its manifest on every rank, and then only with
-`torch.load(weights_only=True)`: tensors and plain values, never code. The state written is checked to
-be of that kind when it is saved.
+    sharded/            model + optimizer tensors, megatron's torch_dist format (`.metadata`, `*.distcp`)
+    state.pt            rank 0: format, counters, the writer's layout and vocabulary, the optimizer's
+                        plain part (hyperparameters of its param groups, the step count)
+    rank00000.pt        each rank's RNG states (torch, CUDA, megatron's tracker)
+    MANIFEST.json       sha256 of every file above, written last by rank 0 (durable.write_manifest)
+
+Saving is collective: the ranks write their shards and files durably, then rank 0 seals the directory.
+Loading reads nothing before the directory matches its manifest on every rank (each `.distcp` file is
+hashed by one rank, every other file by every rank: the directory is on one shared file system, as a
+load at another layout needs). `state.pt` and the RNG files hold tensors and plain values only (checked
+at save) and load with torch.load(weights_only=True); `.metadata` is unpickled with an allowlist before
+torch's reader reads it; no byte item of the torch_dist files is loaded.
+
+At the writer's layout a load restores every RNG state, so the next steps equal the uninterrupted run's
+bit for bit. At another layout the RNG streams cannot carry over (they are per TP / PP rank): they stay
+as `engine.seed` set them (the model presets have no dropout; `generate` seeds from the restored call
+count). The previous per-rank format (state_v1.py) is read at the layout that wrote it, for one release.
 """
 from __future__ import annotations
 
 import os
-import pickle
-import re
+import shutil
+import zlib
 from typing import Dict
 
 import torch
 
 from .. import durable
+from . import sharded
+from . import state_v1
 from .parallel import DistInfo, all_ranks_true, barrier_world
+from .sharded import CheckpointMismatch
 
-COUNTERS = ("step_count", "gen_calls")  # the engine's counters, stored at the top level of the file
-RANK_FILE = re.compile(r"^rank\d{5}\.pt$")
-# what torch.load(weights_only=True) rebuilds without an allowlist: the only leaves a rank file may hold
+FORMAT = "areal_lce.engine/2"
+COUNTERS = ("step_count", "gen_calls")  # the engine's counters
+SHARDED, STATE = "sharded", "state.pt"
+# what torch.load(weights_only=True) rebuilds without an allowlist: the only leaves state files may hold
 _PLAIN = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+_HINT = "the engine.model options or the tokenizer's vocabulary differ from those of the run that saved it"
+
+__all__ = ["CheckpointMismatch", "check_plain", "save_state", "load_state", "load_weights"]
 
 
-class CheckpointMismatch(ValueError):
-    """A readable checkpoint that does not fit this model or layout (not a damaged one)."""
-
-
-def rank_file(path: str, rank: int) -> str:
+def rng_file(path: str, rank: int) -> str:
     return os.path.join(path, f"rank{rank:05d}.pt")
 
 
@@ -63,91 +77,137 @@ def check_plain(obj, where: str = "state") -> None:
         for i, v in enumerate(obj):
             check_plain(v, f"{where}[{i}]")
     elif not isinstance(obj, _PLAIN):
-        raise TypeError(f"engine checkpoint: {where} is a {type(obj).__module__}.{type(obj).__qualname__}; rank "
+        raise TypeError(f"engine checkpoint: {where} is a {type(obj).__module__}.{type(obj).__qualname__}; state "
                         "files hold only tensors and plain values (they load with torch.load(weights_only=True))")
 
 
-def save_state(path: str, gpt, optimizer, counters: Dict[str, int], info: DistInfo, vocab_size: int) -> None:
-    """Collective: write this rank's file under the directory `path` (created if missing); rank 0 then
-    writes the manifest of every rank's files."""
-    os.makedirs(path, exist_ok=True)
-    state = {
-        "model": gpt.state_dict(),
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        **{k: counters[k] for k in COUNTERS},
-        "rng": rng_states(),
-        "meta": {"world_size": info.world_size, "tp": info.tp_size, "vocab_size": vocab_size},
-    }
+def _layout(info: DistInfo) -> dict:
+    return {"world_size": info.world_size, "tp": info.tp_size, "pp": info.pp_size, "cp": info.cp_size,
+            "dp": info.dp_size}
+
+
+def save_state(path: str, gpt, optimizer, megatron_optimizer: bool, counters: Dict[str, int], info: DistInfo,
+               vocab_size: int) -> None:
+    """Collective: the model (and optimizer, when given) as sharded tensors, counters and RNG states under the
+    directory `path` (replaced if it exists), sealed by rank 0's manifest."""
+    model_state = sharded.model_sharded_state(gpt)
+    full = {"model": model_state}
+    if optimizer is not None:
+        full["optimizer"] = sharded.optimizer_sharded_state(optimizer, megatron_optimizer, model_state, loading=False)
+    tensors, plain = sharded.split_plain(full, validate=True)  # every shard written by exactly one rank
+    state = {"format": FORMAT, "layout": _layout(info), "vocab_size": vocab_size,
+             "padded_vocab_size": int(gpt.vocab_size), "counters": {k: int(counters[k]) for k in COUNTERS},
+             "has_optimizer": optimizer is not None, "optimizer": plain.get("optimizer")}
+    rng = rng_states()
     check_plain(state)
-    durable.torch_save(state, rank_file(path, info.rank))  # temp name, fsync, rename
-    barrier_world()  # every rank's file is on disk before rank 0 hashes them
+    check_plain(rng, "rng")
+    if info.rank == 0 and os.path.lexists(path):
+        shutil.rmtree(path)  # an earlier, unsealed save at this path (the caller dropped its marker)
+    barrier_world()
+    os.makedirs(os.path.join(path, SHARDED), exist_ok=True)
+    sharded.save(tensors, os.path.join(path, SHARDED))  # collective; megatron's writer fsyncs every file
+    durable.torch_save(rng, rng_file(path, info.rank))  # temp name, fsync, rename
     if info.rank == 0:
+        durable.torch_save(state, os.path.join(path, STATE))
+    barrier_world()  # every rank's files are on disk before rank 0 hashes them
+    if info.rank == 0:
+        for d in (SHARDED, ""):
+            durable.fsync_dir(os.path.join(path, d))
         durable.write_manifest(path)  # hashed from disk, written last
     barrier_world()  # no rank returns (and may load) before the manifest exists
 
 
 def _verify(path: str, info: DistInfo) -> None:
-    """Collective: every rank checks the directory's listing and sizes, and hashes its own file (each rank
-    file is hashed by the rank that reads it, everything else by every rank); raises on every rank
-    unless every rank's check passed."""
-    own = os.path.basename(rank_file(path, info.rank))
+    """Collective: the directory's listing and sizes on every rank, each `.distcp` file hashed by one rank
+    (picked by its name), every other file by every rank; raises on every rank unless all passed."""
+    def mine(rel: str) -> bool:
+        return not rel.endswith(".distcp") or zlib.crc32(rel.encode()) % info.world_size == info.rank
+
     error = ""
     try:
-        if own not in durable.check_manifest(path, hash_only=lambda rel: rel == own or not RANK_FILE.match(rel)):
-            error = (f"no engine checkpoint for rank {info.rank} in {path} (written by fewer ranks: checkpoints "
-                     "are per rank, resume with the world size and engine.parallel options that saved it)")
+        durable.check_manifest(path, hash_only=mine)
     except (durable.IntegrityError, OSError) as e:
         error = str(e)
     if not all_ranks_true(not error):
-        raise durable.IntegrityError(error or f"engine checkpoint {path}: another rank's file does not match "
-                                     f"{durable.MANIFEST} (its error names it); nothing was loaded")
+        raise durable.IntegrityError(error or f"engine checkpoint {path}: a file another rank checked does not "
+                                     f"match {durable.MANIFEST} (its error names it); nothing was loaded")
 
 
-def _check_fits(gpt, saved: dict, path: str) -> None:
-    """A model-shape mismatch is named as such: parameter, the checkpoint's shape and the model's."""
-    ours = gpt.state_dict()
-    hint = ("the engine.model options, the tokenizer's vocabulary or engine.parallel.tensor_parallel differ "
-            "from those of the run that saved it")
-    for name in ours:
-        if name not in saved:
-            raise CheckpointMismatch(f"checkpoint {path} does not fit this model: it lacks {name!r} ({hint})")
-        a, b = saved[name], ours[name]
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape != b.shape:
-            raise CheckpointMismatch(f"checkpoint {path} does not fit this model: {name!r} is {list(a.shape)} "
-                                     f"in the checkpoint and {list(b.shape)} in the model ({hint})")
-    extra = sorted(set(saved) - set(ours))
-    if extra:
-        raise CheckpointMismatch(f"checkpoint {path} does not fit this model: it holds {extra[:3]} which the "
-                                 f"model lacks ({hint})")
-
-
-def load_state(path: str, gpt, optimizer, info: DistInfo) -> Dict[str, int]:
-    """Collective: restore model, optimizer (when given) and RNG states from this rank's file, once the
-    directory matches its manifest on every rank; returns the counters."""
+def _open(path: str, info: DistInfo, vocab_size: int) -> dict:
+    """Collective: the checked directory's state.pt, its format and vocabulary checked."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no engine checkpoint at {path!r}")
     _verify(path, info)
-    f = rank_file(path, info.rank)
-    if not os.path.isfile(f):
-        raise FileNotFoundError(f"no engine checkpoint for rank {info.rank} at {f!r}")
-    try:
-        state = torch.load(f, map_location=info.device, weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise pickle.UnpicklingError(f"{f}: refused: it holds something other than tensors and plain values "
-                                     f"(torch.load(weights_only=True): {first})") from e
-    meta = state["meta"]
-    if meta["world_size"] != info.world_size or meta["tp"] != info.tp_size:
-        raise CheckpointMismatch(f"checkpoint {path!r} was written with world_size={meta['world_size']}, "
-                                 f"tp={meta['tp']}; this run has {info.world_size}, {info.tp_size} (checkpoints "
-                                 "are per rank: resume with the engine.parallel options and world size that "
-                                 "saved it)")
-    _check_fits(gpt, state["model"], path)
-    gpt.load_state_dict(state["model"])
+    state = sharded.load_plain(os.path.join(path, STATE))
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointMismatch(f"{path}/{STATE}: not an engine checkpoint of format {FORMAT!r}")
+    if state["vocab_size"] != vocab_size:
+        raise CheckpointMismatch(f"checkpoint {path} does not fit this model: it was written for a vocabulary of "
+                                 f"{state['vocab_size']} tokens, this model has {vocab_size} ({_HINT})")
+    return state
+
+
+def _load_tensors(path: str, request: dict) -> dict:
+    """The ShardedTensors of `request` from `path`/sharded, once its index is read safely and fits."""
+    directory = os.path.join(path, SHARDED)
+    shapes = sharded.saved_shapes(sharded.read_metadata(directory))  # the allowlist unpickler first
+    sharded.check_fits(request, shapes, path, _HINT)
+    return sharded.load(request, directory)
+
+
+def _load_model(gpt, loaded: dict, path: str) -> None:
+    missing, unexpected = gpt.load_state_dict(loaded, strict=False)
+    missing = [k for k in missing if not k.endswith("._extra_state")]  # left out of the sharded state (None)
+    if missing or unexpected:
+        raise CheckpointMismatch(f"checkpoint {path} does not fit this model: missing {missing[:3]}, unexpected "
+                                 f"{unexpected[:3]} ({_HINT})")
+
+
+def load_state(path: str, gpt, optimizer, megatron_optimizer: bool, info: DistInfo,
+               vocab_size: int) -> Dict[str, int]:
+    """Collective: restore model, optimizer (when given) and, at the writer's layout, RNG states from `save`'s
+    directory `path`, at any parallel layout; returns the counters."""
+    if state_v1.is_v1(path):
+        return _load_v1(path, gpt, optimizer, info)
+    state = _open(path, info, vocab_size)
+    if optimizer is not None and not state["has_optimizer"]:
+        raise CheckpointMismatch(f"checkpoint {path!r} has no optimizer state (written by a trainable=False "
+                                 "engine); a trainable engine cannot resume from it")
+    from megatron.core.dist_checkpointing.dict_utils import merge
+
+    model_state = sharded.model_sharded_state(gpt)
+    request = {"model": model_state}
     if optimizer is not None:
-        if state["optimizer"] is None:
-            raise CheckpointMismatch(f"checkpoint {path!r} has no optimizer state (written by a trainable=False "
-                                     "engine); a trainable engine cannot resume from it")
-        optimizer.load_state_dict(state["optimizer"])
+        request["optimizer"] = sharded.optimizer_sharded_state(optimizer, megatron_optimizer, model_state,
+                                                               loading=True)
+    loaded = _load_tensors(path, request)
+    _load_model(gpt, loaded["model"], path)
+    if optimizer is not None:
+        try:
+            merge(loaded["optimizer"], state["optimizer"])  # the param groups' hyperparameters, the step count
+        except ValueError as e:
+            raise CheckpointMismatch(f"checkpoint {path}: its optimizer's param groups do not fit this "
+                                     f"optimizer's ({e})") from e
+        sharded.load_optimizer_state(optimizer, megatron_optimizer, loaded["optimizer"])
+    if state["layout"] == _layout(info):
+        set_rng_states(sharded.load_plain(rng_file(path, info.rank)))
+    return dict(state["counters"])
+
+
+def load_weights(path: str, gpt, info: DistInfo, vocab_size: int) -> None:
+    """Collective: the model weights only from `save`'s directory `path` (either format; the sharded one at any
+    layout), once it matches its manifest."""
+    if state_v1.is_v1(path):
+        state_v1.load_model(gpt, state_v1.read(path, info), path)
+        return
+    _open(path, info, vocab_size)
+    _load_model(gpt, _load_tensors(path, {"model": sharded.model_sharded_state(gpt)})["model"], path)
+
+
+def _load_v1(path: str, gpt, optimizer, info: DistInfo) -> Dict[str, int]:
+    state = state_v1.read(path, info)
+    state_v1.load_model(gpt, state, path)
+    if optimizer is not None:
+        state_v1.load_optimizer(optimizer, state, path)
     set_rng_states(state["rng"])
     return {k: state[k] for k in COUNTERS}

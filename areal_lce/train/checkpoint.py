@@ -3,22 +3,24 @@
 Layout::
 
     OUTPUT_DIR/checkpoints/step_00000010/
-        engine/              engine.save(): model, optimizer, lr schedule, RNG states (per-rank files,
-                             sealed by the engine's own MANIFEST.json)
+        engine/              engine.save(): model and optimizer as sharded tensors (loadable at any parallel
+                             layout), counters, RNG states; sealed by the engine's own MANIFEST.json
         trainer_state.json   step, the job config, the id of the run that wrote it
         MANIFEST.json        sha256 and size of every file above, written by rank 0 once all are on disk
         COMPLETE             written last by rank 0: a checkpoint without it is ignored
 
 The data order is a pure function of (shuffle_seed, step) (see data.py), so the step number is the
-whole data-loader state; the engine restores every RNG, so a resumed run's next step equals the
-uninterrupted run's.
+whole data-loader state; at the parallel layout that saved it the engine restores every RNG, so a resumed
+run's next step equals the uninterrupted run's. A resume at another layout (engine.parallel changed) loads
+the same parameters and optimizer state resharded (docs/checkpoints.md).
 
 Durability: every file is written under a temporary name, fsynced and renamed (areal_lce.durable), the
 directories are fsynced, and COMPLETE comes last, after a barrier: a checkpoint marked complete is on
 disk. Integrity: nothing in a step directory is read before its files match MANIFEST.json (a file the
 job did not write, a missing one or a changed byte is refused, naming the file), and engine files load
-with torch.load(weights_only=True). A complete checkpoint that cannot be read is skipped on resume with
-a warning naming it, and the previous complete one is loaded instead; one that does not fit the model
+with torch.load(weights_only=True) (the sharded tensors' index through an allowlist unpickler first:
+megatron/state.py). `load_model_weights` reads a checkpoint's model weights alone (a teacher, an
+export). A complete checkpoint that cannot be read is skipped on resume with a warning naming it, and the previous complete one is loaded instead; one that does not fit the model
 (a changed shape) stops the run with an error naming the parameter.
 """
 from __future__ import annotations
@@ -139,7 +141,7 @@ def save_checkpoint(engine, output_dir, step: int, state: dict, is_main: bool) -
         (path / durable.MANIFEST).unlink(missing_ok=True)
         path.mkdir(parents=True, exist_ok=True)
     _barrier()
-    engine.save(str(path / "engine"))  # each rank's files durably (temp name, fsync, rename)
+    engine.save(str(path / "engine"))  # each rank's shards and files durably, sealed by the engine
     _barrier()
     if is_main:
         run_id = _RUN_IDS.get(os.path.realpath(output_dir))
@@ -152,24 +154,41 @@ def save_checkpoint(engine, output_dir, step: int, state: dict, is_main: bool) -
     return path
 
 
-def load_checkpoint(engine, path) -> dict:
-    """Collective: restore the engine from checkpoint `path` once its files match the manifest on every
-    rank; returns its trainer state (with 'step')."""
-    path = Path(path)
+def _check_step(path: Path) -> None:
+    """Collective: `path` is a complete checkpoint whose own files match its manifest on every rank (its
+    sealed engine/ directory is checked by the engine's load)."""
     if not (path / MARKER).is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
     error = ""
     try:
-        durable.check_manifest(path, exclude=(MARKER,))  # a sealed engine/ is checked by engine.load itself
+        durable.check_manifest(path, exclude=(MARKER,))
     except (durable.IntegrityError, OSError) as e:
         error = str(e)
-    if not all_ranks_true(not error):  # every rank reaches engine.load's collectives, or none does
+    if not all_ranks_true(not error):  # every rank reaches the engine's collectives, or none does
         raise durable.IntegrityError(error or f"{path}: another rank found a file that does not match "
                                      f"{durable.MANIFEST} (its error names it)")
+
+
+def load_checkpoint(engine, path) -> dict:
+    """Collective: restore the engine from checkpoint `path` once its files match the manifest on every
+    rank; returns its trainer state (with 'step'). The engine may run at another parallel layout than the
+    run that saved it."""
+    path = Path(path)
+    _check_step(path)
     with open(path / STATE_FILE, encoding="utf-8") as f:
         state = json.load(f)
     engine.load(str(path / "engine"))
     return state
+
+
+def load_model_weights(engine, step_dir) -> None:
+    """Collective: the model weights only of checkpoint `step_dir` (OUTPUT_DIR/checkpoints/step_N) into
+    `engine` (a MegatronEngine, trainable or frozen, at any parallel layout), once the checkpoint is
+    complete and matches its manifests; its optimizer state, counters and RNG states are not read.
+    Reads the sharded format and, at the layout that wrote it, the previous per-rank one."""
+    step_dir = Path(step_dir)
+    _check_step(step_dir)
+    engine.load_weights(str(step_dir / "engine"))
 
 
 def prune_checkpoints(output_dir, keep_last: int, run_id: Optional[str]) -> list[Path]:

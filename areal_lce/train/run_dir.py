@@ -13,8 +13,8 @@
 * A fresh start (trainer.resume=false) deletes nothing: it refuses a directory holding another run's
   checkpoints or metrics (checkpoint.refuse_foreign_files).
 * A resume compares the config saved with the checkpoint with this one and names every changed option:
-  a change of the model's shape or of engine.parallel is refused (checkpoints are per rank), others
-  (lr, steps, ...) go ahead with a warning.
+  a change of the model's shape is refused, others (lr, steps, engine.parallel: checkpoints load at any
+  parallel layout) go ahead with a warning.
 * Each run gets an id, recorded in its checkpoints (a resumed run keeps it): trainer.keep_last deletes
   only checkpoints with this id.
 """
@@ -113,7 +113,8 @@ def config_changes(saved: dict, current: dict) -> list[tuple[str, object, object
 
 
 def check_resume_config(changes, checkpoint, is_main: bool) -> None:
-    """Refuse changes of the model or of engine.parallel naming each option; warn about the others."""
+    """Refuse changes of the model naming each option; warn about the others (engine.parallel included:
+    checkpoints load at any parallel layout)."""
     def show(items):
         return ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in items)
 
@@ -122,12 +123,6 @@ def check_resume_config(changes, checkpoint, is_main: bool) -> None:
         raise ConfigError(f"resuming {checkpoint} with a changed model ({show(model)}): the checkpoint's "
                           "parameters would not fit. Resume with the saved values, or start the new model in "
                           "another trainer.output_dir")
-    layout = [c for c in changes if c[0].startswith("engine.parallel.")]
-    if layout:
-        raise ConfigError(f"resuming {checkpoint} with changed engine.parallel options ({show(layout)}): "
-                          "checkpoints are saved per rank, so a run resumes only with the parallel layout that "
-                          "saved it. Resume with the saved values, or start a new run in another "
-                          "trainer.output_dir")
     if changes and is_main:
         warnings.warn(f"resuming {checkpoint} with changed options: {show(changes)}", RuntimeWarning,
                       stacklevel=3)
