@@ -68,9 +68,10 @@ def check_hybrid(lm, seam: str, **model_kwargs) -> None:
                          "its MTP block calls the output layer that the output_layer seam replaces, with labels "
                          "that seam does not receive; build the model without MTP depths for token_stats")
     if model_kwargs.get("inference_context") is not None or model_kwargs.get("inference_params") is not None:
-        raise ValueError(f"inference_context with a {name}: its inference path keeps Mamba states in the context "
-                         "and picks the last token's hidden states itself before the output layer, which the "
-                         "last-token processor does too; decode with the KV cache is supported for GPTModel only")
+        raise ValueError(f"inference_context with a {name}: its inference path (Mamba states in the context; under "
+                         "megatron's InferenceMode the last token's hidden states picked before the output layer, "
+                         "as the last-token processor picks them) is not served by the output_layer seam; decode "
+                         "with a KV cache is supported for GPTModel only (a full forward without one works)")
 
 
 def _check_inputs(gpt, input_ids, labels, position_ids, packed_seq_params, vocab_size) -> None:
@@ -152,7 +153,7 @@ class Route:
 
     def check(self, config, seam: Optional[str] = None) -> None:
         """Refuse, naming the option, what this route cannot reproduce on a model of `config` through `seam`
-        (None: the route's own, `seam_for` of the model otherwise)."""
+        (the one `seam_for` gives for that model; None: the route's own)."""
         seam = self.seam if seam is None else seam
         capture.check_seam_config(config, seam, self.fused)
         compat.check_linear_cross_entropy(config, seam)  # megatron's fused linear CE: another output layer
@@ -169,10 +170,14 @@ class Route:
 
     def stats(self, model, input_ids: torch.Tensor, labels: torch.Tensor, *, vocab_size: int, position_ids=None,
               attention_mask=None, packed_seq_params=None, temperature=1.0, ignore_index: int = -100,
-              compact_ignored: Optional[bool] = None):
+              compact_ignored: Optional[bool] = None, selected_ids: Optional[torch.Tensor] = None,
+              top_k: Optional[int] = None):
         """One model call: packed [b, s, 4] stats (logprobs, entropy, max_logit, min_logit) on the stage
         with the LM head, the decoder's output (what a pipeline schedule sends on) on the other stages.
-        Arguments as `token_stats`'; `compact_ignored` is this call's (the engine picks it per micro-batch)."""
+        Arguments as `token_stats`'; `compact_ignored` is this call's (the engine picks it per micro-batch).
+        With selected_ids [b, s, K] / top_k the stage with the LM head returns (packed, extras): extras is a
+        dict of selected_logprobs [b, s, K] fp32, topk_ids [b, s, k] int64 and topk_logprobs [b, s, k] fp32
+        laid out like labels (None where not asked): their own tensors, so the ids stay exact."""
         gpt = find_gpt_model(model)
         seam = self.seam_for(gpt)
         _check_inputs(gpt, input_ids, labels, position_ids, packed_seq_params, vocab_size)
@@ -181,9 +186,14 @@ class Route:
         ctx = capture.CaptureContext(labels=labels, temperature=_temperature(temperature, labels),
                                      vocab_size=vocab_size, backend=self.backend, cache_bytes=self.cache_bytes,
                                      ignore_index=ignore_index, fused=self.fused, compact_ignored=compact_ignored,
-                                     invariant=self.invariant, logits_precision=self.logits_precision)
+                                     invariant=self.invariant, logits_precision=self.logits_precision,
+                                     selected_ids=None if selected_ids is None else selected_ids.to(input_ids.device),
+                                     top_k=top_k or 0)
         run = capture.run_fused if self.fused else capture.run_materialised
-        return run(model, gpt, seam, ctx, input_ids, position_ids, attention_mask, packed_seq_params)
+        out = run(model, gpt, seam, ctx, input_ids, position_ids, attention_mask, packed_seq_params)
+        if gpt.post_process and ctx.extras is not None:
+            return out, ctx.extras
+        return out
 
     def last_token_logits(self, model, gpt_model, positions: torch.Tensor, input_ids, position_ids, attention_mask,
                           *, cp_group=None, **model_kwargs):
