@@ -22,6 +22,7 @@ from .function import LinearLogprobsEntropy
 from .types import LCEOutput, LCEParams, VocabParallel
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+MAX_TOP_K = 1024  # the top-k recomputes k segments of 128 ids per row
 
 
 def _check_tensors(hidden, weight, labels, sequence_parallel: bool, tp: int):
@@ -58,6 +59,32 @@ def _check_tensors(hidden, weight, labels, sequence_parallel: bool, tp: int):
     elif tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"labels shape {tuple(labels.shape)} must equal hidden's leading shape "
                          f"{tuple(hidden.shape[:-1])}")
+
+
+def _check_extras(selected_ids, top_k, softcap, labels, hidden) -> tuple:
+    """(selected_ids as [N, K] int64 or None, top_k as an int >= 0, softcap as a float >= 0), validated."""
+    if softcap is None:
+        softcap = 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not (0 < softcap < float("inf")) \
+            and softcap != 0:
+        raise ValueError(f"softcap must be None or a finite float > 0 (logits -> softcap·tanh(logits/softcap)), "
+                         f"got {softcap!r}")
+    if top_k is None:
+        top_k = 0
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 0 <= top_k <= MAX_TOP_K:
+        raise ValueError(f"top_k must be None or an int in [1, {MAX_TOP_K}], got {top_k!r}")
+    if selected_ids is None:
+        return None, int(top_k), float(softcap)
+    if not torch.is_tensor(selected_ids) or selected_ids.dtype.is_floating_point or selected_ids.is_complex() \
+            or selected_ids.dtype == torch.bool:
+        raise TypeError(f"selected_ids must be an integer tensor [..., K] (global vocab ids), got "
+                        f"{getattr(selected_ids, 'dtype', type(selected_ids).__name__)}")
+    if selected_ids.dim() != labels.dim() + 1 or selected_ids.shape[:-1] != labels.shape:
+        raise ValueError(f"selected_ids must be shaped like labels plus one trailing dim [..., K]: labels "
+                         f"{tuple(labels.shape)}, selected_ids {tuple(selected_ids.shape)}")
+    if selected_ids.device != hidden.device:
+        raise ValueError(f"selected_ids is on {selected_ids.device}, hidden on {hidden.device}")
+    return selected_ids.reshape(-1, selected_ids.shape[-1]).to(torch.int64).contiguous(), int(top_k), float(softcap)
 
 
 def _check_options(ignore_index, vocab_size) -> None:
@@ -127,24 +154,37 @@ class PreparedCall(NamedTuple):
     tp: int
     shape: torch.Size  # labels' shape: the outputs'
     return_stats: bool
+    selected_ids: Optional[torch.Tensor] = None  # [N, K] int64
 
     @property
     def params(self) -> LCEParams:
         vp = self.vocab_parallel if self.tp > 1 else None
         return LCEParams(**self.options, vocab_parallel=vp, tp_size=self.tp)
 
-    def output(self, diff: torch.Tensor, stats: torch.Tensor) -> LCEOutput:
-        """The named result of the op's (diff [2, N], stats [3 or 5, N])."""
-        rows = [r.view(self.shape) for r in stats.unbind(0)]  # max_logit, min_logit, lse[, sum, sumsq]
+    def output(self, outs) -> LCEOutput:
+        """The named result of the op's (diff [2, N], dstats, stats, selected, top-k logprobs, top-k ids)."""
+        diff, dstats, stats, sel, topk_lp, topk_ids = outs
+        p = self.params
+        rows = dict(zip(p.dstat_rows, dstats.unbind(0)))
+        rows.update(zip(p.stat_rows, stats.unbind(0)))
+        rows = {k: v.view(self.shape) for k, v in rows.items()}
         sums = self.options["logit_sums"]
+        st = self.return_stats
+
+        def extra(t, asked):
+            return t.view(*self.shape, t.shape[-1]) if asked else None
+
         return LCEOutput(diff[0].view(self.shape), diff[1].view(self.shape),
-                         *(rows[:3] if self.return_stats else (None, None, None)),
-                         *(rows[3:] if sums else (None, None)))
+                         rows["max_logit"] if st else None, rows["min_logit"] if st else None,
+                         rows["lse"] if st else None,
+                         rows["sum_logit"] if sums else None, rows["sumsq_logit"] if sums else None,
+                         extra(sel, self.selected_ids is not None), extra(topk_ids, p.top_k > 0),
+                         extra(topk_lp, p.top_k > 0))
 
 
 @torch.compiler.disable
-def _tensor_parallel(hidden, weight, labels, inv_t, params: LCEParams):
-    return LinearLogprobsEntropy.apply(hidden, weight, labels, inv_t, params)
+def _tensor_parallel(hidden, weight, labels, inv_t, selected_ids, params: LCEParams):
+    return LinearLogprobsEntropy.apply(hidden, weight, labels, inv_t, selected_ids, params)
 
 
 def linear_logprobs_entropy(
@@ -165,6 +205,9 @@ def linear_logprobs_entropy(
     invariant: Optional[bool] = None,
     logits_precision: str = "fp32",
     d_weight_fp32: bool = False,
+    selected_ids: Optional[torch.Tensor] = None,
+    top_k: Optional[int] = None,
+    softcap: Optional[float] = None,
     tp_group=None,
     sequence_parallel: Optional[bool] = None,
     reduce_d_hidden: Optional[bool] = None,
@@ -227,6 +270,16 @@ def linear_logprobs_entropy(
         it without the cast to weight.dtype, for a front end that takes it from the op's backward itself
         and accumulates it in fp32 (areal_lce.main_grad: Megatron's gradient_accumulation_fusion). Through
         autograd torch casts every gradient to its tensor's dtype, so weight.grad is unchanged by it.
+    selected_ids: integer tensor [..., K] (labels' shape + K) of global ids: `selected_logprobs` [..., K] are
+        the row's logprobs at those ids (any K, repeats allowed; ignore_index entries give 0 with zero
+        gradient), differentiable into hidden and weight in the same backward. Checked like labels.
+    top_k: int k in [1, 1024]: `topk_ids` [..., k] (int64, descending by logit, ties to the lower id) and
+        `topk_logprobs` [..., k] (differentiable as if those ids were selected). Exact and, in invariant
+        mode, batch / TP invariant like the logprobs (select.py says how and what it costs).
+    softcap: float c > 0: logits r -> c · tanh(r / c) before the temperature (transformers'
+        final_logit_softcapping), in every backend, with exact gradients. Stats are of the capped logits.
+    Differentiable statistics: `lse` (z-loss: lse²) and, without softcap, `sum_logit` (label smoothing:
+        sum_logit / (T · vocab_size) - lse is the mean tempered logprob). max / min logit and sumsq are not.
     Determinism: bitwise-identical outputs and gradients run to run for the same inputs and backend.
     Host syncs: none with the defaults on accelerators (CUDA-graph capturable), apart from one-time checks
     per group (the shard size agrees; with vocab_size <= V_shard, weight is not the full weight).
@@ -236,17 +289,20 @@ def linear_logprobs_entropy(
                         backend=backend, cache_bytes=cache_bytes, vocab_parallel=vocab_parallel,
                         check_labels=check_labels, compact_ignored=compact_ignored, invariant=invariant,
                         logits_precision=logits_precision, d_weight_fp32=d_weight_fp32, tp_group=tp_group,
-                        sequence_parallel=sequence_parallel, reduce_d_hidden=reduce_d_hidden)
+                        sequence_parallel=sequence_parallel, reduce_d_hidden=reduce_d_hidden,
+                        selected_ids=selected_ids, top_k=top_k, softcap=softcap)
     if call.tp == 1:
-        diff, stats = library.lce(call.hidden, call.weight, call.labels, call.inv_t, library.encode(**call.options))
+        outs = library.lce(call.hidden, call.weight, call.labels, call.inv_t, library.encode(**call.options),
+                           call.selected_ids)
     else:
-        diff, stats = _tensor_parallel(call.hidden, call.weight, call.labels, call.inv_t, call.params)
-    return call.output(diff, stats)
+        outs = _tensor_parallel(call.hidden, call.weight, call.labels, call.inv_t, call.selected_ids, call.params)
+    return call.output(outs)
 
 
 def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_size, return_stats, return_logit_sums,
                  backend, cache_bytes, vocab_parallel, check_labels, compact_ignored, invariant, logits_precision,
-                 d_weight_fp32, tp_group, sequence_parallel, reduce_d_hidden) -> PreparedCall:
+                 d_weight_fp32, tp_group, sequence_parallel, reduce_d_hidden, selected_ids=None, top_k=None,
+                 softcap=None) -> PreparedCall:
     """Validate the arguments of `linear_logprobs_entropy` (same meaning) and resolve the backend and the
     options once: the call as the op runs it."""
     if not isinstance(d_weight_fp32, bool):
@@ -257,6 +313,7 @@ def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_siz
     group = None if tp == 1 else vp.group
     _check_tensors(hidden, weight, labels, vp is not None and vp.sequence_parallel, tp)
     check_logits_precision(logits_precision)
+    sel_ids, top_k, softcap = _check_extras(selected_ids, top_k, softcap, labels, hidden)
     asked = invariant is not None
     name, cache_bytes, check, compact_ignored, invariant = _resolve(
         backend, hidden.device, hidden.dtype, cache_bytes, check_labels, compact_ignored, invariant)
@@ -285,9 +342,13 @@ def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_siz
     w = weight if weight.is_contiguous() else weight.contiguous()
     if invariant:
         invariant = check_invariant_layout(v_shard, tp, vocab_size, asked)
+    if top_k > vocab_size:
+        raise ValueError(f"top_k={top_k} exceeds vocab_size={vocab_size}")
+    if softcap and not getattr(get_backend(name), "supports_softcap", True):
+        raise ValueError(f"softcap is not implemented by backend={name!r}; use backend='torch'")
     # every option of the call in one place: LCEParams' fields (library.encode for the custom ops)
     options = dict(inv_t=inv_t_scalar, ignore_index=ignore_index, vocab_size=vocab_size, vocab_start=vocab_start,
                    shard_valid=shard_valid, cache_bytes=cache_bytes, backend=name, compact_ignored=compact_ignored,
                    check_labels=check, logit_sums=sums, invariant=invariant, logits_precision=logits_precision,
-                   d_weight_fp32=d_weight_fp32)
-    return PreparedCall(h2, w, y, inv_t, options, vp, tp, labels.shape, bool(return_stats))
+                   d_weight_fp32=d_weight_fp32, softcap=softcap, top_k=top_k)
+    return PreparedCall(h2, w, y, inv_t, options, vp, tp, labels.shape, bool(return_stats), sel_ids)

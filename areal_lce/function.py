@@ -17,12 +17,13 @@ same on every rank and every step: nothing is counted on the host.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple, Optional
 
 import torch
 
-from . import checks, comms, exact
+from . import checks, comms, exact, select
 from .backends import get_backend
 from .backends.base import ShardStats
 from .types import LCEParams
@@ -135,11 +136,14 @@ def _partitioned(part: RowPartition, labels, inv_t, hidden=None):
 
 class Forward(NamedTuple):
     diff: torch.Tensor  # [2, N]: logprobs, entropy (differentiable), 0 at ignored rows
-    stats: torch.Tensor  # [3, N]: max_logit, min_logit, lse (not differentiable), 0 at ignored rows;
-    #                      [5, N] with params.logit_sums: + Σ r, Σ r² of the raw logits
+    dstats: torch.Tensor  # [R, N]: params.dstat_rows (lse[, sum_logit]), differentiable, 0 at ignored rows
+    stats: torch.Tensor  # [S, N]: params.stat_rows (max_logit, min_logit[, sums]), not differentiable
     h_c: torch.Tensor  # hidden as the backend saw it (full sequence under SP; partitioned)
     lse_ent: torch.Tensor  # [2, N] (lse, entropy) in the backend's row order, for the backward
     cache: object  # the backend's logits cache, or None
+    sel: Optional[torch.Tensor] = None  # [N, K] logprobs at selected_ids (differentiable)
+    topk_lp: Optional[torch.Tensor] = None  # [N, k] logprobs of the top-k ids (differentiable)
+    topk_ids: Optional[torch.Tensor] = None  # [N, k] int64
 
 
 def _check_values(labels, inv_t, v_shard: int, params: LCEParams) -> Optional[torch.Tensor]:
@@ -168,10 +172,11 @@ def _check_values(labels, inv_t, v_shard: int, params: LCEParams) -> Optional[to
     return None
 
 
-def lce_forward(hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool) -> Forward:
+def lce_forward(hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool,
+                selected_ids: Optional[torch.Tensor] = None) -> Forward:
     """hidden [N, H] (this rank's [N/tp, H] shard under SP), weight [V_shard, H], labels [N] int64,
-    inv_t [N] fp32 or None. Collectives: the label agreement votes under TP with checks on, an
-    all-gather of hidden under SP, then merge_shard_stats."""
+    inv_t [N] fp32 or None, selected_ids [N, K] int64 or None. Collectives: the label agreement votes under
+    TP with checks on, an all-gather of hidden under SP, then the merge (and select.py's under TP)."""
     bad = _check_values(labels, inv_t, weight.shape[0], params)
     if params.d_hidden == "reduce_scatter":
         hidden = comms.all_gather_rows(hidden, params.tp_group)  # sequence shards -> full sequence
@@ -183,40 +188,50 @@ def lce_forward(hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bo
     st = get_backend(params.backend).forward(h_c, weight, y_c, t_c, params, keep_cache=keep_cache)
     if params.invariant:
         fin = exact.merge(st, params, params.inv_t if t_c is None else t_c)
-        lp, ent, lse, mx, mn = fin.lp, fin.ent, fin.lse, fin.mx, fin.mn
-        sums = (fin.lsum, fin.lsq) if params.logit_sums else ()
+        vals = dict(logprobs=fin.lp, entropy=fin.ent, lse=fin.lse, max_logit=fin.mx, min_logit=fin.mn,
+                    sum_logit=fin.lsum, sumsq_logit=fin.lsq)
     else:
         # one shard holds the whole vocabulary: its statistics are already the merged ones (m = mx · inv_t
         # exactly, base.py), so the merge, an identity then, is skipped with its dozen [N] kernels
         merged = st if params.tp_size == 1 else merge_shard_stats(st, params.tp_group,
                                                                   params.inv_t if t_c is None else t_c)
         lp, ent, lse = finish_stats(merged)
-        mx, mn = merged.mx, merged.mn
-        sums = (merged.lsum, merged.lsq) if params.logit_sums else ()
+        vals = dict(logprobs=lp, entropy=ent, lse=lse, max_logit=merged.mx, min_logit=merged.mn,
+                    sum_logit=merged.lsum, sumsq_logit=merged.lsq)
     valid = labels != params.ignore_index
     outs = []
-    for group in ((lp, ent), (mx, mn, lse) + sums):
-        o = torch.stack(group)
+    for rows in (("logprobs", "entropy"), params.dstat_rows, params.stat_rows):
+        o = torch.stack([vals[r] for r in rows])
         if part is not None:
             o = o.index_select(1, part.dest)  # back to the caller's row order
         outs.append(torch.where(valid, o, 0.0))
-    diff, stats = outs
+    diff, dstats, stats = outs
     if bad is not None:
         # deferred check: rows with a bad label (all rows when the TP ranks disagree) show at once
         diff[0].masked_fill_(bad, float("nan"))
-    lse_ent = torch.stack([lse, ent])
+    lse_ent = torch.stack([vals["lse"], vals["entropy"]])
     if part is not None:
         lse_ent = torch.where(part.live, lse_ent, 0.0)  # the tail's stats are unspecified (skipped rows)
-    return Forward(diff, stats, h_c, lse_ent, st.cache)
+    sel, topk_lp, topk_ids = select.forward_outputs(hidden, weight, labels, inv_t, params, st, part, dstats[0],
+                                                    selected_ids)
+    return Forward(diff, dstats, stats, h_c, lse_ent, st.cache, sel, topk_lp, topk_ids)
 
 
-def lce_backward(h_c, weight, labels, inv_t, lse_ent, cache, g_diff: torch.Tensor, params: LCEParams,
-                 need_dh: bool, need_dw: bool, hidden_dtype: torch.dtype):
+def lce_backward(h_c, weight, labels, inv_t, lse_ent, cache, g_diff: Optional[torch.Tensor], params: LCEParams,
+                 need_dh: bool, need_dw: bool, hidden_dtype: torch.dtype, g_dstats: Optional[torch.Tensor] = None,
+                 selected_ids=None, g_sel=None, topk_ids=None, g_topk=None):
     """(d_hidden in hidden_dtype or None, d_weight or None) for upstream g_diff [2, N] of (logprobs,
-    entropy). h_c, lse_ent and cache as lce_forward returned them. Collectives: under SP a
-    reduce-scatter or an all-reduce SUM of d_hidden, as params.d_hidden says (VocabParallel)."""
+    entropy) (None: zero), g_dstats [R, N] of (lse[, sum_logit]), g_sel [N, K] of the selected logprobs at
+    selected_ids and g_topk [N, k] at topk_ids (each None when unused). h_c, lse_ent and cache as lce_forward
+    returned them. Collectives: under SP a reduce-scatter or an all-reduce SUM of d_hidden, as
+    params.d_hidden says (VocabParallel)."""
     acc = torch.float64 if h_c.dtype == torch.float64 else torch.float32
-    g = g_diff.to(acc)
+    g = g_diff.to(acc) if g_diff is not None else h_c.new_zeros((2, labels.shape[0]), dtype=acc)
+    sparse = select.SparseGrad.of(labels, inv_t, params, g, g_dstats, selected_ids, g_sel, topk_ids, g_topk, acc)
+    dw_dtype = params.d_weight_dtype(weight.dtype)
+    if sparse is not None:
+        g = sparse.g  # g_lp carries the dense part of the lse / selected / top-k gradients
+        params = dataclasses.replace(params, d_weight_fp32=True)  # the sparse part adds in fp32, then one cast
     part = partition_rows(labels, params.ignore_index) if params.compact_ignored else None
     if part is None:
         y_c, t_c = labels, inv_t
@@ -235,6 +250,12 @@ def lce_backward(h_c, weight, labels, inv_t, lse_ent, cache, g_diff: torch.Tenso
             # rows in place on a backend that computes them: an ignored row's 0 · NaN (a NaN hidden) must
             # not reach its d_hidden (the contract of api.py), so select rather than trust the zero grad
             dh = torch.where((labels != params.ignore_index)[:, None], dh, 0.0)
+    if sparse is not None:
+        sparse.apply(h_c if part is None else h_c.index_select(0, part.dest), weight, params,
+                     dh if need_dh else None, dw if need_dw else None)
+        if need_dw:
+            dw = dw.to(dw_dtype)
+    if need_dh:
         if params.d_hidden == "reduce_scatter":
             # reduce-scatter: vocab-partial full-sequence grads -> this rank's shard of the total
             dh = comms.reduce_scatter_rows(dh, params.tp_group)
@@ -276,24 +297,38 @@ class LinearLogprobsEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, inv_t, params: LCEParams):
+    def forward(ctx, hidden, weight, labels, inv_t, selected_ids, params: LCEParams):
         keep = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        f = lce_forward(hidden, weight, labels, inv_t, params, keep_cache=keep)
+        f = lce_forward(hidden, weight, labels, inv_t, params, keep_cache=keep, selected_ids=selected_ids)
+        sel, topk_lp, topk_ids = empty_extras(f, labels.shape[0], hidden.device)
         # hidden is saved for once_differentiable only (with weight it ties a create_graph=True gradient to
         # the graph); no output is saved, so outputs may be edited in place before backward
-        ctx.save_for_backward(f.h_c, weight, labels, inv_t, f.lse_ent, hidden)
+        ctx.save_for_backward(f.h_c, weight, labels, inv_t, f.lse_ent, selected_ids, topk_ids.clone(), hidden)
         ctx.params, ctx.cache, ctx.hidden_dtype = params, f.cache, hidden.dtype
-        ctx.mark_non_differentiable(f.stats)
-        return f.diff, f.stats
+        ctx.mark_non_differentiable(f.stats, topk_ids)
+        ctx.set_materialize_grads(False)
+        return f.diff, f.dstats, f.stats, sel, topk_lp, topk_ids
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g_diff, _g_stats):
-        h_c, weight, labels, inv_t, lse_ent, _ = ctx.saved_tensors
+    def backward(ctx, g_diff, g_dstats, _g_stats, g_sel, g_topk, _g_ids):
+        h_c, weight, labels, inv_t, lse_ent, selected_ids, topk_ids, _ = ctx.saved_tensors
+        topk_ids = topk_ids if topk_ids.numel() else None
+        g_sel = g_sel if g_sel is not None and g_sel.shape[1] else None
+        g_topk = g_topk if g_topk is not None and g_topk.shape[1] else None
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (need_dh or need_dw):
-            return None, None, None, None, None
+        if not (need_dh or need_dw) or all(g is None for g in (g_diff, g_dstats, g_sel, g_topk)):
+            return None, None, None, None, None, None
         dh, dw = lce_backward(h_c, weight, labels, inv_t, lse_ent, ctx.cache, g_diff, ctx.params,
-                              need_dh, need_dw, ctx.hidden_dtype)
+                              need_dh, need_dw, ctx.hidden_dtype, g_dstats=g_dstats, selected_ids=selected_ids,
+                              g_sel=g_sel, topk_ids=topk_ids, g_topk=g_topk)
         ctx.cache = None
-        return dh, dw, None, None, None
+        return dh, dw, None, None, None, None
+
+
+def empty_extras(f: Forward, n: int, device):
+    """The selected / top-k outputs of a forward with empty [N, 0] tensors where not asked (op outputs
+    must be tensors)."""
+    def e(t, dtype):
+        return t if t is not None else torch.empty((n, 0), dtype=dtype, device=device)
+    return e(f.sel, torch.float32), e(f.topk_lp, torch.float32), e(f.topk_ids, torch.int64)

@@ -50,13 +50,13 @@ class IntoMainGrad(LinearLogprobsEntropy):
     call) and returns `placeholder_grad` for the weight."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, inv_t, params: LCEParams):
+    def forward(ctx, hidden, weight, labels, inv_t, selected_ids, params: LCEParams):
         ctx.main_grad = weight.main_grad
-        return LinearLogprobsEntropy.forward(ctx, hidden, weight, labels, inv_t, params)
+        return LinearLogprobsEntropy.forward(ctx, hidden, weight, labels, inv_t, selected_ids, params)
 
     @staticmethod
-    def backward(ctx, g_diff, g_stats):
-        dh, dw, *rest = LinearLogprobsEntropy.backward(ctx, g_diff, g_stats)
+    def backward(ctx, *grads):
+        dh, dw, *rest = LinearLogprobsEntropy.backward(ctx, *grads)
         if dw is None:
             return (dh, None, *rest)
         weight = ctx.saved_tensors[1]
@@ -99,5 +99,5 @@ def linear_logprobs_entropy_into_main_grad(hidden: torch.Tensor, weight: torch.T
     if call.weight is not weight:
         raise ValueError("linear_logprobs_entropy_into_main_grad: weight must be contiguous (its main_grad is "
                          "laid out like it)")
-    diff, stats = IntoMainGrad.apply(call.hidden, weight, call.labels, call.inv_t, call.params)
-    return call.output(diff, stats)
+    return call.output(IntoMainGrad.apply(call.hidden, weight, call.labels, call.inv_t, call.selected_ids,
+                                          call.params))

@@ -106,12 +106,25 @@ class LCEParams:
     logits_precision: str = "fp32"  # "bf16": each raw logit rounded to bf16 after the fp32 accumulation
     d_weight_fp32: bool = False  # the backward's d_weight stays in the accumulation dtype (fp32; fp64 for fp64
     #                              inputs), not cast to weight.dtype: for main_grad accumulation (main_grad.py)
+    softcap: float = 0.0  # > 0: raw logits r -> softcap · tanh(r / softcap) before the temperature (0: off)
+    top_k: int = 0  # > 0: also the k largest logits' ids and logprobs per row (select.py)
 
     def d_weight_dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
         """The dtype a backend returns d_weight in: weight's, or fp32 / fp64 with d_weight_fp32."""
         if not self.d_weight_fp32:
             return weight_dtype
         return torch.float64 if weight_dtype == torch.float64 else torch.float32
+
+    @property
+    def dstat_rows(self) -> tuple:
+        """Names of the rows of the op's differentiable statistics [R, N] (beside logprobs and entropy)."""
+        return ("lse",) + (("sum_logit",) if self.logit_sums and not self.softcap else ())
+
+    @property
+    def stat_rows(self) -> tuple:
+        """Names of the rows of the op's non-differentiable [R, N] output, in order."""
+        sums = ("sum_logit", "sumsq_logit") if self.softcap else ("sumsq_logit",)
+        return ("max_logit", "min_logit") + (sums if self.logit_sums else ())
 
     @property
     def bf16_logits(self) -> bool:
@@ -134,10 +147,18 @@ class LCEOutput(NamedTuple):
     entropy   -Σ p log p of softmax(z); 0 at ignore_index rows.
     max_logit max_j h·W_jᵀ, the raw logit *before* temperature (None unless return_stats).
     min_logit min_j h·W_jᵀ, raw logit before temperature (None unless return_stats).
-    lse       log Σ_j exp(z_j), of the tempered logits z (None unless return_stats).
-    sum_logit   Σ_j h·W_jᵀ, raw logits before temperature (None unless return_logit_sums).
-    sumsq_logit Σ_j (h·W_jᵀ)², raw logits before temperature (None unless return_logit_sums).
-                Row mean = sum_logit / vocab_size, row L2 norm = sqrt(sumsq_logit).
+    lse       log Σ_j exp(z_j), of the tempered logits z (None unless return_stats); differentiable
+              (z-loss: lse²).
+    sum_logit   Σ_j h·W_jᵀ, raw logits before temperature (None unless return_logit_sums); differentiable
+                without softcap (label smoothing: sum_logit · inv_T / vocab_size − lse).
+    sumsq_logit Σ_j (h·W_jᵀ)², raw logits before temperature (None unless return_logit_sums); not
+                differentiable. Row mean = sum_logit / vocab_size, row L2 norm = sqrt(sumsq_logit).
+    selected_logprobs [..., K] log softmax(z) at the ids of `selected_ids` (None unless given);
+                differentiable; 0 at ignore_index entries and rows.
+    topk_ids    [..., k] int64 ids of the k largest logits, descending, ties to the lower id
+                (None unless top_k); ignore_index at ignore_index rows.
+    topk_logprobs [..., k] their logprobs (differentiable, as if those ids had been selected).
+    With softcap, "raw logits" are the soft-capped ones (before temperature).
     Stats are over the true vocabulary (padding rows excluded) and are 0 at ignore_index rows.
     """
 
@@ -148,3 +169,6 @@ class LCEOutput(NamedTuple):
     lse: Optional[torch.Tensor] = None
     sum_logit: Optional[torch.Tensor] = None
     sumsq_logit: Optional[torch.Tensor] = None
+    selected_logprobs: Optional[torch.Tensor] = None
+    topk_ids: Optional[torch.Tensor] = None
+    topk_logprobs: Optional[torch.Tensor] = None

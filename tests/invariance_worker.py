@@ -16,7 +16,9 @@ import torch.distributed as dist
 from areal_lce import VocabParallel, linear_logprobs_entropy
 
 V, H, N = 1100, 48, 40
-FIELDS = ("logprobs", "entropy", "max_logit", "min_logit", "lse", "sum_logit", "sumsq_logit")
+FIELDS = ("logprobs", "entropy", "max_logit", "min_logit", "lse", "sum_logit", "sumsq_logit", "selected_logprobs",
+          "topk_ids", "topk_logprobs")
+TOP_K = 6
 
 
 def padded(tp: int) -> int:
@@ -43,10 +45,21 @@ def inputs(dtype):
     return h, y
 
 
+def selected(y):
+    """[N, 5] ids: the label, segment / shard edges, a repeat, an ignore entry."""
+    sel = torch.randint(0, V, (N, 5), generator=torch.Generator().manual_seed(8))
+    sel[:, 0] = y.clamp_min(0)
+    sel[:, 1] = torch.tensor([0, 127, 128, 639, 640, V - 1] * 7)[:N]
+    sel[:, 2] = sel[:, 1]
+    sel[::3, 3] = -100
+    return sel
+
+
 def run(backend, dtype, tp, group, rank, sp, invariant=True):
     h, y = inputs(dtype)
     w = weight_for(tp, dtype)
-    kw = dict(backend=backend, vocab_size=V, return_stats=True, return_logit_sums=True, invariant=invariant)
+    kw = dict(backend=backend, vocab_size=V, return_stats=True, return_logit_sums=True, invariant=invariant,
+              selected_ids=selected(y), top_k=TOP_K)
     if tp == 1:
         return linear_logprobs_entropy(h, w, y, **kw)
     shard = padded(tp) // tp
@@ -56,6 +69,33 @@ def run(backend, dtype, tp, group, rank, sp, invariant=True):
         vp = VocabParallel(group, d_hidden="reduce_scatter")
         return linear_logprobs_entropy(h[rank * rows:(rank + 1) * rows], w_r, y, vocab_parallel=vp, **kw)
     return linear_logprobs_entropy(h, w_r, y, vocab_parallel=VocabParallel(group), **kw)
+
+
+def _grads(tp, group, rank, sp):
+    h, y = inputs(torch.float32)
+    w = weight_for(tp, torch.float32)
+    rows = N // tp if sp else N
+    hh = (h[rank * rows:(rank + 1) * rows] if sp else h).clone().requires_grad_()
+    shard = padded(tp) // tp
+    ww = (w[rank * shard:(rank + 1) * shard] if tp > 1 else w).clone().requires_grad_()
+    vp = None if tp == 1 else VocabParallel(group, d_hidden="reduce_scatter" if sp else "all_reduce")
+    o = linear_logprobs_entropy(hh, ww, y, backend="torch", vocab_size=V, return_stats=True, vocab_parallel=vp,
+                                selected_ids=selected(y), top_k=TOP_K, temperature=0.8)
+    g = torch.Generator().manual_seed(3)
+    loss = (o.logprobs.sum() + 0.3 * o.entropy.sum() - 0.2 * o.lse.sum()
+            + (o.selected_logprobs * torch.randn(o.selected_logprobs.shape, generator=g)).sum()
+            + (o.topk_logprobs * torch.randn(o.topk_logprobs.shape, generator=g)).sum())
+    loss.backward()
+    return hh.grad, ww.grad
+
+
+def _grad_error(rank, group, sp):
+    dh1, dw1 = _grads(1, None, 0, False)
+    dh2, dw2 = _grads(2, group, rank, sp)
+    rows, shard = (N // 2 if sp else N), padded(2) // 2
+    dh1 = dh1[rank * rows:(rank + 1) * rows] if sp else dh1
+    dw1 = torch.cat([dw1[:V], torch.zeros(padded(2) - V, H)])[rank * shard:(rank + 1) * shard]
+    return max(float((dh2 - dh1).abs().max() / dh1.abs().max()), float((dw2 - dw1).abs().max() / dw1.abs().max()))
 
 
 def main():
@@ -78,14 +118,19 @@ def main():
                         if not torch.equal(a, b):
                             mismatches.append(f"rank {rank} {backend} {dtype} tp={tp} sp={sp} {f}: "
                                               f"{int((a != b).sum())} differ, max {float((a - b).abs().max()):.3g}")
+    # gradients of a loss mixing logprobs, entropy, lse, selected and top-k logprobs: TP=2 (SP off / on) against
+    # TP=1 to fp32 rounding (deterministic, not bitwise: the vocab-partial d_hidden is summed over ranks)
+    grad_err = max(_grad_error(rank % 2, pair, sp) for sp in (False, True))
     # the online-softmax merge is not TP-invariant on these inputs (the check can fail)
     ref = run("torch", torch.float32, 1, None, 0, False, invariant=False)
     got = run("torch", torch.float32, 4, everyone, rank, False, invariant=False)
     differs = any(not torch.equal(getattr(got, f), getattr(ref, f)) for f in ("logprobs", "entropy", "lse"))
     results = [None] * world
-    dist.all_gather_object(results, dict(mismatches=mismatches, checked=checked, differs=differs))
+    dist.all_gather_object(results, dict(mismatches=mismatches, checked=checked, differs=differs,
+                                         grad_err=grad_err))
     if rank == 0:
         merged = dict(mismatches=sum((r["mismatches"] for r in results), []),
+                      grad_rel_err=max(r["grad_err"] for r in results),
                       checked=sum(r["checked"] for r in results),
                       online_merge_differs=any(r["differs"] for r in results))
         with open(out, "w") as f:

@@ -114,10 +114,16 @@ def test_opcheck_forward_and_backward_ops():
                     shard_valid=65, cache_bytes=cache_bytes, backend="torch", compact_ignored=compact,
                     check_labels="off", invariant=inv, logits_precision="fp32")
         for sums in (False, True):  # logit_sums: stats [5, N]
-            torch.library.opcheck(lce_forward_op, (h, w, labels, inv_t, encode(**opts, logit_sums=sums), True))
+            torch.library.opcheck(lce_forward_op, (h, w, labels, inv_t, None, encode(**opts, logit_sums=sums), True))
+    # selected ids, top-k and softcap: more outputs of the same op
+    sel = torch.randint(0, 65, (9, 3), generator=torch.Generator().manual_seed(3))
+    extra = dict(opts, invariant=True, compact_ignored=True)
+    torch.library.opcheck(lce_forward_op, (h, w, labels, None, sel, encode(**extra, logit_sums=False, top_k=4,
+                                                                            softcap=5.0), True))
     options = encode(**opts, logit_sums=False)
-    diff, stats, h_c, lse_ent, cache = lce_forward_op(h, w, labels, None, options, False)
-    bargs = (torch.randn(2, 9), hidden.detach(), weight.detach(), labels, None, lse_ent, cache, options, True, True)
+    diff, dstats, stats, _, _, topk_ids, h_c, lse_ent, cache = lce_forward_op(h, w, labels, None, None, options, False)
+    bargs = (torch.randn(2, 9), torch.randn(1, 9), None, None, hidden.detach(), weight.detach(), labels, None, None,
+             topk_ids, lse_ent, cache, options, True, True)
     torch.library.opcheck(lce_backward_op, bargs, test_utils=("test_schema", "test_faketensor"))
 
 

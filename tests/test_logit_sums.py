@@ -66,7 +66,7 @@ def test_sums_leave_everything_else_bitwise_unchanged(backend):
         assert torch.equal(x, z)
     assert torch.equal(ah, bh) and torch.equal(aw, bw)
     assert a.sum_logit is None and a.sumsq_logit is None
-    assert not b.sum_logit.requires_grad and not b.sumsq_logit.requires_grad
+    assert b.sum_logit.requires_grad and not b.sumsq_logit.requires_grad  # sum_logit: differentiable (label smoothing)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

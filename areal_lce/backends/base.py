@@ -46,6 +46,13 @@ Invariant mode (params.invariant, exact.py): forward returns the per-segment par
   (the torch version is the default for backends without their own).
 params.bf16_logits: every raw logit is rounded to bf16 right after the fp32 accumulation, before the
   temperature, in forward and in backward's recompute (the rounding's gradient is taken as identity).
+params.softcap > 0: then r -> softcap · tanh(r / softcap) (`head_transform`); "raw logits" (mx, mn, sums,
+  zy before inv_t) are the capped ones and backward multiplies d_logits by cap_slope.
+Optional, for selected ids / top-k (select.py has torch defaults):
+  gather_logits(hidden, weight, cols [N, J]) -> fp32 [N, J] h_n · W[cols] before head_transform, each
+      value's bits independent of N, J and the row's position;
+  segment_logits(hidden, weight, rows [P], segs [P], params) -> fp32 [P, 128] head-transformed raw logits
+      of segment segs[p] for row rows[p], bitwise what the invariant forward reduced (-inf past the shard).
 
 cache_spec(n, h, v_shard, dtype, params, keep_cache) -> (shape, dtype) of the cache forward() keeps for
   these sizes, or None: forward decides with it, and the op's fake (meta) implementation allocates with
@@ -72,6 +79,23 @@ def alloc(shape, dtype: torch.dtype, device) -> torch.Tensor:
     to write shows up as NaN in the tests. Off otherwise (one flag test per allocation)."""
     t = torch.empty(shape, dtype=dtype, device=device)
     return t.fill_(float("nan")) if POISON and t.is_floating_point() else t
+
+
+def head_transform(r: torch.Tensor, params: LCEParams) -> torch.Tensor:
+    """The op's raw logit from the GEMM's accumulation: rounded to bf16 with logits_precision="bf16",
+    then soft-capped (softcap · tanh(r / softcap)) when params.softcap > 0. Every backend applies it to
+    each logit before the temperature, in forward and in backward's recompute."""
+    if params.bf16_logits:
+        r = r.to(torch.bfloat16).to(r.dtype)
+    if params.softcap:
+        r = torch.tanh(r / params.softcap) * params.softcap
+    return r
+
+
+def cap_slope(capped: torch.Tensor, params: LCEParams) -> torch.Tensor:
+    """d cap(r) / d r written with the capped value: 1 - (cap(r) / softcap)^2 (params.softcap > 0)."""
+    t = capped / params.softcap
+    return 1.0 - t * t
 
 
 @dataclass

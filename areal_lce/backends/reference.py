@@ -14,7 +14,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 
 from ..types import LCEParams
-from .base import ShardStats
+from .base import ShardStats, cap_slope, head_transform
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -33,10 +33,9 @@ def shard_logits(hidden, weight, inv_t, params: LCEParams, raw: Optional[torch.T
 
 
 def _raw(hidden, weight, params: LCEParams) -> torch.Tensor:
-    """Raw logits h·Wᵀ in the accumulation dtype, rounded to bf16 and back with logits_precision="bf16"."""
+    """Raw logits h·Wᵀ in the accumulation dtype, through head_transform (bf16 rounding, softcap)."""
     acc = _acc_dtype(hidden)
-    r = hidden.to(acc) @ weight.to(acc).t()
-    return r.to(torch.bfloat16).to(acc) if params.bf16_logits else r
+    return head_transform(hidden.to(acc) @ weight.to(acc).t(), params)
 
 
 def label_onehot_index(labels: torch.Tensor, params: LCEParams) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +85,7 @@ class ReferenceBackend:
 
     def cache_spec(self, n, h, v_shard, dtype, params, keep_cache):
         """The materialised logits themselves, whenever backward will run (cache_bytes is not consulted)."""
-        if not keep_cache or params.invariant:
+        if not keep_cache or params.invariant or params.softcap:
             return None
         return (n, v_shard), torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -100,14 +99,17 @@ class ReferenceBackend:
         if params.logit_sums:  # raw logits of the valid columns only
             rv = raw[:, : params.shard_valid]
             st.lsum, st.lsq = rv.sum(dim=1), (rv * rv).sum(dim=1)
-        st.cache = z if keep_cache else None
+        st.cache = z if keep_cache and not params.softcap else None
         return st
 
     def backward(self, hidden, weight, labels, inv_t, params, cache: Any, lse, ent, g_lp, g_ent,
                  need_d_hidden, need_d_weight):
-        z = cache if cache is not None else shard_logits(hidden, weight, inv_t, params)
+        raw = None if cache is not None else _raw(hidden, weight, params)
+        z = cache if cache is not None else shard_logits(hidden, weight, inv_t, params, raw=raw)
         dz = grad_logits(z, labels, lse, ent, g_lp, g_ent, params)
         dl = dz * (inv_t.to(dz.dtype)[:, None] if inv_t is not None else params.inv_t)
+        if params.softcap:
+            dl = dl * cap_slope(raw, params)
         acc = dl.dtype
         dh = (dl @ weight.to(acc)).to(torch.float32 if acc == torch.float32 else acc) if need_d_hidden else None
         dw = (dl.t() @ hidden.to(acc)).to(params.d_weight_dtype(weight.dtype)) if need_d_weight else None

@@ -18,7 +18,7 @@ import torch
 
 from .. import exact
 from ..types import LCEParams
-from .base import ShardStats, alloc
+from .base import ShardStats, alloc, cap_slope, head_transform
 
 # Invariant mode: every logits GEMM has the shape [INV_ROWS, H] x [H, INV_COLS], whatever N and the shard:
 # rows in fixed blocks (the last one zero-padded), columns in blocks aligned to global multiples of
@@ -74,9 +74,45 @@ def _inv_t(inv_t: Optional[torch.Tensor], params: LCEParams, t0: int, t1: int, d
     return inv_t[t0:t1, None].to(dtype) if inv_t is not None else params.inv_t
 
 
-def round_logits(r: torch.Tensor, params: LCEParams) -> torch.Tensor:
-    """logits_precision="bf16": each raw logit rounded to bf16 (then back to the accumulation dtype)."""
-    return r.to(torch.bfloat16).to(r.dtype) if params.bf16_logits else r
+def _weight_block(weight, start: int, vv: int, g0: int, hidden) -> tuple:
+    """(lo, hi, W block) of the INV_COLS global columns starting at g0 as invariant mode multiplies them:
+    the shard's rows [lo, hi) at their place, zero rows elsewhere, transposed (upcast unless half GEMM)."""
+    h = weight.shape[1]
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    lo, hi = max(g0, start), min(g0 + INV_COLS, start + vv)
+    wb = weight[lo - start:hi - start]
+    if hi - lo < INV_COLS:
+        pad = weight.new_zeros((INV_COLS, h))
+        pad[lo - g0:hi - g0] = wb
+        wb = pad
+    return lo, hi, (wb.t() if _half_gemm(hidden) else wb.t().to(acc))
+
+
+def _hidden_block(hidden, t0: int):
+    hb = _row_block(hidden, t0, INV_ROWS)
+    return hb if _half_gemm(hidden) else hb.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+
+
+def segment_logits(hidden, weight, rows, segs, params: LCEParams) -> torch.Tensor:
+    """The backend contract's segment_logits (base.py) for invariant_forward's blocks: each pair's row goes
+    into a zero-padded INV_ROWS block multiplied by the INV_COLS block holding its segment, as the forward
+    did, so the values are the forward's bits. One host loop over the distinct column blocks."""
+    start, vv = params.vocab_start, params.shard_valid
+    out = torch.full((rows.shape[0], exact.SEG), float("-inf"), dtype=torch.float32, device=hidden.device)
+    gstart = start + segs * exact.SEG
+    blk = gstart // INV_COLS
+    cols = torch.arange(exact.SEG, device=hidden.device)
+    for b in torch.unique(blk).tolist():
+        sel = (blk == b).nonzero().squeeze(1)
+        g0 = b * INV_COLS
+        _, _, wt = _weight_block(weight, start, vv, g0, hidden)
+        for c0 in range(0, sel.shape[0], INV_ROWS):
+            idx = sel[c0:c0 + INV_ROWS]
+            r = head_transform(_mm_f32(_hidden_block(hidden[rows[idx]], 0), wt), params).to(torch.float32)
+            at = (gstart[idx] - g0)[:, None] + cols
+            vals = r[: idx.shape[0]].gather(1, at)
+            out[idx] = torch.where(at + g0 < start + vv, vals, float("-inf"))
+    return out
 
 
 def _row_block(x: torch.Tensor, t0: int, rows: int) -> torch.Tensor:
@@ -108,25 +144,16 @@ def invariant_forward(hidden, weight, labels, inv_t, params: LCEParams, cache=No
         return ShardStats(m=None, s=None, a=None, zy=zy, mn=mn, mx=mx, seg=seg, cache=cache)
     local = labels - start
     first = start - start % INV_COLS  # global start of the first column block touching the shard
-    w_blocks = []
-    for g0 in range(first, start + vv, INV_COLS):
-        lo, hi = max(g0, start), min(g0 + INV_COLS, start + vv)
-        wb = weight[lo - start:hi - start]
-        if hi - lo < INV_COLS:
-            pad = weight.new_zeros((INV_COLS, h))
-            pad[lo - g0:hi - g0] = wb
-            wb = pad
-        w_blocks.append((g0, lo, hi, wb.t() if _half_gemm(hidden) else wb.t().to(acc)))
+    w_blocks = [(g0,) + _weight_block(weight, start, vv, g0, hidden) for g0 in range(first, start + vv, INV_COLS)]
     for t0 in range(0, n, INV_ROWS):
         t1 = min(n, t0 + INV_ROWS)
-        hb = _row_block(hidden, t0, INV_ROWS)
-        hb = hb if _half_gemm(hidden) else hb.to(acc)
+        hb = _hidden_block(hidden, t0)
         it = _row_block(inv_t.to(torch.float32), t0, INV_ROWS) if inv_t is not None else params.inv_t
         if torch.is_tensor(it):
             it = torch.where(torch.arange(INV_ROWS, device=dev) < t1 - t0, it, torch.ones_like(it))
         yb = local[t0:t1]
         for g0, lo, hi, wt in w_blocks:
-            r = round_logits(_mm_f32(hb, wt), params).to(torch.float32)  # raw logits [INV_ROWS, INV_COLS]
+            r = head_transform(_mm_f32(hb, wt), params).to(torch.float32)  # raw logits [INV_ROWS, INV_COLS]
             part = exact.segment_stats_torch(r, it, hi - g0, sums)  # [k, INV_COLS / SEG, INV_ROWS]
             j0 = (lo - g0) // exact.SEG  # segments before the shard start belong to another rank
             gs = (lo - start) // exact.SEG
@@ -150,12 +177,14 @@ class TorchChunkedBackend:
     skips_ignored_rows = False  # base.py: the Function compacts ignored rows by default
 
     def _logits(self, hidden, weight, inv_t, params, t0, t1, v0, v1):
-        z = round_logits(_mm_f32(hidden[t0:t1], weight[v0:v1].t()), params)
-        return z.mul_(_inv_t(inv_t, params, t0, t1, z.dtype))
+        """(tempered logits of the block, their cap slope or None)."""
+        r = head_transform(_mm_f32(hidden[t0:t1], weight[v0:v1].t()), params)
+        slope = cap_slope(r, params) if params.softcap else None
+        return r * _inv_t(inv_t, params, t0, t1, r.dtype), slope
 
     def cache_spec(self, n, h, v_shard, dtype, params: LCEParams, keep_cache):
         vv = params.shard_valid
-        if keep_cache and vv > 0 and n * vv * 4 <= params.cache_bytes:
+        if keep_cache and vv > 0 and not params.softcap and n * vv * 4 <= params.cache_bytes:
             return (n, vv), (torch.float64 if dtype == torch.float64 else torch.float32)
         return None
 
@@ -180,7 +209,7 @@ class TorchChunkedBackend:
         for t0, t1 in _chunks(n, n_chunk):
             mt, st, at, mxt = m[t0:t1], s[t0:t1], a[t0:t1], mx[t0:t1]
             for v0, v1 in _chunks(vv, v_chunk):
-                z = round_logits(_mm_f32(hidden[t0:t1], weight[v0:v1].t()), params)  # raw logits of this block
+                z = head_transform(_mm_f32(hidden[t0:t1], weight[v0:v1].t()), params)  # raw logits of this block
                 if lsum is not None:  # raw-logit sums from the same block, before temperature
                     lsum[t0:t1] += z.sum(1)
                     lsq[t0:t1] += (z * z).sum(1)
@@ -220,7 +249,8 @@ class TorchChunkedBackend:
         for v0, v1 in _chunks(vv, v_chunk):
             dw_acc = torch.zeros(v1 - v0, h, dtype=acc, device=dev) if need_d_weight else None
             for t0, t1 in _chunks(n, n_chunk):
-                z = cache[t0:t1, v0:v1] if cache is not None else self._logits(hidden, weight, inv_t, params, t0, t1, v0, v1)
+                z, slope = ((cache[t0:t1, v0:v1], None) if cache is not None
+                            else self._logits(hidden, weight, inv_t, params, t0, t1, v0, v1))
                 lse_t, ent_t = lse[t0:t1, None].to(acc), ent[t0:t1, None].to(acc)
                 logp = z - lse_t
                 p = torch.exp(logp)
@@ -233,6 +263,8 @@ class TorchChunkedBackend:
                 hot = torch.where(own, g_lp[t0:t1].to(acc), 0.0)[:, None]
                 dz.scatter_(1, at, dz.gather(1, at) + hot)
                 dl = dz.mul_(_inv_t(inv_t, params, t0, t1, acc))
+                if slope is not None:
+                    dl.mul_(slope)
                 if half:
                     dl = dl.to(hidden.dtype)
                 if need_d_hidden:

@@ -11,9 +11,9 @@ from .context_parallel import (ContextParallelPadding, gather_from_context_paral
 from .microbatch import MicroBatch
 from .packing import PackedRows, pack_rows, packed_next_token_labels
 from .route import Route
-from .stats import TokenStats, find_gpt_model, token_stats
+from .stats import SelectedTokenStats, TokenStats, find_gpt_model, token_stats
 
-__all__ = ["token_stats", "TokenStats", "find_gpt_model", "packed_next_token_labels", "pack_rows", "PackedRows",
+__all__ = ["token_stats", "TokenStats", "SelectedTokenStats", "find_gpt_model", "packed_next_token_labels", "pack_rows", "PackedRows",
            "split_for_context_parallel", "gather_from_context_parallel", "pad_for_context_parallel", "pad_packed",
            "ContextParallelPadding", "MicroBatch", "Route", "EngineConfig", "LCEConfig", "ModelConfig", "OptimConfig",
            "ParallelConfig"]

@@ -75,6 +75,10 @@ class CaptureContext:
     compact_ignored: Optional[bool] = None  # None: the backend's choice (linear_logprobs_entropy)
     invariant: Optional[bool] = None  # None: the backend's default
     logits_precision: Optional[str] = None  # None: the op's default ("fp32")
+    selected_ids: Optional[torch.Tensor] = None  # [b, s, K] global ids laid out like labels (+ K)
+    top_k: int = 0
+    extras: Optional[dict] = None  # output of the fused processor with selected_ids / top_k: selected_logprobs
+    #                                [b, s, K], topk_ids [b, s, k] int64, topk_logprobs [b, s, k] (None if not asked)
 
     def head_options(self) -> dict:
         """The options both heads take (`linear_logprobs_entropy`, `logprobs_entropy_from_logits`), those
@@ -89,6 +93,15 @@ class CaptureContext:
         if not torch.is_tensor(self.labels) or self.labels.dim() != 2 or self.labels.is_floating_point():
             raise ValueError("CaptureContext(labels=...): an integer tensor [b, s] (or [1, T] for packed "
                              f"sequences) laid out like input_ids, got {_describe(self.labels)}")
+        sel = self.selected_ids
+        if sel is not None and (not torch.is_tensor(sel) or sel.dim() != 3
+                                or tuple(sel.shape[:2]) != tuple(self.labels.shape)):
+            raise ValueError(f"selected_ids must be an integer tensor [b, s, K] laid out like labels "
+                             f"{tuple(self.labels.shape)} plus K ids per token, got {_describe(sel)}")
+        if (sel is not None or self.top_k) and not self.fused:
+            raise ValueError("selected_ids / top_k are computed by the fused route only (the materialised route "
+                             "returns logprobs, entropy and logit extremes): set fused=True "
+                             "(engine.use_fused_linear_ce: true)")
         t = self.temperature
         if torch.is_tensor(t) and tuple(t.shape) != tuple(self.labels.shape):
             raise ValueError(f"CaptureContext(temperature=...): a per-token tensor must be shaped like labels "
@@ -165,7 +178,8 @@ def _fused_packed(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx:
     """[s_local, b, H] hidden + this rank's [V/tp, H] weight -> packed [s, b, 4] fp32 stats of the model's
     logits m·h·Wᵀ (m = `mult`, MuP's multiplier). m is folded in here and nowhere else: the op runs at
     temperature T/m (its softmax is that of m·h·Wᵀ / T) and returns the extremes of the raw h·Wᵀ, which
-    one multiply by m puts on the model's logit scale."""
+    one multiply by m puts on the model's logit scale. With ctx.selected_ids / ctx.top_k the selected and
+    top-k outputs go to ctx.extras, batch-first like labels, as their own tensors (the ids stay int64)."""
     hidden, tp_group = head_input(hidden, weight, output_layer)
     s, b, h = hidden.shape
     labels, temperature = _seq_first(ctx, s, b)
@@ -178,9 +192,14 @@ def _fused_packed(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx:
         temperature=temperature / mult, ignore_index=ctx.ignore_index, vocab_size=ctx.vocab_size,
         return_stats=True, backend=ctx.backend, cache_bytes=ctx.cache_bytes, compact_ignored=ctx.compact_ignored,
         vocab_parallel=VocabParallel(tp_group, d_hidden="caller"),  # Megatron's own mapping reduces d_hidden
-        **ctx.head_options(),
+        selected_ids=None if ctx.selected_ids is None else ctx.selected_ids.transpose(0, 1).reshape(s * b, -1),
+        top_k=ctx.top_k or None, **ctx.head_options(),
     )
     stats = (out.logprobs, out.entropy, out.max_logit * mult, out.min_logit * mult)
+    if ctx.selected_ids is not None or ctx.top_k:
+        ctx.extras = {name: (None if t is None else t.view(s, b, -1).transpose(0, 1))
+                      for name, t in (("selected_logprobs", out.selected_logprobs), ("topk_ids", out.topk_ids),
+                                      ("topk_logprobs", out.topk_logprobs))}
     return torch.stack([t.view(s, b) for t in stats], dim=-1)
 
 

@@ -170,10 +170,14 @@ class Route:
 
     def stats(self, model, input_ids: torch.Tensor, labels: torch.Tensor, *, vocab_size: int, position_ids=None,
               attention_mask=None, packed_seq_params=None, temperature=1.0, ignore_index: int = -100,
-              compact_ignored: Optional[bool] = None):
+              compact_ignored: Optional[bool] = None, selected_ids: Optional[torch.Tensor] = None,
+              top_k: Optional[int] = None):
         """One model call: packed [b, s, 4] stats (logprobs, entropy, max_logit, min_logit) on the stage
         with the LM head, the decoder's output (what a pipeline schedule sends on) on the other stages.
-        Arguments as `token_stats`'; `compact_ignored` is this call's (the engine picks it per micro-batch)."""
+        Arguments as `token_stats`'; `compact_ignored` is this call's (the engine picks it per micro-batch).
+        With selected_ids [b, s, K] / top_k the stage with the LM head returns (packed, extras): extras is a
+        dict of selected_logprobs [b, s, K] fp32, topk_ids [b, s, k] int64 and topk_logprobs [b, s, k] fp32
+        laid out like labels (None where not asked): their own tensors, so the ids stay exact."""
         gpt = find_gpt_model(model)
         seam = self.seam_for(gpt)
         _check_inputs(gpt, input_ids, labels, position_ids, packed_seq_params, vocab_size)
@@ -182,9 +186,14 @@ class Route:
         ctx = capture.CaptureContext(labels=labels, temperature=_temperature(temperature, labels),
                                      vocab_size=vocab_size, backend=self.backend, cache_bytes=self.cache_bytes,
                                      ignore_index=ignore_index, fused=self.fused, compact_ignored=compact_ignored,
-                                     invariant=self.invariant, logits_precision=self.logits_precision)
+                                     invariant=self.invariant, logits_precision=self.logits_precision,
+                                     selected_ids=None if selected_ids is None else selected_ids.to(input_ids.device),
+                                     top_k=top_k or 0)
         run = capture.run_fused if self.fused else capture.run_materialised
-        return run(model, gpt, seam, ctx, input_ids, position_ids, attention_mask, packed_seq_params)
+        out = run(model, gpt, seam, ctx, input_ids, position_ids, attention_mask, packed_seq_params)
+        if gpt.post_process and ctx.extras is not None:
+            return out, ctx.extras
+        return out
 
     def last_token_logits(self, model, gpt_model, positions: torch.Tensor, input_ids, position_ids, attention_mask,
                           *, cp_group=None, **model_kwargs):

@@ -43,24 +43,54 @@ class TokenStats(NamedTuple):
         return torch.stack(tuple(self), dim=-1)
 
     @classmethod
-    def unpack(cls, packed: torch.Tensor) -> "TokenStats":
-        """Inverse of `pack` (also of the seam's packed [b, s, 4] output)."""
-        return cls(*capture.unpack(packed))
+    def unpack(cls, packed: torch.Tensor, extras: Optional[dict] = None) -> Union["TokenStats", "SelectedTokenStats"]:
+        """Inverse of `pack` (also of the seam's packed [b, s, 4] output); with Route.stats' `extras` (a call
+        with selected_ids / top_k) the SelectedTokenStats holding them."""
+        st = cls(*capture.unpack(packed))
+        return st.with_extras(**extras) if extras is not None else st
+
+    def with_extras(self, selected_logprobs=None, topk_ids=None, topk_logprobs=None) -> "SelectedTokenStats":
+        return SelectedTokenStats(*self, selected_logprobs, topk_ids, topk_logprobs)
+
+
+class SelectedTokenStats(NamedTuple):
+    """TokenStats of a call with selected_ids and / or top_k (token_stats returns TokenStats otherwise, so
+    code unpacking four values keeps working), laid out like labels plus a last dim:
+
+    selected_logprobs  [..., K] logprobs at `selected_ids` (differentiable; 0 at ignore_index entries), or None
+    topk_ids, topk_logprobs  [..., k] ids of the k largest logits (int64, descending, ties to the lower id)
+              and their logprobs (differentiable), or None; ignore_index / 0 where labels are ignore_index
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    max_logit: torch.Tensor
+    min_logit: torch.Tensor
+    selected_logprobs: Optional[torch.Tensor] = None
+    topk_ids: Optional[torch.Tensor] = None
+    topk_logprobs: Optional[torch.Tensor] = None
+
+    def pack(self) -> torch.Tensor:
+        """The four stats as TokenStats.pack does (the selected / top-k outputs travel as their own tensors)."""
+        return torch.stack(tuple(self[:4]), dim=-1)
 
 
 def model_output(model, input_ids, labels, *, vocab_size: int, position_ids=None, attention_mask=None,
                  packed_seq_params=None, temperature=1.0, fused: bool = True, backend: str = "auto",
                  cache_bytes: int = 0, seam: str = "auto", ignore_index: int = -100,
                  compact_ignored: Optional[bool] = None, invariant: Optional[bool] = None,
-                 logits_precision: Optional[str] = None) -> torch.Tensor:
-    """`token_stats` as a pipeline stage sees it: packed [b, s, 4] stats on the stage with the LM head,
-    the decoder's output (what the schedule sends on) on the other stages."""
+                 logits_precision: Optional[str] = None, selected_ids: Optional[torch.Tensor] = None,
+                 top_k: Optional[int] = None):
+    """`token_stats` as a pipeline stage sees it: packed [b, s, 4] stats on the stage with the LM head
+    ((packed, extras) with selected_ids / top_k: Route.stats), the decoder's output (what the schedule
+    sends on) on the other stages."""
     route = Route.choose(fused, seam, backend, cache_bytes, invariant, logits_precision)
     _check_cpu_backward(find_gpt_model(model))
     with compat.cpu_shims():  # a no-op with CUDA
         return route.stats(model, input_ids, labels, vocab_size=vocab_size, position_ids=position_ids,
                            attention_mask=attention_mask, packed_seq_params=packed_seq_params,
-                           temperature=temperature, ignore_index=ignore_index, compact_ignored=compact_ignored)
+                           temperature=temperature, ignore_index=ignore_index, compact_ignored=compact_ignored,
+                           selected_ids=selected_ids, top_k=top_k)
 
 
 def _check_cpu_backward(gpt) -> None:
@@ -81,7 +111,8 @@ def token_stats(model, input_ids: torch.Tensor, labels: torch.Tensor, *, vocab_s
                 attention_mask=None, packed_seq_params=None, temperature: Union[float, torch.Tensor] = 1.0,
                 fused: bool = True, backend: str = "auto", cache_bytes: int = 0, seam: str = "auto",
                 ignore_index: int = -100, compact_ignored: Optional[bool] = None, invariant: Optional[bool] = None,
-                logits_precision: Optional[str] = None) -> Union[TokenStats, torch.Tensor]:
+                logits_precision: Optional[str] = None, selected_ids: Optional[torch.Tensor] = None,
+                top_k: Optional[int] = None) -> Union[TokenStats, SelectedTokenStats, torch.Tensor]:
     """Per-token logprobs, entropy and logit extremes of `labels` under `model`, in one model call.
 
     model        GPTModel or a wrapper of one (DDP, Float16Module); called as `model(input_ids, position_ids,
@@ -104,6 +135,9 @@ def token_stats(model, input_ids: torch.Tensor, labels: torch.Tensor, *, vocab_s
                  "bf16": each logit rounded to bf16 before temperature, as a bf16-head inference engine.
                  Both routes: the materialised route of a bf16 model builds fp32 logits under "fp32".
     seam         "auto" | "output_processor" (megatron-core >= 0.18) | "output_layer" (instance patch).
+    selected_ids [b, s, K] (or [1, T, K]) global ids laid out like labels: `selected_logprobs` at them.
+    top_k        int: `topk_ids` / `topk_logprobs` [b, s, k]. Both: fused route only, TP/SP/CP/THD as the
+                 logprobs (linear_logprobs_entropy says how they are computed, exactly).
 
     Returns TokenStats of fp32 tensors shaped like labels on the pipeline stage that holds the LM head;
     on other stages the model's output (hidden states for the next stage), unchanged. Gradients flow
@@ -125,7 +159,8 @@ def token_stats(model, input_ids: torch.Tensor, labels: torch.Tensor, *, vocab_s
     out = model_output(model, input_ids, labels, vocab_size=vocab_size, position_ids=position_ids,
                        attention_mask=attention_mask, packed_seq_params=packed_seq_params, temperature=temperature,
                        fused=fused, backend=backend, cache_bytes=cache_bytes, seam=seam, ignore_index=ignore_index,
-                       compact_ignored=compact_ignored, invariant=invariant, logits_precision=logits_precision)
+                       compact_ignored=compact_ignored, invariant=invariant, logits_precision=logits_precision,
+                       selected_ids=selected_ids, top_k=top_k)
     if not find_gpt_model(model).post_process:
         return out
-    return TokenStats.unpack(out)
+    return TokenStats.unpack(*out) if isinstance(out, tuple) else TokenStats.unpack(out)

@@ -67,6 +67,7 @@ class AscendBackend:
 
     name = "triton_ascend"
     skips_ignored_rows = False  # base.py: the Function compacts ignored rows by default
+    supports_softcap = False  # api.py refuses softcap here
 
     def __init__(self, ub_bytes: Optional[int] = None, max_programs: Optional[int] = None):
         self.ub_bytes = configs.resolve_ub_bytes(ub_bytes)

@@ -182,6 +182,7 @@ class TritonBackend:
 
     name = "triton"
     skips_ignored_rows = True  # module docstring: no compaction needed
+    supports_softcap = False  # api.py refuses softcap here until the kernels apply it
 
     def __init__(self, backward_gemms: bool = True):
         self.backward_gemms = bool(backward_gemms)

@@ -1,0 +1,281 @@
+"""Selected-id and top-k logprobs of the fused op, and the sparse part of their gradient.
+
+selected_ids [N, K] (global ids, ignore_index entries allowed) and top_k give per-row logprobs at K (k)
+chosen columns: logprob_j = z_j - lse with z_j = cap(r_j) · inv_t, r_j = h · W_j (the op's lse, so
+they are consistent with its logprobs and entropy to fp32 rounding). Nothing [N, V] is built.
+
+Selected logits. Each rank computes r_j for the ids in its shard (0 elsewhere) with the backend's
+`gather_logits` (a fixed-order dot product per (row, id): its bits depend on the row and the id only,
+not on N, K, the row's position or the TP degree); the TP group SUMs them, which is exact because
+exactly one rank contributes a nonzero. The torch version below computes fixed-shape blocks of
+GATHER_ROWS rows x GATHER_IDS ids.
+
+Top-k, exact with ties broken by the lower id, from the invariant forward's segment maxima (exact.py:
+the raw max of every 128-id segment). If a column x is among a row's k largest then x's segment is among
+the row's k segments with the largest maxima (ordered by tempered max, ties to the lower segment): each
+segment ranked ahead holds an element that beats x. So each rank (1) picks its k best segments per row,
+(2) recomputes just those segments' logits with the backend's `segment_logits` — the same GEMM blocks
+as its forward, so the same bits — and takes the k best of them, (3) the TP group all-gathers the
+[N, k] candidates and keeps the k best. Candidates travel as one int64 key per (value, id) whose order is
+(value descending, id ascending), so every step is an exact integer top-k. Memory: the recomputed
+segments of a row chunk, O(chunk · k · 128), never [N, V]. Cost: a GEMM of N·k·128 columns (about
+k·128/V of the forward's) and, under TP, one all-gather of N·k int64.
+
+Gradients (`sparse_grad`): d(z_j - lse)/dz = onehot_j - p. The dense part (-p per unit of upstream
+gradient) has the form of the logprob's, so the backend's backward takes it through its g_lp; what is
+left is sparse: one coefficient per (row, chosen column), applied as d_hidden += c · W_j and
+d_weight[j] += c · h (index_put_ with accumulate: deterministic).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import comms, exact
+from .backends.base import cap_slope, head_transform
+from .types import LCEParams
+
+GATHER_ROWS = 32  # fixed block shape of the torch gather_logits
+GATHER_IDS = 8
+_ID_BITS = 31
+_ID_MASK = (1 << _ID_BITS) - 1
+_CHUNK_ELEMS = 1 << 24  # recomputed logits per row chunk (64 MiB fp32)
+
+
+def sort_key(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordered as (z descending, id ascending) under a descending sort: the fp32 bits of z
+    mapped to an order-preserving 32-bit integer, above 31 bits of (2^31 - 1 - id). -0.0 counts as +0.0."""
+    bits = (z.float() + 0.0).contiguous().view(torch.int32).to(torch.int64)
+    u = bits & 0xFFFFFFFF
+    mono = torch.where(bits >= 0, u + (1 << 31), (1 << 32) - 1 - u)
+    return (mono << _ID_BITS) | (_ID_MASK - ids.to(torch.int64))
+
+
+def key_value(key: torch.Tensor) -> torch.Tensor:
+    """fp32 value of `sort_key` keys (exact)."""
+    mono = key >> _ID_BITS
+    u = torch.where(mono >= (1 << 31), mono - (1 << 31), (1 << 32) - 1 - mono)
+    return torch.where(u >= (1 << 31), u - (1 << 32), u).to(torch.int32).view(torch.float32)
+
+
+def key_id(key: torch.Tensor) -> torch.Tensor:
+    return _ID_MASK - (key & _ID_MASK)
+
+
+def gather_logits_torch(hidden: torch.Tensor, weight: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """fp32 h_n · W[cols[n, j]] for [N, J] local columns, in fixed [GATHER_ROWS, GATHER_IDS, H] blocks."""
+    n, j = cols.shape
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    out = torch.empty((n, j), dtype=torch.float32, device=hidden.device)
+    for t0 in range(0, n, GATHER_ROWS):
+        rows = min(GATHER_ROWS, n - t0)
+        hb = hidden.new_zeros((GATHER_ROWS, hidden.shape[1]))
+        hb[:rows] = hidden[t0:t0 + rows]
+        hb = hb.to(acc)[:, None, :]
+        for c0 in range(0, j, GATHER_IDS):
+            ids = cols.new_zeros((GATHER_ROWS, GATHER_IDS))
+            width = min(GATHER_IDS, j - c0)
+            ids[:rows, :width] = cols[t0:t0 + rows, c0:c0 + width]
+            r = (hb * weight[ids].to(acc)).sum(-1)  # [GATHER_ROWS, GATHER_IDS]
+            out[t0:t0 + rows, c0:c0 + width] = r[:rows, :width].float()
+    return out
+
+
+def _backend_fn(params: LCEParams, name: str, default):
+    from .backends import get_backend
+    return getattr(get_backend(params.backend), name, None) or default
+
+
+def local_columns(ids: torch.Tensor, params: LCEParams):
+    """(local column clamped into the shard, mask of real ids this shard owns) of global ids [N, J]."""
+    loc = ids - params.vocab_start
+    own = (ids != params.ignore_index) & (loc >= 0) & (loc < params.shard_valid)
+    return torch.where(own, loc, torch.zeros_like(loc)), own
+
+
+def selected_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, params: LCEParams) -> torch.Tensor:
+    """Raw (rounded, capped) logits at global ids [N, K], summed over the TP group; 0 where no rank owns
+    the id (ignore_index entries)."""
+    loc, own = local_columns(ids, params)
+    if ids.shape[1] == 0 or params.shard_valid == 0:
+        r = torch.zeros(ids.shape, dtype=torch.float32, device=hidden.device)
+    else:
+        r = head_transform(_backend_fn(params, "gather_logits", gather_logits_torch)(hidden, weight, loc), params)
+    r = torch.where(own, r, torch.zeros_like(r))
+    if params.tp_size > 1:
+        # one rank owns each id: the SUM adds zeros to it, exactly
+        comms.all_reduce_sum_(r, params.tp_group)
+    return r
+
+
+def _segment_logits_torch(hidden, weight, rows, segs, params: LCEParams) -> torch.Tensor:
+    from .backends.torch_chunked import segment_logits
+    return segment_logits(hidden, weight, rows, segs, params)
+
+
+def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor, inv_t, params: LCEParams,
+              k: int, seg_params: Optional[LCEParams] = None) -> torch.Tensor:
+    """sort_key of each row's k largest tempered logits over the whole vocabulary, [N, k] descending.
+    seg_max [G, N]: this shard's raw segment maxima (exact.py layout, caller row order); seg_params: the
+    params the segments were cut with (their vocab_start may be this shard's own start, see function.py)."""
+    sp = seg_params or params
+    n = hidden.shape[0]
+    G = seg_max.shape[0]
+    dev = hidden.device
+    it = inv_t[:, None].float() if torch.is_tensor(inv_t) else float(inv_t)
+    pad = sort_key(torch.full((1,), float("-inf"), device=dev), torch.full((1,), _ID_MASK, device=dev))
+    out = pad.expand(n, k).contiguous()  # keys below every logit: what a shard without columns offers
+    kk = min(k, G)
+    if kk:
+        seg_of = torch.arange(G, device=dev)
+        seg_rank = sort_key(seg_max.t() * it, seg_of[None, :].expand(n, G)).topk(kk, dim=1).values
+        segs = key_id(seg_rank)  # [N, kk] local segment indices, best first
+    recompute = _backend_fn(sp, "segment_logits", _segment_logits_torch)
+    chunk = max(1, _CHUNK_ELEMS // (max(kk, 1) * exact.SEG))
+    cols = torch.arange(exact.SEG, device=dev)
+    for t0 in range(0, n if kk else 0, chunk):
+        t1 = min(n, t0 + chunk)
+        rows = torch.arange(t0, t1, device=dev).repeat_interleave(kk)
+        r = recompute(hidden, weight, rows, segs[t0:t1].reshape(-1), sp)  # [(t1-t0)·kk, SEG], -inf past the shard
+        z = r.view(t1 - t0, kk * exact.SEG) * (it[t0:t1] if torch.is_tensor(it) else it)
+        gid = (segs[t0:t1, :, None] * exact.SEG + cols + params.vocab_start).view(t1 - t0, -1)
+        keys = sort_key(z, gid)
+        if keys.shape[1] < k:  # a shard narrower than k columns: pad with keys below every logit
+            keys = torch.cat([keys, pad.expand(t1 - t0, k - keys.shape[1])], 1)
+        out[t0:t1] = keys.topk(k, dim=1).values
+    if params.tp_size > 1:
+        # the ranks' candidates side by side, then the k best: an exact integer top-k
+        allk = comms.all_gather_rows(out.t().contiguous(), params.tp_group)  # [tp·k, N]
+        out = allk.t().topk(k, dim=1).values
+    return out
+
+
+def sparse_grad(hidden: Optional[torch.Tensor], weight: torch.Tensor, ids: torch.Tensor, coef: torch.Tensor,
+                params: LCEParams, dh: Optional[torch.Tensor], dw: Optional[torch.Tensor]) -> None:
+    """Add the sparse gradient of d_logits[n, ids[n, j]] = coef[n, j] (raw-logit units) to dh [N, H] and
+    dw [V_shard, H] (fp32 / fp64 buffers) in place. ids: global ids; entries this shard does not own
+    (or ignore_index) are skipped; a non-finite hidden row with zero coefficients contributes nothing."""
+    loc, own = local_columns(ids, params)
+    if params.softcap and ids.shape[1]:
+        raw = head_transform(_backend_fn(params, "gather_logits", gather_logits_torch)(hidden, weight, loc), params)
+        coef = coef * cap_slope(raw, params)
+    coef = torch.where(own, coef, torch.zeros_like(coef))
+    n, j = ids.shape
+    acc = dh.dtype if dh is not None else dw.dtype
+    chunk = max(1, (_CHUNK_ELEMS // 4) // max(1, j * hidden.shape[1]))
+    for t0 in range(0, n, chunk):
+        t1 = min(n, t0 + chunk)
+        c = coef[t0:t1].to(acc)
+        cl = loc[t0:t1]
+        if dh is not None:
+            dh[t0:t1] += torch.bmm(c[:, None, :], weight[cl].to(acc)).squeeze(1)
+        if dw is not None:
+            h = hidden[t0:t1].to(acc)
+            contrib = torch.where(own[t0:t1, :, None], c[:, :, None] * h[:, None, :], 0.0)
+            dw.index_put_((cl.reshape(-1),), contrib.reshape(-1, h.shape[1]), accumulate=True)
+
+
+def _segment_maxima(hidden, weight, inv_t, params: LCEParams, st, part):
+    """(raw segment maxima [G, N] in caller row order, the params they were cut with): the invariant
+    forward's own, else one pass of the torch backend's segment blocks over this shard (ids relative to
+    the shard start; the top-k then recomputes with the torch blocks too)."""
+    if st.seg is not None:
+        seg = st.seg[0]
+        return (seg if part is None else seg.index_select(1, part.dest)), params
+    import dataclasses
+
+    from .backends.torch_chunked import invariant_forward
+    sp = dataclasses.replace(params, vocab_start=0, invariant=True, logit_sums=False, backend="torch", tp_size=1,
+                             vocab_parallel=None)
+    labels = torch.full((hidden.shape[0],), -1, dtype=torch.int64, device=hidden.device)
+    return invariant_forward(hidden, weight, labels, inv_t, sp).seg[0], sp
+
+
+def check_selected_ids(ids: torch.Tensor, params: LCEParams) -> Optional[torch.Tensor]:
+    """check_labels on selected_ids' values ([0, vocab_size) or ignore_index): "sync" raises, "deferred"
+    returns the mask of bad entries (their logprob becomes NaN), "off" returns None."""
+    if params.check_labels == "off":
+        return None
+    bad = (ids != params.ignore_index) & ((ids < 0) | (ids >= params.vocab_size))
+    if params.check_labels == "sync":
+        if bool(bad.any()):
+            first = ids[bad][:4].tolist()
+            raise ValueError(f"selected_ids holds ids outside [0, vocab_size={params.vocab_size}) that are not "
+                             f"ignore_index={params.ignore_index}: e.g. {first}")
+        return None
+    return bad
+
+
+def forward_outputs(hidden, weight, labels, inv_t, params: LCEParams, st, part, lse, selected_ids):
+    """(selected logprobs [N, K], top-k logprobs [N, k], top-k ids [N, k]) in caller row order, None where
+    not asked. hidden: the full sequence in caller order; lse: [N] fp32 (0 at ignored rows)."""
+    if selected_ids is None and not params.top_k:
+        return None, None, None
+    it = inv_t.float() if inv_t is not None else params.inv_t
+    it2 = it[:, None] if torch.is_tensor(it) else it
+    valid = (labels != params.ignore_index)[:, None]
+    lse2 = lse.double()[:, None]
+    sel = topk_lp = topk_ids = None
+    if selected_ids is not None:
+        bad = check_selected_ids(selected_ids, params)
+        z = selected_logits(hidden, weight, selected_ids, params) * it2
+        sel = torch.where(valid & (selected_ids != params.ignore_index), (z.double() - lse2).float(), 0.0)
+        if bad is not None:
+            sel = sel.masked_fill(bad, float("nan"))
+    if params.top_k:
+        seg_max, sp = _segment_maxima(hidden, weight, inv_t, params, st, part)
+        keys = topk_keys(hidden, weight, seg_max, it, params, params.top_k, sp)
+        topk_lp = torch.where(valid, (key_value(keys).double() - lse2).float(), 0.0)
+        topk_ids = torch.where(valid, key_id(keys), params.ignore_index)
+    return sel, topk_lp, topk_ids
+
+
+class SparseGrad:
+    """The part of the backward that the backend's dense pass does not do (module docstring): the label,
+    selected and top-k columns' coefficients, the logit sum's rank-one term, and the g_lp that carries the
+    dense -p part of all of them."""
+
+    def __init__(self, g, ids, coef, g_lsum):
+        self.g, self.ids, self.coef, self.g_lsum = g, ids, coef, g_lsum
+
+    @classmethod
+    def of(cls, labels, inv_t, params: LCEParams, g, g_dstats, selected_ids, g_sel, topk_ids, g_topk, acc):
+        """None when only logprobs and entropy carry gradient (the backend does everything)."""
+        if g_dstats is None and g_sel is None and g_topk is None:
+            return None
+        valid = labels != params.ignore_index
+        ids, coefs = [], []
+        dense = torch.zeros_like(g[0])  # Σ of the upstream gradients of every (z_j - lse) term
+        g_lse = g_dstats[0].to(acc) if g_dstats is not None else torch.zeros_like(g[0])
+        for col, gc in ((selected_ids, g_sel), (topk_ids, g_topk)):
+            if col is None or gc is None:
+                continue
+            gc = torch.where(valid[:, None] & (col != params.ignore_index), gc.to(acc), 0.0)
+            ids.append(col)
+            coefs.append(gc)
+            dense = dense + gc.sum(1)
+        # d lse / dz = p = onehot(label) - d logprob / dz: lse's gradient is -g_lse through g_lp plus
+        # g_lse at the label column; each (z_j - lse) adds its g to g_lp and to column j, minus at the label
+        g_out = g.clone()
+        g_out[0] = g[0] - g_lse + dense
+        ids.insert(0, labels[:, None])
+        coefs.insert(0, (g_lse - dense)[:, None])
+        it = inv_t.to(acc)[:, None] if inv_t is not None else params.inv_t
+        coef = torch.where(valid[:, None], torch.cat(coefs, 1) * it, 0.0)  # d_logits: dz · inv_t
+        g_lsum = None
+        if g_dstats is not None and g_dstats.shape[0] > 1:
+            g_lsum = torch.where(valid, g_dstats[1].to(acc), 0.0)
+        return cls(g_out, torch.cat(ids, 1), coef, g_lsum)
+
+    def apply(self, hidden, weight, params: LCEParams, dh, dw) -> None:
+        """Add the sparse columns and the logit sum's term to the vocab-partial dh [N, H] and dw (fp32)."""
+        sparse_grad(hidden, weight, self.ids, self.coef, params, dh, dw)
+        if self.g_lsum is not None and params.shard_valid:
+            # sum_logit = h · Σ_j W_j over the shard's real rows: a rank-one gradient
+            acc = self.g_lsum.dtype
+            wv = weight[: params.shard_valid]
+            if dh is not None:
+                dh += self.g_lsum[:, None] * wv.to(acc).sum(0)[None, :]
+            if dw is not None:
+                dw[: params.shard_valid] += (self.g_lsum[None, :] @ hidden.to(acc))
