@@ -110,7 +110,7 @@ def batch(seed: int = 3):
 
 # -------------------------------------------------------------------------------------------- tokenizer
 ODD_TEXTS = ["", " ", "  two  spaces ", "\t\r\n\x00\x7f", "héllo wörld", "世界 🙂 \u200b", "<eos>", "a<bos>b<pad>",
-             "Ġ Ċ ĉ", "\\u00ff \U0010ffff"]
+             "Ġ Ċ ĉ", "\\u00ff \U0010ffff", "e\u0301 \u212b"]  # the last one is not in Unicode NFC form
 ODD_IDS = [[0xFF], [0xC3], [0xE4, 0xB8], [0xF0, 0x9F, 0x99], [0xED, 0xA0, 0x80], [0xC0, 0x80], [0xF5, 0x41],
            [0x80, 0x41, 0xBF], list(range(256)), [257, 72, 258, 105, 256, 256], [0xE4, 0xB8, 258, 0x96]]
 
@@ -199,3 +199,73 @@ def test_export_refusals(tmp_path):
     with pytest.raises(ValueError, match="decoder.layers.0.extra"):
         e.export_hf(tmp_path / "extra")
     assert sorted(os.listdir(tmp_path)) == ["full"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_export_at_tp2_and_pp2_equals_the_tp1_export(tmp_path):
+    from helpers.launch import torchrun
+
+    # untied Qwen2 (q/k/v biases, an LM head of its own on the last stage); the export of TP=2 + sequence
+    # parallelism and of PP=2 must be bitwise the TP=1 export, which is bitwise the imported checkpoint
+    src = tmp_path / "src"
+    make_checkpoint(src, "qwen2", tied=False)
+    engine_of(src).export_hf(tmp_path / "tp1")
+    result = torchrun(Path(__file__).with_name("export_worker.py"), src, tmp_path, timeout=300,
+                      result=tmp_path / "worker.json")
+    assert "error" not in result, result.get("error")
+    tp1 = safetensors_of(tmp_path / "tp1")
+    for layout in ("tp2", "pp2"):
+        assert_same_tensors(safetensors_of(tmp_path / layout), tp1)
+        assert (tmp_path / layout / "config.json").read_text() == (tmp_path / "tp1" / "config.json").read_text()
+
+
+@pytest.mark.slow
+def test_export_cli_of_an_sft_run_generates_as_the_engine(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    from areal_lce.export.__main__ import job_config, load_weights, main
+    from areal_lce.train import checkpoint as ckpt
+    from areal_lce.train import sft
+    from areal_lce.train.config import load_config
+
+    run, out = tmp_path / "run", tmp_path / "hf"
+    # three steps at a small lr: the weights stay near their random init, whose greedy answers are varied
+    # tokens (at the config's lr, a few steps teach the tiny model to answer <eos> at once)
+    sft.run(load_config(REPO / "configs" / "sft_tiny.yaml", [
+        f"trainer.output_dir={run}", "trainer.steps=3", "trainer.save_interval=3", "trainer.global_batch_size=4",
+        "trainer.micro_batch_size=4", "trainer.progress=false", "trainer.sample_prompts=0",
+        "engine.optim.warmup_steps=0", "engine.optim.lr=1e-4", "engine.optim.min_lr=0"]))
+    step = ckpt.latest_checkpoint(run)
+    assert main([str(run), str(out)]) == 2 and "not a complete checkpoint" in capsys.readouterr().err
+    assert main([str(step), str(out)]) == 0
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors",
+                                       "tokenizer.json", "tokenizer_config.json"]
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 259  # megatron's 384 cut back
+
+    cfg = job_config(step)  # the run's engine at TP=1, with the step's weights
+    engine = MegatronEngine(cfg.engine, vocab_size=259, trainable=False)
+    load_weights(engine, step)
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    exact = PreTrainedTokenizerFast.from_pretrained(out, local_files_only=True)
+    bt = ByteTokenizer()
+    # transformers 5 builds its Qwen2Tokenizer pipeline beside a qwen2 config (NFC first): the byte ids of
+    # every embedded text; PreTrainedTokenizerFast keeps tokenizer.json's pipeline: those of any text
+    assert len(tok) == len(exact) == 259
+    texts = [r[k] for r in map(json.loads, (REPO / "areal_lce/train/data/sft_tiny.jsonl").read_text().splitlines())
+             for k in ("prompt", "response")]
+    assert all(tok.encode(t, add_special_tokens=False) == bt.encode(t) for t in texts)
+    assert all(exact.encode(t, add_special_tokens=False) == bt.encode(t) for t in texts + ODD_TEXTS)
+    hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    answers = []
+    for row in map(json.loads, (REPO / "areal_lce/train/data/sft_tiny.jsonl").read_text().splitlines()[:3]):
+        prompt = [tok.bos_token_id] + tok.encode(row["prompt"], add_special_tokens=False)  # as data.add_bos
+        ours = engine.generate([prompt], 8, temperature=0.0, eos_id=tok.eos_token_id)[0]
+        got = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, output_scores=True,
+                          return_dict_in_generate=True)
+        assert got.sequences[0, len(prompt):].tolist() == ours, row
+        # each greedy choice won by more than any fp32 difference between the two models could move it
+        top2 = torch.stack([s[0].topk(2).values for s in got.scores])
+        assert (top2[:, 0] - top2[:, 1]).min() > 1e-4
+        answers.append(ours)
+    assert len({t for a in answers for t in a}) > 3, answers  # not an <eos> at once

@@ -4,9 +4,10 @@
 
 Builds the run's engine from the job config saved with the checkpoint (trainer_state.json, read once the
 checkpoint matches its manifest) at tensor_parallel = pipeline_parallel = context_parallel = 1 (frozen: no
-optimizer), loads the step's model weights, and writes config.json, the safetensors shards and the
-tokenizer files of the run's data.tokenizer into OUT_DIR (areal_lce.export.hf). Exit status: 0 written;
-2 a usage or config error; 1 any other error, printed as one line `error: ...` (--debug: the traceback).
+optimizer), loads the step's model weights (saved at any layout), and writes config.json, the safetensors
+shards and the tokenizer files of the run's data.tokenizer into OUT_DIR (areal_lce.export.hf).
+Exit status: 0 written; 2 a usage or config error; 1 any other error, printed as one line `error: ...`
+(--debug: the traceback).
 """
 from __future__ import annotations
 
@@ -41,11 +42,11 @@ def job_config(step_dir: Path):
 
 
 def load_weights(engine, step_dir: Path) -> None:
-    """The model weights of checkpoint `step_dir` into `engine` (the engine's save format: it loads at the
-    parallel layout that saved it)."""
-    from ..train.checkpoint import load_checkpoint
+    """The model weights of checkpoint `step_dir` into `engine`, whatever layout saved them (its optimizer
+    state, counters and RNG states are not read)."""
+    from ..train.checkpoint import load_model_weights
 
-    load_checkpoint(engine, step_dir)
+    load_model_weights(engine, step_dir)
 
 
 def export_checkpoint(step_dir, out_dir, *, dtype: Optional[str] = None, max_shard_bytes: Optional[int] = None) -> Path:

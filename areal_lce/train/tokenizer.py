@@ -11,9 +11,12 @@ The built-in tokenizer's files: a `tokenizer.json` (tokenizers library) whose by
 maps every byte to one character of GPT-2's byte alphabet, a BPE model without merges whose vocabulary
 gives that character the byte's id, and the three special tokens as added tokens 256..258; plus a
 `tokenizer_config.json` with `split_special_tokens: true` (a text "<eos>" is five bytes, as here) and
-`clean_up_tokenization_spaces: false`. `AutoTokenizer.from_pretrained(dir)` then encodes any text
-(`add_special_tokens=False`: nothing is prepended, prepend `bos_token_id` as the jobs' data.add_bos does)
-and decodes any ids as `ByteTokenizer` does; invalid UTF-8 becomes U+FFFD in both.
+`clean_up_tokenization_spaces: false`. `PreTrainedTokenizerFast.from_pretrained(dir)` then encodes any
+text (`add_special_tokens=False`: nothing is prepended, prepend `bos_token_id` as the jobs' data.add_bos
+does) and decodes any ids as `ByteTokenizer` does; invalid UTF-8 becomes U+FFFD in both. So does
+`AutoTokenizer`, except beside a qwen2 config.json under transformers 5, which then builds its
+Qwen2Tokenizer pipeline from these files: the same ids for text in Unicode NFC form (it normalises to
+NFC first: a decomposed "e\u0301" becomes the bytes of "\u00e9").
 """
 from __future__ import annotations
 
@@ -78,9 +81,11 @@ class ByteTokenizer:
         if ids != [self.PAD, self.BOS, self.EOS]:  # the tokenizers library numbers added tokens in order
             raise RuntimeError(f"built-in tokenizer export: special tokens got ids {ids}, expected 256..258")
         tok.save(os.path.join(directory, "tokenizer.json"))
+        # unk_token null: a class that transformers picks by the model's type (Qwen2Tokenizer for a qwen2
+        # export) would otherwise add its own unknown token, an id past the model's vocabulary
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "bos_token": "<bos>",
-                  "eos_token": "<eos>", "split_special_tokens": True, "clean_up_tokenization_spaces": False,
-                  "add_bos_token": False, "add_eos_token": False}
+                  "eos_token": "<eos>", "unk_token": None, "split_special_tokens": True,
+                  "clean_up_tokenization_spaces": False, "add_bos_token": False, "add_eos_token": False}
         with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)
         return ["tokenizer.json", "tokenizer_config.json"]
