@@ -36,8 +36,10 @@ from . import comms, exact
 from .backends.base import cap_slope, head_transform
 from .types import LCEParams
 
-GATHER_ROWS = 32  # fixed block shape of the torch gather_logits
+GATHER_ROWS = 32  # fixed block shape of the torch gather_logits (on CUDA: GATHER_ROWS_CUDA rows)
+GATHER_ROWS_CUDA = 512
 GATHER_IDS = 8
+SEG_ROWS_CUDA = 1024  # fixed GEMM height of the torch segment recompute for a CUDA backend with its own forward
 _ID_BITS = 31
 _ID_MASK = (1 << _ID_BITS) - 1
 _CHUNK_ELEMS = 1 << 24  # recomputed logits per row chunk (64 MiB fp32)
@@ -68,13 +70,14 @@ def gather_logits_torch(hidden: torch.Tensor, weight: torch.Tensor, cols: torch.
     n, j = cols.shape
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     out = torch.empty((n, j), dtype=torch.float32, device=hidden.device)
-    for t0 in range(0, n, GATHER_ROWS):
-        rows = min(GATHER_ROWS, n - t0)
-        hb = hidden.new_zeros((GATHER_ROWS, hidden.shape[1]))
+    block = GATHER_ROWS_CUDA if hidden.is_cuda else GATHER_ROWS
+    for t0 in range(0, n, block):
+        rows = min(block, n - t0)
+        hb = hidden.new_zeros((block, hidden.shape[1]))
         hb[:rows] = hidden[t0:t0 + rows]
         hb = hb.to(acc)[:, None, :]
         for c0 in range(0, j, GATHER_IDS):
-            ids = cols.new_zeros((GATHER_ROWS, GATHER_IDS))
+            ids = cols.new_zeros((block, GATHER_IDS))
             width = min(GATHER_IDS, j - c0)
             ids[:rows, :width] = cols[t0:t0 + rows, c0:c0 + width]
             r = (hb * weight[ids].to(acc)).sum(-1)  # [GATHER_ROWS, GATHER_IDS]
@@ -110,8 +113,9 @@ def selected_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tenso
 
 
 def _segment_logits_torch(hidden, weight, rows, segs, params: LCEParams) -> torch.Tensor:
-    from .backends.torch_chunked import segment_logits
-    return segment_logits(hidden, weight, rows, segs, params)
+    from .backends.torch_chunked import INV_ROWS, segment_logits
+    own = params.backend in ("torch", "reference") or not hidden.is_cuda  # the forward's own blocks
+    return segment_logits(hidden, weight, rows, segs, params, INV_ROWS if own else SEG_ROWS_CUDA)
 
 
 def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor, inv_t, params: LCEParams,

@@ -41,6 +41,7 @@ for job in "$@"; do
           ${ROUTES:+--routes $ROUTES} ${ROPE:+--rope-fusion $ROPE} ${GRAPHS:+--model-graphs $GRAPHS} \
           ${COMPACT:+--compact-ignored $COMPACT} --out "$W" ;;
     bench_invariant) run bench_invariant 480 python3 -m benchmark.bench_invariant --rounds ${ROUNDS:-5} --out "$W" ;;
+    bench_select) run bench_select 500 python3 -m benchmark.bench_select --rounds ${ROUNDS:-3} --out "$W" ;;
     gpu_tests) run gpu_tests 400 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_capture.py \
           tests/test_checkpoint_integrity.py tests/test_gpu_generate.py -x ;;
     bench_ignored) run bench_ignored 240 python3 -m benchmark.bench_ignored --out "$W" ;;

@@ -93,10 +93,12 @@ def _hidden_block(hidden, t0: int):
     return hb if _half_gemm(hidden) else hb.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
 
 
-def segment_logits(hidden, weight, rows, segs, params: LCEParams) -> torch.Tensor:
+def segment_logits(hidden, weight, rows, segs, params: LCEParams, rows_per_block: int = INV_ROWS) -> torch.Tensor:
     """The backend contract's segment_logits (base.py) for invariant_forward's blocks: each pair's row goes
     into a zero-padded INV_ROWS block multiplied by the INV_COLS block holding its segment, as the forward
-    did, so the values are the forward's bits. One host loop over the distinct column blocks."""
+    did, so the values are the forward's bits. One host loop over the distinct column blocks.
+    rows_per_block: another fixed block height, for a backend whose forward does not use these blocks
+    (the values are then invariant but not its forward's bits)."""
     start, vv = params.vocab_start, params.shard_valid
     out = torch.full((rows.shape[0], exact.SEG), float("-inf"), dtype=torch.float32, device=hidden.device)
     gstart = start + segs * exact.SEG
@@ -106,9 +108,11 @@ def segment_logits(hidden, weight, rows, segs, params: LCEParams) -> torch.Tenso
         sel = (blk == b).nonzero().squeeze(1)
         g0 = b * INV_COLS
         _, _, wt = _weight_block(weight, start, vv, g0, hidden)
-        for c0 in range(0, sel.shape[0], INV_ROWS):
-            idx = sel[c0:c0 + INV_ROWS]
-            r = head_transform(_mm_f32(_hidden_block(hidden[rows[idx]], 0), wt), params).to(torch.float32)
+        for c0 in range(0, sel.shape[0], rows_per_block):
+            idx = sel[c0:c0 + rows_per_block]
+            hb = _row_block(hidden[rows[idx]], 0, rows_per_block)
+            hb = hb if _half_gemm(hidden) else hb.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+            r = head_transform(_mm_f32(hb, wt), params).to(torch.float32)
             at = (gstart[idx] - g0)[:, None] + cols
             vals = r[: idx.shape[0]].gather(1, at)
             out[idx] = torch.where(at + g0 < start + vv, vals, float("-inf"))
