@@ -56,6 +56,7 @@ from .model import build_gpt_model, load_hf_checkpoint, resolve_arch, use_te_spe
 from .optim import build_optimizer, lr_at, optimizer_step
 from .own_loss import check_temperature_one, logprobs_only, megatron_loss_call
 from .parallel import init_distributed, object_from_last_stage
+from .per_token import IGNORE_INDEX, stats_with_extras, to_model_layout
 from .route import Route
 from .stats import TokenStats
 
@@ -153,14 +154,16 @@ class MegatronEngine:
                              cu_seqlens_on_host=not use_te_spec(),
                              compact_ignored=self.cfg.lce.compact_ignored if self.route.fused else None)
 
-    def _call_model(self, mb: ModelBatch, temperature: float) -> torch.Tensor:
+    def _call_model(self, mb: ModelBatch, temperature: float, selected_ids=None, top_k=None) -> torch.Tensor:
         """One model call through the route: packed stats [b, s, 4] / [1, T, 4] on the last pipeline
-        stage, hidden states on the others."""
+        stage, hidden states on the others. `selected_ids` (laid out like mb.labels) / `top_k`: the route's
+        extra outputs (Route.stats), asked only when given."""
+        extra = {} if selected_ids is None and not top_k else {"selected_ids": selected_ids, "top_k": top_k}
         with per_token_rope(self.gpt, mb):
             return self.route.stats(self.model, mb.input_ids, mb.labels, vocab_size=self.vocab_size,
                                     position_ids=mb.position_ids, attention_mask=mb.attention_mask,
                                     packed_seq_params=mb.packed_seq_params, temperature=float(temperature),
-                                    compact_ignored=mb.compact_ignored)
+                                    compact_ignored=mb.compact_ignored, **extra)
 
     def _call_megatron_loss(self, mb: ModelBatch, temperature: float) -> torch.Tensor:
         """One model call through megatron-core's own `labels=` loss (own_loss.py): packed [b, s, 4] with
@@ -182,12 +185,17 @@ class MegatronEngine:
 
     @cpu_shims()
     def token_stats(self, input_ids: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
-                    grad: bool = False) -> TokenStats:
+                    grad: bool = False, selected_ids: Optional[torch.Tensor] = None,
+                    top_k: Optional[int] = None) -> TokenStats:
         """Per-token stats of `labels` (next-token targets aligned with input positions; -100 ignored),
         [b, s] in and out whether or not the engine packs. Under pipeline parallelism (grad=False only)
-        every stage receives the last stage's values."""
+        every stage receives the last stage's values. `selected_ids` [b, s, K] (global ids, -100 entries
+        allowed) adds `selected_logprobs` [b, s, K]; `top_k` adds `topk_ids` / `topk_logprobs` [b, s, k]
+        (pipeline_parallel=1 only)."""
         if grad:
             self._require_trainable("token_stats(grad=True)")
+        if selected_ids is not None or top_k:
+            self._check_extras(selected_ids is not None)
         if self.dist.pp_size > 1:
             if grad:
                 raise ValueError("token_stats(grad=True) needs parallel.pipeline_parallel=1; under pipeline "
@@ -197,16 +205,28 @@ class MegatronEngine:
                 device=self.device, **self._schedule_kwargs())[0]
             return TokenStats.unpack(packed)
         with contextlib.nullcontext() if grad else torch.no_grad():
-            return self._stats(input_ids, labels, temperature, graphed=not grad)
+            return self._stats(input_ids, labels, temperature, graphed=not grad, selected_ids=selected_ids,
+                               top_k=top_k)
 
-    def _stats(self, input_ids: torch.Tensor, labels: torch.Tensor, temperature, *, graphed: bool) -> TokenStats:
+    def _check_extras(self, selected: bool) -> None:
+        if self.dist.pp_size > 1:
+            what = "selected_ids" if selected else "top_k"
+            raise ValueError(f"token_stats / train_step with {what} need parallel.pipeline_parallel=1 (the "
+                             "pipeline schedule hands the four packed statistics between stages)")
+
+    def _stats(self, input_ids: torch.Tensor, labels: torch.Tensor, temperature, *, graphed: bool,
+               selected_ids: Optional[torch.Tensor] = None, top_k: Optional[int] = None) -> TokenStats:
         """One model call on one stage, through the graphs when `graphed` and they apply. Calls with grad
         are graphed only from train_step, which runs each backward before the next forward (graphs.py,
-        "Order")."""
+        "Order"). Calls with `selected_ids` / `top_k` are not graphed (the graphs record the four
+        statistics): those travel through the model batch's layout like the labels (per_token.py)."""
         mb = self._prepare(input_ids, labels)
-        if graphed and self.graphs is not None:
-            return mb.stats(self.graphs(mb, float(temperature), grad=torch.is_grad_enabled()))
-        return mb.stats(self._call_model(mb, temperature))
+        if selected_ids is None and not top_k:
+            if graphed and self.graphs is not None:
+                return mb.stats(self.graphs(mb, float(temperature), grad=torch.is_grad_enabled()))
+            return mb.stats(self._call_model(mb, temperature))
+        sel = None if selected_ids is None else to_model_layout(selected_ids, mb, fill=IGNORE_INDEX)
+        return stats_with_extras(self._call_model(mb, temperature, sel, top_k), mb)
 
     # ------------------------------------------------------------------------------ training
     @cpu_shims()
@@ -222,6 +242,8 @@ class MegatronEngine:
 
         self._require_trainable("train_step")
         check_microbatches(microbatches)
+        if any(mb.selected_ids is not None for mb in microbatches):
+            self._check_extras(True)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         self.model.train()
@@ -253,7 +275,8 @@ class MegatronEngine:
                     batch = self._prepare(mb.input_ids, mb.labels)
                     stats = batch.stats(self._call_megatron_loss(batch, mb.temperature))
                 else:
-                    stats = self._stats(mb.input_ids, mb.labels, mb.temperature, graphed=True)
+                    stats = self._stats(mb.input_ids, mb.labels, mb.temperature, graphed=True,
+                                        selected_ids=mb.selected_ids)
                 # Under CP every rank holds the full statistics and the same loss, and its backward reaches
                 # only its own tokens; megatron's DDP averages over data x context parallel ranks, so the
                 # loss is scaled by cp for that average to be the sum of the CP shares (as Megatron-LM does).
