@@ -109,8 +109,9 @@ def batch(seed: int = 3):
 
 
 # -------------------------------------------------------------------------------------------- tokenizer
-ODD_TEXTS = ["", " ", "  two  spaces ", "\t\r\n\x00\x7f", "héllo wörld", "世界 🙂 \u200b", "<eos>", "a<bos>b<pad>",
-             "Ġ Ċ ĉ", "\\u00ff \U0010ffff", "e\u0301 \u212b"]  # the last one is not in Unicode NFC form
+# the last text is not in Unicode NFC form (a tokenizer that normalises would change its bytes)
+ODD_TEXTS = ["", " ", "  two  spaces ", "\t\r\n\x00\x7f", "héllo wörld", "世界 🙂 \u200b", "<eos>",
+             "a<bos>b<pad>", "Ġ Ċ ĉ", "\\u00ff \U0010ffff", "e\u0301 \u212b"]
 ODD_IDS = [[0xFF], [0xC3], [0xE4, 0xB8], [0xF0, 0x9F, 0x99], [0xED, 0xA0, 0x80], [0xC0, 0x80], [0xF5, 0x41],
            [0x80, 0x41, 0xBF], list(range(256)), [257, 72, 258, 105, 256, 256], [0xE4, 0xB8, 258, 0x96]]
 
@@ -161,7 +162,8 @@ def test_export_round_trip_through_transformers(tmp_path, family, tied):
     # shards of at most 40 kB: several files and their index
     e.export_hf(out, max_shard_bytes=40_000)
     assert_same_tensors(safetensors_of(out), safetensors_of(src))  # bitwise, padding rows cut
-    assert len(glob.glob(str(out / "model-*-of-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
+    assert len(glob.glob(str(out / "model-*-of-*.safetensors"))) > 1
+    assert (out / "model.safetensors.index.json").is_file()
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["model_type"], cfg["vocab_size"], cfg["tie_word_embeddings"]) == (family, VOCAB, tied)
     assert_logits_close(logits, out, ids)  # transformers' model of the export
@@ -181,8 +183,8 @@ def test_export_round_trip_through_transformers(tmp_path, family, tied):
 
 
 def test_export_refusals(tmp_path):
-    e = MegatronEngine(EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=32), lce=LCEConfig(backend="torch")),
-                       vocab_size=ByteTokenizer().vocab_size, trainable=False)
+    cfg = EngineConfig(model=ModelConfig(preset="tiny-qwen3", max_seq_len=32), lce=LCEConfig(backend="torch"))
+    e = MegatronEngine(cfg, vocab_size=ByteTokenizer().vocab_size, trainable=False)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("x")
     with pytest.raises(ValueError, match="not an empty directory"):
@@ -199,6 +201,10 @@ def test_export_refusals(tmp_path):
     with pytest.raises(ValueError, match="decoder.layers.0.extra"):
         e.export_hf(tmp_path / "extra")
     assert sorted(os.listdir(tmp_path)) == ["full"]
+    del e.gpt.decoder.layers[0].extra
+    e.gpt.decoder.layers[1].self_attention.k_layernorm = None  # a Qwen3 layer without its k norm
+    with pytest.raises(ValueError, match=r"decoder.layers.1 holds .* maps exactly"):
+        e.export_hf(tmp_path / "no_k_norm")
 
 
 @pytest.mark.slow
