@@ -56,15 +56,21 @@ class ModelBatch:
     def stats(self, out: torch.Tensor) -> TokenStats:
         """Model output (packed stats [b, s', 4] or [1, T, 4], CP-local under CP) -> TokenStats in the
         caller's [b, s] layout."""
+        return TokenStats.unpack(self.to_caller_layout(out))
+
+    def to_caller_layout(self, out: torch.Tensor, fill=0.0) -> torch.Tensor:
+        """Per-token model output laid out like `self.labels` ([b, s', ...] or [1, T, ...], CP-local under
+        CP) -> the caller's [b, s, ...] (`fill` where no token was computed); differentiable (under CP through
+        the all-gather whose backward returns each rank its own slice)."""
         if self.cp_group is not None:
             cu = None if self.cp_padding is None else self.cp_padding.cu_seqlens_padded
             out = gather_from_context_parallel(out, self.cp_group, cu)
             if self.cp_padding is not None:
                 out = out.index_select(1, self.cp_padding.index.to(out.device))
         if self.packed is not None:
-            return TokenStats.unpack(self.packed.unpack(out))
+            return self.packed.unpack(out, fill)
         b, s = self.shape
-        return TokenStats.unpack(out[:b, :s])
+        return out[:b, :s]
 
 
 # engine.lce.compact_ignored: auto compacts a micro-batch when at least this share of the rows the LM head

@@ -15,7 +15,7 @@ import torch
 
 from .. import comms
 from .batch import ModelBatch
-from .context_parallel import gather_from_context_parallel, pad_packed, split_for_context_parallel
+from .context_parallel import pad_packed, split_for_context_parallel
 from .packing import host_to_device
 
 IGNORE_INDEX = -100  # the engine's: labels and selected_ids entries without a target
@@ -46,18 +46,9 @@ def to_model_layout(x: torch.Tensor, mb: ModelBatch, fill) -> torch.Tensor:
 
 
 def from_model_layout(out: torch.Tensor, mb: ModelBatch, fill) -> torch.Tensor:
-    """The model's per-token output laid out like `mb.labels` ([b, s', ...] or [1, T, ...], CP-local under
-    CP) -> the caller's [b, s, ...] (`fill` where no token was computed), as `ModelBatch.stats` does for
-    the packed statistics; differentiable."""
-    if mb.cp_group is not None:
-        cu = None if mb.cp_padding is None else mb.cp_padding.cu_seqlens_padded
-        out = gather_from_context_parallel(out, mb.cp_group, cu)
-        if mb.cp_padding is not None:
-            out = out.index_select(1, mb.cp_padding.index.to(out.device))
-    if mb.packed is not None:
-        return mb.packed.unpack(out, fill)
-    b, s = mb.shape
-    return out[:b, :s]
+    """The model's per-token output laid out like `mb.labels` -> the caller's [b, s, ...] (`fill` where no
+    token was computed), as `ModelBatch.stats` does for the packed statistics; differentiable."""
+    return mb.to_caller_layout(out, fill)
 
 
 def stats_with_extras(out, mb: ModelBatch):
