@@ -72,17 +72,22 @@ def gathered(e) -> dict:
     keys = sorted({k: s for d in shapes for k, s in d.items()}.items())
     out = {}
     for key, shape in keys:
-        buf = torch.zeros(shape, dtype=torch.float32)
+        buf, cover = torch.zeros(shape, dtype=torch.float32), torch.zeros(shape, dtype=torch.float32)
         for t in mine.get(key, []):
             if is_main_replica(t.replica_id):
                 local = (1,) * t.prepend_axis_num + tuple(t.data.shape)
-                buf[tuple(slice(o, o + n) for o, n in zip(t.global_offset, local))] = t.data.reshape(local)
+                where = tuple(slice(o, o + n) for o, n in zip(t.global_offset, local))
+                buf[where] = t.data.detach().reshape(local)
+                cover[where] += 1
         dist.all_reduce(buf)
+        dist.all_reduce(cover)
+        assert bool((cover == 1).all()), f"{key}: not every element written by exactly one main replica"
         out[key] = buf[:VOCAB] if "word_embeddings" in key or "output_layer" in key else buf
     return out
 
 
-def max_diff(a: dict, b: dict) -> float:
+def max_diff(a: dict, b: dict) -> tuple:
+    """(the largest absolute difference of two gathered states, the key where it is)."""
     assert sorted(a) == sorted(b), (sorted(set(a) ^ set(b)))
     worst = max(a, key=lambda k: float((a[k] - b[k]).abs().max()))
     return float((a[worst] - b[worst]).abs().max()), worst
