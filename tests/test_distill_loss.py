@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from areal_lce.megatron.config import EngineConfig
 from areal_lce.train.distill_config import DistillConfig, check_rl_for_distill
 from areal_lce.train.distill_loss import TAIL_FLOOR, DistillMicroBatch, distill_loss, forward_kl_topk
 from areal_lce.train.rl_config import RLConfig
@@ -133,7 +134,7 @@ def test_distill_config_refuses_what_it_would_ignore():
     with pytest.raises(ValueError, match="rl.kl_coef"):
         check_rl_for_distill(RLConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match="no weights"):
-        DistillConfig().check_for_job(RLConfig(), DistillConfig().teacher)
+        DistillConfig().check_for_job(RLConfig(), EngineConfig())
     with pytest.raises(ValueError, match="selected_ids"):
         DistillMicroBatch(input_ids=torch.zeros(1, 2, dtype=torch.long), labels=torch.zeros(1, 2, dtype=torch.long),
                           teacher_logprobs=torch.zeros(1, 2, 3), teacher_token_logprobs=torch.zeros(1, 2))

@@ -5,8 +5,8 @@
     python -m areal_lce.train --help               # every option with its help string
     python -m areal_lce.train help-markdown        # the same as Markdown tables (docs/training.md)
 
-`job:` in the config picks the job: sft -> areal_lce.train.sft, grpo | ppo -> areal_lce.train.rl, both
-run by the loop of areal_lce.train.loop.
+`job:` in the config picks the job: sft -> areal_lce.train.sft, grpo | ppo -> areal_lce.train.rl, distill ->
+areal_lce.train.distill, all run by the loop of areal_lce.train.loop.
 
 Exit status: 0 done; 2 a config error (`config error: ...`, at load or when the ranks' configs differ);
 1 any other error, printed as one line `error: ...` (prefixed `[rank R]` under torchrun) -- `--debug` or
@@ -74,6 +74,8 @@ def limit_cpu_threads() -> None:
 def run_job(cfg: JobConfig) -> dict:
     if cfg.job == "sft":
         from .sft import run
+    elif cfg.job == "distill":
+        from .distill import run
     else:
         from .rl import run
     return run(cfg)

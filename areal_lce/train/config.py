@@ -19,11 +19,12 @@ from areal_lce.megatron.config import EngineConfig
 from . import config_io
 from .config_io import (ConfigError, dump_yaml, from_dict, iter_fields, load_yaml, parse_value,  # noqa: F401
                         to_dict)
+from .distill_config import DistillConfig
 from .loggers import LOGGERS
 from .rl_config import RLConfig
 
 RL_JOBS = ("grpo", "ppo")
-JOBS = ("sft",) + RL_JOBS
+JOBS = ("sft",) + RL_JOBS + ("distill",)
 DATA_FORMATS = ("prompt_response", "text")
 
 
@@ -176,7 +177,10 @@ class JobConfig:
                                  metadata=_help("model, parallelism, optimizer, fused-op route"))
     data: DataConfig = field(default_factory=DataConfig, metadata=_help("dataset and tokenizer"))
     trainer: TrainerConfig = field(default_factory=TrainerConfig, metadata=_help("loop, batching, checkpoints"))
-    rl: RLConfig = field(default_factory=RLConfig, metadata=_help("RL jobs only (grpo, ppo)"))
+    rl: RLConfig = field(default_factory=RLConfig, metadata=_help("RL jobs (grpo, ppo); job distill reads its "
+                                                                  "rollout options here"))
+    distill: DistillConfig = field(default_factory=DistillConfig,
+                                   metadata=_help("job distill only: the teacher and the loss"))
 
     def __post_init__(self):
         if self.job not in JOBS:
@@ -199,6 +203,11 @@ class JobConfig:
         if self.job in RL_JOBS:
             try:
                 self.rl.advantage_for(self.job)  # rl.advantage=auto resolves by job: group for grpo
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
+        if self.job == "distill":
+            try:
+                self.distill.check_for_job(self.rl, self.engine)
             except ValueError as e:
                 raise ConfigError(str(e)) from e
 

@@ -61,9 +61,14 @@ class DistillConfig:
             raise ValueError("set only one of distill.teacher_checkpoint and distill.teacher.hf_checkpoint_dir "
                              "(both give the teacher's weights)")
 
-    def check_for_job(self, rl: RLConfig, student: ModelConfig) -> None:
-        """What job distill needs beyond the section's own checks: a teacher with weights that reads the
+    def check_for_job(self, rl: RLConfig, engine) -> None:
+        """What job distill needs beyond the section's own checks (`engine`: the student's EngineConfig): the
+        fused route (the only one giving selected and top-k logprobs), a teacher with weights that reads the
         student's sequences, and no PPO option set in `rl:` (the job reads the rollout options there)."""
+        if not engine.use_fused_linear_ce:
+            raise ValueError("job distill needs engine.use_fused_linear_ce=true: the student's logprobs at the "
+                             "teacher's ids and the teacher's top-k come from the fused LM head only")
+        student = engine.model
         if not self.teacher_checkpoint and not self.teacher.hf_checkpoint_dir:
             raise ValueError("job distill: the teacher has no weights: set distill.teacher_checkpoint (a train "
                              "job's checkpoint) or distill.teacher.hf_checkpoint_dir (an HF export)")
