@@ -165,6 +165,10 @@ def test_model_weights_alone_and_the_previous_per_rank_format(engine_ckpt, tmp_p
                        v1 / "rank00000.pt")
     durable.write_manifest(v1)
     other = MegatronEngine(EngineConfig(model=cfg.model, optim=cfg.optim, seed=99), vocab_size=200)
+    other.save(str(tmp_path / "unstepped"))  # AdamW before its first step: no moments saved, none restored
+    e.load(str(tmp_path / "unstepped"))
+    assert e.step_count == 0 and not e.optimizer.state
+    e.load(str(saved))  # the fixture's engine as it was
     other.load(str(v1))
     assert other.step_count == 7
     assert all(torch.equal(p, other.parameters_named()[n]) for n, p in e.parameters_named().items())

@@ -109,6 +109,11 @@ def _init_adamw_state(optimizer) -> None:
                                       "exp_avg_sq": torch.zeros_like(p)}
 
 
+def stepped(plain_optimizer) -> bool:
+    """Whether the plain part of a saved optimizer state says it had taken a step (and saved moments)."""
+    return plain_optimizer is not None and "common_step" in plain_optimizer.get("optimizer", {}).get("state", {})
+
+
 def optimizer_sharded_state(optimizer, megatron_optimizer: bool, model_state: dict, loading: bool) -> dict:
     """The optimizer's sharded state dict: moments (and master weights) as ShardedTensors of their
     parameter's sharding, plain data for the rest. `loading`: tensors to load into."""

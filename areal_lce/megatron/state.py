@@ -177,12 +177,16 @@ def load_state(path: str, gpt, optimizer, megatron_optimizer: bool, info: DistIn
 
     model_state = sharded.model_sharded_state(gpt)
     request = {"model": model_state}
-    if optimizer is not None:
+    # AdamW saved before its first step has no moments: it is restored empty
+    moments = optimizer is not None and (megatron_optimizer or sharded.stepped(state["optimizer"]))
+    if moments:
         request["optimizer"] = sharded.optimizer_sharded_state(optimizer, megatron_optimizer, model_state,
                                                                loading=True)
     loaded = _load_tensors(path, request)
     _load_model(gpt, loaded["model"], path)
-    if optimizer is not None:
+    if optimizer is not None and not moments:
+        optimizer.state.clear()
+    if moments:
         try:
             merge(loaded["optimizer"], state["optimizer"])  # the param groups' hyperparameters, the step count
         except ValueError as e:
