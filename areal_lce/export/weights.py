@@ -40,7 +40,8 @@ LAYER_PARAMS = {  # megatron local-spec name inside decoder.layers.<i>. -> how i
 # Transformer Engine's spec fuses the pre-norms into the following linear layer
 TE_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
-GLOBAL_PARAMS = ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight")
+GLOBAL_PARAMS = {"embedding.word_embeddings.weight": ROWS, "decoder.final_layernorm.weight": REPLICATED,
+                 "output_layer.weight": ROWS}  # vocabulary rows split over TP; the norm on every rank
 
 
 def local_parameters(gpt) -> Tuple[Dict[str, torch.Tensor], Dict[int, Dict[str, torch.Tensor]]]:
@@ -152,14 +153,14 @@ def hf_tensors(engine, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[st
         """The whole global parameter `name` of pipeline stage `stage`, on every rank."""
         t = glob.get(name)
         if t is not None:
-            t = _whole(t, ROWS if name != "decoder.final_layernorm.weight" else REPLICATED, d.tp_group)
+            t = _whole(t, GLOBAL_PARAMS[name], d.tp_group)
         else:  # not on this stage: a placeholder of the same shape for the gather
             t = torch.zeros(shape, dtype=next(iter(layers[0].values())).dtype, device=d.device)
         return _stage_copies(t, d.pp_group)[stage] if d.pp_size > 1 else t
 
     vocab, padded, hidden = engine.vocab_size, gpt.vocab_size, arch.hidden_size
     yield "model.embed_tokens.weight", host(from_stage("embedding.word_embeddings.weight", 0, (padded, hidden))[:vocab])
-    first = torch.tensor([layer.layer_number - 1 for layer in gpt.decoder.layers][:1], device=d.device)
+    first = torch.tensor([gpt.decoder.layers[0].layer_number - 1], device=d.device)  # this stage's first layer
     firsts = _stage_copies(first, d.pp_group)[:, 0].tolist() if d.pp_size > 1 else first.tolist()
     for i in range(n_local):
         whole = {k: _whole(t, LAYER_PARAMS[k], d.tp_group) for k, t in sorted(layers[i].items())}
