@@ -9,8 +9,9 @@
 After each load the gathered parameters and AdamW moments (every tensor of the sharded state put together
 from its shards) are compared with those gathered before the save; rank 0 writes OUT_DIR/result.json:
 {layout: {"max_diff": ..., "keys": n, "losses": [...]}, "reference": [...], "same_layout": [...]}.
-The model: the tiny preset with 2 layers and the byte tokenizer's 259 tokens, whose padded vocabulary is
-384 rows at TP=1 and 512 at TP=2 (only the true rows are compared).
+The model: the tiny preset with 2 layers, tied embeddings (under PP=2 the last stage holds the LM head as a
+copy of the first stage's embedding) and the byte tokenizer's 259 tokens, whose padded vocabulary is 384
+rows at TP=1 and 512 at TP=2 (only the true rows are compared).
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def engine(tp: int, pp: int, seed: int):
     from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
     from areal_lce.megatron.engine import MegatronEngine
 
-    cfg = EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=32, num_layers=2),
+    model = ModelConfig(preset="tiny", max_seq_len=32, num_layers=2, tie_word_embeddings=True)
+    cfg = EngineConfig(model=model,
                        optim=OptimConfig(lr=1e-2, warmup_steps=0),
                        parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, timeout_s=300), seed=seed)
     return MegatronEngine(cfg, vocab_size=VOCAB)
