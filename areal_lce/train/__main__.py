@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=N -m areal_lce.train CONFIG.yaml [key=value ...]
     python -m areal_lce.train                      # the embedded default: configs/sft_tiny.yaml
+    python -m areal_lce.train builtin:grpo_tiny.yaml   # a config shipped with the package, from any directory
     python -m areal_lce.train --help               # every option with its help string
     python -m areal_lce.train help-markdown        # the same as Markdown tables (docs/training.md)
 
@@ -24,12 +25,18 @@ from typing import Optional, Sequence
 from .config import ConfigError, JobConfig, format_help, format_markdown, load_config
 from .ranks import Interrupted
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "sft_tiny.yaml"
+# The shipped job configs: package data of an installed areal_lce; in a checkout areal_lce/configs is a
+# symlink to the repository's configs/ (the one copy of each file).
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "sft_tiny.yaml"
+BUILTIN = "builtin:"
 USAGE = """usage: torchrun --nproc_per_node=N -m areal_lce.train [CONFIG.yaml] [key=value ...]
        python -m areal_lce.train [CONFIG.yaml] [key=value ...]   (single process)
 
-Without CONFIG.yaml the embedded default configs/sft_tiny.yaml runs. Overrides use dotted option
-names, e.g. trainer.steps=20 engine.use_fused_linear_ce=false engine.parallel.tensor_parallel=2.
+Without CONFIG.yaml the embedded default configs/sft_tiny.yaml runs. CONFIG.yaml is a path, or
+builtin:NAME for a config shipped with the package (the repository's configs/NAME), from any directory.
+Overrides use dotted option names, e.g. trainer.steps=20 engine.use_fused_linear_ce=false
+engine.parallel.tensor_parallel=2.
 --debug (or AREAL_LCE_DEBUG=1) shows the traceback of an error instead of its one-line message.
 """
 DEBUG_ENV = "AREAL_LCE_DEBUG"
@@ -48,6 +55,19 @@ def parse_args(argv: Sequence[str]):
         if "=" not in a:
             raise ConfigError(f"unexpected argument {a!r}: give CONFIG.yaml first, then key=value overrides")
     return path, argv, wants_help
+
+
+def config_path(arg: Optional[str]) -> Path:
+    """The config file of the CONFIG.yaml argument: a path, `builtin:NAME` (a shipped config), or None for
+    the embedded default."""
+    if arg is not None and not arg.startswith(BUILTIN):
+        return Path(arg)
+    path = DEFAULT_CONFIG if arg is None else CONFIG_DIR / arg[len(BUILTIN):]
+    if path.parent != CONFIG_DIR or not path.is_file():
+        shipped = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))) or f"none: {CONFIG_DIR} is missing"
+        what = "the embedded default" if arg is None else repr(arg)
+        raise ConfigError(f"{what}: no shipped config {path.name!r} in {CONFIG_DIR} (shipped: {shipped})")
+    return path
 
 
 def quiet_known_warnings() -> None:
@@ -107,11 +127,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print("options:")
             print(format_help(JobConfig))
             return 0
-        if path is None:
-            if not DEFAULT_CONFIG.is_file():
-                raise ConfigError(f"no CONFIG.yaml given and the embedded default {DEFAULT_CONFIG} is missing")
-            path = DEFAULT_CONFIG
-        cfg = load_config(path, overrides)
+        cfg = load_config(config_path(path), overrides)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
