@@ -229,20 +229,31 @@ def lce_backward(h_c, weight, labels, inv_t, lse_ent, cache, g_diff: Optional[to
     g = g_diff.to(acc) if g_diff is not None else h_c.new_zeros((2, labels.shape[0]), dtype=acc)
     sparse = select.SparseGrad.of(labels, inv_t, params, g, g_dstats, selected_ids, g_sel, topk_ids, g_topk, acc)
     dw_dtype = params.d_weight_dtype(weight.dtype)
+    backend = get_backend(params.backend)
+    takes = getattr(backend, "takes_sparse", False)
     if sparse is not None:
         g = sparse.g  # g_lp carries the dense part of the lse / selected / top-k gradients
-        params = dataclasses.replace(params, d_weight_fp32=True)  # the sparse part adds in fp32, then one cast
+        if not takes:
+            params = dataclasses.replace(params, d_weight_fp32=True)  # sparse_grad adds in fp32, then one cast
     part = partition_rows(labels, params.ignore_index) if params.compact_ignored else None
+    h_caller = None
+    if sparse is not None:
+        h_caller = h_c if part is None else h_c.index_select(0, part.dest)
+    extra = {}
+    if sparse is not None and takes:
+        cols, coef = sparse.columns(h_caller, weight, params)
+        if part is not None:  # the backend's rows are the partitioned ones
+            cols, coef = cols.index_select(0, part.order), coef.index_select(0, part.order)
+        extra["sparse"] = (cols, coef)
     if part is None:
         y_c, t_c = labels, inv_t
         g = torch.where(labels != params.ignore_index, g, 0.0)  # ignored rows get exactly zero gradient
     else:
         _, y_c, t_c = _partitioned(part, labels, inv_t)
         g = torch.where(part.live, g.index_select(1, part.order), 0.0)
-    backend = get_backend(params.backend)
     dh, dw = backend.backward(
         h_c, weight, y_c, t_c, params, cache, lse_ent[0], lse_ent[1], g[0].contiguous(), g[1].contiguous(),
-        need_dh, need_dw)
+        need_dh, need_dw, **extra)
     if need_dh:
         if part is not None:
             dh = dh.index_select(0, part.dest)
@@ -251,8 +262,8 @@ def lce_backward(h_c, weight, labels, inv_t, lse_ent, cache, g_diff: Optional[to
             # not reach its d_hidden (the contract of api.py), so select rather than trust the zero grad
             dh = torch.where((labels != params.ignore_index)[:, None], dh, 0.0)
     if sparse is not None:
-        sparse.apply(h_c if part is None else h_c.index_select(0, part.dest), weight, params,
-                     dh if need_dh else None, dw if need_dw else None)
+        sparse.apply(h_caller, weight, params, dh if need_dh else None, dw if need_dw else None,
+                     columns_done=takes)
         if need_dw:
             dw = dw.to(dw_dtype)
     if need_dh:

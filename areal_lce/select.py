@@ -85,7 +85,14 @@ def gather_logits_torch(hidden: torch.Tensor, weight: torch.Tensor, cols: torch.
     return out
 
 
+_NATIVE = {"triton": "areal_lce.backends.triton.select_launch"}  # backends with their own kernels for these
+
+
 def _backend_fn(params: LCEParams, name: str, default):
+    """The backend's `name` (base.py's optional gather_logits / segment_logits), else the torch default."""
+    if params.backend in _NATIVE:
+        import importlib
+        return getattr(importlib.import_module(_NATIVE[params.backend]), name)
     from .backends import get_backend
     return getattr(get_backend(params.backend), name, None) or default
 
@@ -272,9 +279,22 @@ class SparseGrad:
             g_lsum = torch.where(valid, g_dstats[1].to(acc), 0.0)
         return cls(g_out, torch.cat(ids, 1), coef, g_lsum)
 
-    def apply(self, hidden, weight, params: LCEParams, dh, dw) -> None:
-        """Add the sparse columns and the logit sum's term to the vocab-partial dh [N, H] and dw (fp32)."""
-        sparse_grad(hidden, weight, self.ids, self.coef, params, dh, dw)
+    def columns(self, hidden, weight, params: LCEParams):
+        """(local columns [N, J] int64, -1 where this shard does not own the id; coefficients [N, J] fp32 in
+        raw-logit units, softcap's slope included): what a backend adds to its d_logits (`takes_sparse`)."""
+        loc, own = local_columns(self.ids, params)
+        coef = self.coef
+        if params.softcap and self.ids.shape[1]:
+            raw = head_transform(_backend_fn(params, "gather_logits", gather_logits_torch)(hidden, weight, loc),
+                                 params)
+            coef = coef * cap_slope(raw, params)
+        return torch.where(own, loc, -1), torch.where(own, coef, 0.0).float().contiguous()
+
+    def apply(self, hidden, weight, params: LCEParams, dh, dw, columns_done: bool = False) -> None:
+        """Add the sparse columns (unless the backend took them: columns_done) and the logit sum's term to
+        the vocab-partial dh [N, H] and dw."""
+        if not columns_done:
+            sparse_grad(hidden, weight, self.ids, self.coef, params, dh, dw)
         if self.g_lsum is not None and params.shard_valid:
             # sum_logit = h · Σ_j W_j over the shard's real rows: a rank-one gradient
             acc = self.g_lsum.dtype
@@ -282,4 +302,5 @@ class SparseGrad:
             if dh is not None:
                 dh += self.g_lsum[:, None] * wv.to(acc).sum(0)[None, :]
             if dw is not None:
-                dw[: params.shard_valid] += (self.g_lsum[None, :] @ hidden.to(acc))
+                upd = (self.g_lsum[None, :] @ hidden.to(acc))
+                dw[: params.shard_valid] = (dw[: params.shard_valid].to(acc) + upd).to(dw.dtype)

@@ -48,6 +48,9 @@ params.bf16_logits: every raw logit is rounded to bf16 right after the fp32 accu
   temperature, in forward and in backward's recompute (the rounding's gradient is taken as identity).
 params.softcap > 0: then r -> softcap · tanh(r / softcap) (`head_transform`); "raw logits" (mx, mn, sums,
   zy before inv_t) are the capped ones and backward multiplies d_logits by cap_slope.
+takes_sparse = True: backward also takes sparse=(cols [N, J] int64 local columns, -1 for none; coef [N, J] fp32)
+  and adds coef[n, j] to d_logits[n, cols[n, j]] (after inv_t and softcap's slope: the coefficients carry
+  both) before its GEMMs, a row's slots in order; else the Function adds those columns itself (select.py).
 Optional, for selected ids / top-k (select.py has torch defaults):
   gather_logits(hidden, weight, cols [N, J]) -> fp32 [N, J] h_n · W[cols] before head_transform, each
       value's bits independent of N, J and the row's position;

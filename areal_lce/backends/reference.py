@@ -102,14 +102,19 @@ class ReferenceBackend:
         st.cache = z if keep_cache and not params.softcap else None
         return st
 
+    takes_sparse = True  # backward(..., sparse=(cols, coef)): base.py
+
     def backward(self, hidden, weight, labels, inv_t, params, cache: Any, lse, ent, g_lp, g_ent,
-                 need_d_hidden, need_d_weight):
+                 need_d_hidden, need_d_weight, sparse=None):
         raw = None if cache is not None else _raw(hidden, weight, params)
         z = cache if cache is not None else shard_logits(hidden, weight, inv_t, params, raw=raw)
         dz = grad_logits(z, labels, lse, ent, g_lp, g_ent, params)
         dl = dz * (inv_t.to(dz.dtype)[:, None] if inv_t is not None else params.inv_t)
         if params.softcap:
             dl = dl * cap_slope(raw, params)
+        if sparse is not None:
+            from .torch_chunked import add_sparse_columns
+            add_sparse_columns(dl, sparse, 0, dl.shape[0], 0, dl.shape[1])
         acc = dl.dtype
         dh = (dl @ weight.to(acc)).to(torch.float32 if acc == torch.float32 else acc) if need_d_hidden else None
         dw = (dl.t() @ hidden.to(acc)).to(params.d_weight_dtype(weight.dtype)) if need_d_weight else None

@@ -93,6 +93,17 @@ def _hidden_block(hidden, t0: int):
     return hb if _half_gemm(hidden) else hb.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
 
 
+def add_sparse_columns(dl: torch.Tensor, sparse, t0: int, t1: int, v0: int, v1: int) -> None:
+    """dl (rows [t0, t1), columns [v0, v1) of d_logits) += the sparse coefficients whose column falls in the
+    block, one id slot at a time (a row's repeated ids add in slot order: deterministic)."""
+    cols, coef = sparse[0][t0:t1], sparse[1][t0:t1].to(dl.dtype)
+    for j in range(cols.shape[1]):
+        col = cols[:, j] - v0
+        hit = (col >= 0) & (col < v1 - v0)
+        at = col.clamp(0, v1 - v0 - 1)[:, None]
+        dl.scatter_(1, at, dl.gather(1, at) + torch.where(hit, coef[:, j], 0.0)[:, None])
+
+
 def segment_logits(hidden, weight, rows, segs, params: LCEParams, rows_per_block: int = INV_ROWS) -> torch.Tensor:
     """The backend contract's segment_logits (base.py) for invariant_forward's blocks: each pair's row goes
     into a zero-padded INV_ROWS block multiplied by the INV_COLS block holding its segment, as the forward
@@ -238,8 +249,10 @@ class TorchChunkedBackend:
                 zy[t0:t1] += torch.where(own, picked, torch.zeros_like(picked))
         return ShardStats(m=m, s=s, a=a, zy=zy, mn=mn, mx=mx, cache=cache, lsum=lsum, lsq=lsq)
 
+    takes_sparse = True  # backward(..., sparse=(cols, coef)): base.py
+
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache, lse, ent, g_lp, g_ent,
-                 need_d_hidden, need_d_weight):
+                 need_d_hidden, need_d_weight, sparse=None):
         n, h = hidden.shape
         dev = hidden.device
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -269,6 +282,8 @@ class TorchChunkedBackend:
                 dl = dz.mul_(_inv_t(inv_t, params, t0, t1, acc))
                 if slope is not None:
                     dl.mul_(slope)
+                if sparse is not None:
+                    add_sparse_columns(dl, sparse, t0, t1, v0, v1)
                 if half:
                     dl = dl.to(hidden.dtype)
                 if need_d_hidden:

@@ -1,0 +1,75 @@
+"""Triton kernels of the selected-id and top-k outputs (areal_lce/select.py states the method).
+
+  gather_logits_kernel  r[n, j] = h_n · W[cols[n, j]] in fp32: one program = BLOCK_R rows x BLOCK_J ids,
+                        the sum over H in fixed BLOCK_H steps (a broadcast product reduced per step, then
+                        added in order), so a value's bits depend on its row and id only.
+  segment_logits_kernel the raw logits of one 128-id segment for up to BLOCK_N rows that all need it (the
+                        launcher groups the (row, segment) pairs by segment): `_seg_logits` of the invariant
+                        forward, with the forward's BLOCK_K, precision and operand types, so every value is
+                        bitwise what the forward reduced (the rows of a tensor-core tile are accumulated
+                        alike, wherever they come from).
+"""
+import triton
+import triton.language as tl
+
+from .segment_kernels import _seg_logits
+
+
+@triton.jit
+def gather_logits_kernel(h, w, cols, out, N, J, H, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
+    pid_r = tl.program_id(0)
+    pid_j = tl.program_id(1)
+    o_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    o_j = pid_j * BLOCK_J + tl.arange(0, BLOCK_J)
+    m_r = o_r < N
+    m_j = o_j < J
+    m_rj = m_r[:, None] & m_j[None, :]
+    b_c = tl.load(cols + o_r[:, None].to(tl.int64) * J + o_j[None, :], mask=m_rj, other=0).to(tl.int64)
+    acc = tl.zeros([BLOCK_R, BLOCK_J], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_H):
+        o_k = k0 + tl.arange(0, BLOCK_H)
+        m_k = o_k < H
+        b_h = tl.load(h + o_r[:, None].to(tl.int64) * H + o_k[None, :], mask=m_r[:, None] & m_k[None, :],
+                      other=0.0).to(tl.float32)
+        b_w = tl.load(w + b_c[:, :, None] * H + o_k[None, None, :], mask=m_rj[:, :, None] & m_k[None, None, :],
+                      other=0.0).to(tl.float32)
+        acc += tl.sum(b_h[:, None, :] * b_w, 2)
+    tl.store(out + o_r[:, None].to(tl.int64) * J + o_j[None, :], acc, mask=m_rj)
+
+
+@triton.jit
+def segment_logits_kernel(h, w, task_rows, task_seg, out, N, H, valid,
+                          SEG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                          UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Task t: rows task_rows[t, :] (-1: none) x segment task_seg[t] (-1: no task) -> out[t, :, :] raw fp32
+    logits of the segment's 128 local columns (columns >= valid: -inf)."""
+    t = tl.program_id(0)
+    g = tl.load(task_seg + t)
+    if g >= 0:
+        o_i = tl.arange(0, BLOCK_N)
+        rows = tl.load(task_rows + t * BLOCK_N + o_i)
+        o_nc = tl.where(rows >= 0, rows, 0).to(tl.int64)
+        o_v = g * SEG + tl.arange(0, SEG)
+        o_vc = tl.minimum(o_v, valid - 1).to(tl.int64)
+        b_r, _ = _seg_logits(h, w, None, None, o_nc, o_vc, o_vc, 0, 0, H, SEG, 1, BLOCK_N, BLOCK_K, EVEN_K,
+                             UPCAST, DOT_PRECISION, False)
+        b_r = tl.where((o_v < valid)[None, :], b_r, float("-inf"))
+        p = out + (t * BLOCK_N + o_i)[:, None].to(tl.int64) * SEG + tl.arange(0, SEG)[None, :]
+        tl.store(p, b_r)
+
+
+@triton.jit
+def sparse_dl_kernel(dl, cols, coef, N, J, c0, width, stride_dl, BLOCK_N: tl.constexpr):
+    """dl[n, cols[n, j] - c0] += coef[n, j] for the slots whose column lies in this chunk [c0, c0 + width),
+    each row's slots in order in one program (repeated ids add one after the other: deterministic)."""
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    row = o_n.to(tl.int64)
+    for j in range(0, J):
+        c = tl.load(cols + row * J + j, mask=m_n, other=-1)
+        v = tl.load(coef + row * J + j, mask=m_n, other=0.0)
+        m = m_n & (c >= c0) & (c < c0 + width)
+        p = dl + row * stride_dl + (c - c0)
+        x = tl.load(p, mask=m, other=0.0).to(tl.float32)
+        tl.store(p, (x + v).to(dl.dtype.element_ty), mask=m)
