@@ -29,29 +29,10 @@ from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig  # no
 from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
 from areal_lce.megatron.model import arch_from_hf  # noqa: E402
 from areal_lce.train.tokenizer import ByteTokenizer  # noqa: E402
+from export_worker import VOCAB, batch, make_checkpoint, norm_grads  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-VOCAB = 300  # megatron pads it to 384: the export must cut the embedding and LM head back
 U32 = 2.0 ** -24
-
-
-def make_checkpoint(path, family: str, tied: bool, seed: int = 0) -> None:
-    """A tiny random transformers model (random norm weights and q/k/v biases, so no layout hides behind
-    ones and zeros) saved as safetensors. Qwen3's head_dim (24) is not hidden/heads (16)."""
-    import transformers
-
-    torch.manual_seed(seed)
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=tied,
-              max_position_embeddings=256)
-    cls = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3Config"}[family]
-    cfg = getattr(transformers, cls)(**kw, **({"head_dim": 24} if family == "qwen3" else {}))
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("bias") or "norm" in n:
-                p.add_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(path)
 
 
 def engine_of(hf_dir, **model) -> MegatronEngine:
@@ -97,15 +78,6 @@ def assert_same_tensors(a: dict, b: dict) -> None:
     assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{k} differs"
-
-
-def batch(seed: int = 3):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (2, 16), generator=g)
-    labels = torch.roll(ids, -1, 1)
-    labels[:, -1] = -100
-    labels[0, 2] = VOCAB - 1  # the last true row, next to the padding rows
-    return ids, labels
 
 
 # -------------------------------------------------------------------------------------------- tokenizer
@@ -212,18 +184,31 @@ def test_export_refusals(tmp_path):
 def test_export_at_tp2_and_pp2_equals_the_tp1_export(tmp_path):
     from helpers.launch import torchrun
 
+    from areal_lce.megatron.config import ParallelConfig
+
     # untied Qwen2 (q/k/v biases, an LM head of its own on the last stage); the export of TP=2 + sequence
     # parallelism and of PP=2 must be bitwise the TP=1 export, which is bitwise the imported checkpoint
-    src = tmp_path / "src"
-    make_checkpoint(src, "qwen2", tied=False)
-    engine_of(src).export_hf(tmp_path / "tp1")
-    result = torchrun(Path(__file__).with_name("export_worker.py"), src, tmp_path, timeout=300,
+    qwen2, qwen3 = tmp_path / "qwen2", tmp_path / "qwen3"
+    make_checkpoint(qwen2, "qwen2", tied=False)
+    make_checkpoint(qwen3, "qwen3", tied=True)
+    engine_of(qwen2).export_hf(tmp_path / "tp1")
+    result = torchrun(Path(__file__).with_name("export_worker.py"), qwen2, qwen3, tmp_path, timeout=300,
                       result=tmp_path / "worker.json")
     assert "error" not in result, result.get("error")
     tp1 = safetensors_of(tmp_path / "tp1")
     for layout in ("tp2", "pp2"):
         assert_same_tensors(safetensors_of(tmp_path / layout), tp1)
         assert (tmp_path / layout / "config.json").read_text() == (tmp_path / "tp1" / "config.json").read_text()
+    # Qwen3 trains at TP=2: each rank norms only its own heads with the replicated q/k norm weights, so their
+    # gradients are partial sums until megatron's finalize_model_grads adds them over TP (by name). Reduced,
+    # they are the TP=1 gradients up to fp32 summation order (~1e-6 relative); a missing or doubled reduction
+    # is off by O(1)
+    want = norm_grads(qwen3, ParallelConfig())
+    got = torch.load(tmp_path / "norm_grads.pt", weights_only=True)
+    assert sorted(got) == sorted(want) and any("q_layernorm" in n for n in got)
+    for name, g in want.items():
+        err = (got[name] - g).abs().max().item()
+        assert err <= 1e-4 * g.abs().max().item(), f"{name}: TP=2 vs TP=1 gradient |Δ| = {err:.3e}"
 
 
 @pytest.mark.slow
