@@ -222,3 +222,19 @@ def test_deferred_check_marks_bad_selected_ids_nan():
     out = lce(hidden, weight, labels, vocab_size=V, backend="torch", selected_ids=sel, check_labels="deferred")
     assert torch.isnan(out.selected_logprobs[4, 1]) and not torch.isnan(out.selected_logprobs[4, 0])
     areal_lce.checks._reset(areal_lce.checks._record_of(hidden.device))
+
+
+@pytest.mark.slow  # the Triton interpreter
+def test_softcapped_outputs_are_batch_invariant_on_triton():
+    """Soft-capped outputs on the Triton kernels: a row's results are bitwise the same alone as in a batch
+    (the cap is elementwise, inside the invariant segment kernels); selected / top-k included."""
+    hidden, weight, labels, sel = _inputs(n=45, dtype=torch.bfloat16)
+    kw = dict(vocab_size=V, top_k=6, backend="triton", softcap=3.0, return_stats=True)
+    full = lce(hidden, weight, labels, selected_ids=sel, **kw)
+    fields = ("logprobs", "entropy", "lse", "max_logit", "min_logit", "selected_logprobs", "topk_ids",
+              "topk_logprobs")
+    for row in (9, 44):  # a row inside the first block, the last row of the batch
+        one = lce(hidden[row:row + 1], weight, labels[row:row + 1], selected_ids=sel[row:row + 1], **kw)
+        for f in fields:
+            assert torch.equal(getattr(one, f)[0], getattr(full, f)[row]), (row, f)
+    assert full.max_logit.abs().max() <= 3.0  # capped

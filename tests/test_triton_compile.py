@@ -23,7 +23,7 @@ INT = {"N", "H", "V", "SPLIT_V", "n_splits", "stride_part", "v_begin", "width", 
 
 
 def compile_(fn, consts):
-    sig = {a: "constexpr" if a in consts else "i32" if a in INT else "fp32" if a == "inv_t_scalar"
+    sig = {a: "constexpr" if a in consts else "i32" if a in INT else "fp32" if a in ("inv_t_scalar", "softcap", "inv_softcap")
            else PTR.get(a, "*fp32") for a in fn.arg_names}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
     assert "cubin" in k.asm, fn.__name__
@@ -33,9 +33,9 @@ def compile_(fn, consts):
 tiles = dict(EVEN_K=True, UPCAST=False, DOT_PRECISION="tf32", USE_TMA=False, BLOCK_N=128, BLOCK_V=128,
              BLOCK_K=64, GROUP_N=8, CACHE_COLS=0)
 for sums, per_token in ((False, False), (True, True)):
-    compile_(K.lce_fwd_kernel, dict(tiles, HAS_INV_T=per_token, HAS_CACHE=False, HAS_SUMS=sums))
+    compile_(K.lce_fwd_kernel, dict(tiles, HAS_INV_T=per_token, HAS_CACHE=False, HAS_SUMS=sums, SOFTCAP=sums))
     compile_(K.lce_fwd_merge_kernel, dict(HAS_SUMS=sums, BLOCK_N=128))
-    compile_(K.lce_bwd_kernel, dict(tiles, HAS_INV_T=per_token, USE_CACHE=False))
+    compile_(K.lce_bwd_kernel, dict(tiles, HAS_INV_T=per_token, USE_CACHE=False, SOFTCAP=sums))
 compile_(K.local_labels_kernel, dict(BLOCK=1024))
 """
 

@@ -34,13 +34,20 @@ min (mx, mn: the op's max_logit / min_logit) are stored as tracked; the tempered
 NaN. tl.max / tl.maximum ignore NaN on the GPU, so a NaN logit never reaches the running max; it does
 reach exp2(NaN - m) and therefore s, and the merge kernel turns m / mn / mx into NaN wherever s is NaN.
 
+Soft-capping (SOFTCAP, params.softcap = c > 0). Every raw logit becomes c · tanh(r / c) right after the fp32
+accumulation (and the bf16 rounding under BF16_LOGITS), before anything reads it: the max, min, sums, label
+logit and cache are of the capped logits (base.py). The backward recomputes the same value (the cache holds
+it times inv_t) and multiplies d_logits, one-hot term included, by 1 - tanh², so under SOFTCAP
+lce_bwd_kernel adds the one-hot term itself and lce_bwd_label_kernel is not launched. SOFTCAP=False
+compiles none of it.
+
 Interpreter. bf16 tl.dot returns garbage under TRITON_INTERPRET=1: with
 UPCAST every loaded tile is converted to fp32 right after the load.
 """
 import triton
 import triton.language as tl
 
-from .kernel_common import IGNORED, LN2, LOG2E, _cache_tile, _tile_coords, round_bf16  # noqa: F401
+from .kernel_common import IGNORED, LN2, LOG2E, _cache_tile, _tile_coords, round_bf16, soft_cap  # noqa: F401
 
 
 @triton.jit
@@ -83,9 +90,9 @@ def _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, col0, H, k_hi, BLOCK_N: tl.co
 
 @triton.jit
 def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, N, V, H, b_y, b_it, b_c,
-              b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq,
+              b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq, softcap, inv_softcap,
               MASKED: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, EVEN_K: tl.constexpr,
-              UPCAST: tl.constexpr, BF16_LOGITS: tl.constexpr,
+              UPCAST: tl.constexpr, BF16_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr,
               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, CACHE_COLS: tl.constexpr):
     """Fold one [BLOCK_N, BLOCK_V] logits tile into the running statistics. MASKED only for the ragged
@@ -96,6 +103,8 @@ def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, N, V, H,
                        DOT_PRECISION, USE_TMA)
     if BF16_LOGITS:  # logits_precision="bf16": the raw logit as a bf16-head engine rounds it
         b_r = round_bf16(b_r, UPCAST)
+    if SOFTCAP:  # softcap · tanh(r / softcap): from here on "raw logit" means the capped one
+        b_r, _ = soft_cap(b_r, softcap, inv_softcap)
     if HAS_CACHE:
         p_c = _cache_tile(z_cache, o_n, v0, N, BLOCK_V, CACHE_COLS)
         if MASKED:
@@ -133,9 +142,9 @@ def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, N, V, H,
 @triton.jit
 def lce_fwd_kernel(
     h, w, d_h, d_w, y, inv_t, part, z_cache,
-    N, H, V, SPLIT_V, n_splits, stride_part, inv_t_scalar,
+    N, H, V, SPLIT_V, n_splits, stride_part, inv_t_scalar, softcap, inv_softcap,
     HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, BF16_LOGITS: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     CACHE_COLS: tl.constexpr,
 ):
@@ -174,13 +183,13 @@ def lce_fwd_kernel(
     for i_t in range(0, n_full):
         b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq = _fwd_tile(
             h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v_begin + i_t * BLOCK_V, v_end, N, V, H, b_y, b_it,
-            b_c, b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq, False, HAS_CACHE, HAS_SUMS, EVEN_K, UPCAST, BF16_LOGITS,
-            DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, CACHE_COLS)
+            b_c, b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq, softcap, inv_softcap, False, HAS_CACHE, HAS_SUMS, EVEN_K,
+            UPCAST, BF16_LOGITS, SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, CACHE_COLS)
     if v_begin + n_full * BLOCK_V < v_end:
         b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq = _fwd_tile(
             h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v_begin + n_full * BLOCK_V, v_end, N, V, H, b_y, b_it,
-            b_c, b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq, True, HAS_CACHE, HAS_SUMS, EVEN_K, UPCAST, BF16_LOGITS,
-            DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, CACHE_COLS)
+            b_c, b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq, softcap, inv_softcap, True, HAS_CACHE, HAS_SUMS, EVEN_K,
+            UPCAST, BF16_LOGITS, SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, CACHE_COLS)
 
     p_part = part + i_s * N + o_n
     stride = stride_part  # n_splits * N, from the host (a scalar 1 arrives as a constexpr)
@@ -249,9 +258,9 @@ def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, HAS_SUMS: tl.const
 @triton.jit
 def lce_bwd_kernel(
     h, w, d_h, d_w, y, inv_t, lse, ent, g_lp, g_ent, z_cache, dl,
-    N, H, V, v_begin, width, stride_dl, n_programs, inv_t_scalar,
+    N, H, V, v_begin, width, stride_dl, n_programs, inv_t_scalar, softcap, inv_softcap,
     HAS_INV_T: tl.constexpr, USE_CACHE: tl.constexpr, EVEN_K: tl.constexpr,
-    UPCAST: tl.constexpr, BF16_LOGITS: tl.constexpr,
+    UPCAST: tl.constexpr, BF16_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     CACHE_COLS: tl.constexpr,
@@ -281,7 +290,8 @@ def lce_bwd_kernel(
         o_n = row0.to(tl.int64) + tl.arange(0, BLOCK_N)
         m_n = o_n < N
         o_nc = tl.minimum(o_n, N - 1)
-        b_live = (tl.load(y + o_nc) != IGNORED) & m_n
+        b_y = tl.load(y + o_nc)
+        b_live = (b_y != IGNORED) & m_n
         n_live = tl.sum(b_live.to(tl.int32), 0)
         if HAS_INV_T:
             b_it = tl.load(inv_t + o_nc)
@@ -289,7 +299,8 @@ def lce_bwd_kernel(
             b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + inv_t_scalar
         b_lse = tl.load(lse + o_nc)
         b_gent = tl.load(g_ent + o_nc)
-        b_A = (tl.load(g_lp + o_nc) + b_gent * tl.load(ent + o_nc)) * b_it
+        b_glp = tl.load(g_lp + o_nc)
+        b_A = (b_glp + b_gent * tl.load(ent + o_nc)) * b_it
         b_B = b_gent * b_it * LN2
         o_j = i_v * BLOCK_V + tl.arange(0, BLOCK_V)  # int32: column inside the chunk
         if USE_CACHE:
@@ -297,6 +308,8 @@ def lce_bwd_kernel(
             # shard's end are readable (their values are never stored); no mask keeps the loads vectorised
             b_z = tl.load(_cache_tile(z_cache, o_nc, v_begin + i_v * BLOCK_V, N, BLOCK_V, CACHE_COLS))
             b_x = (b_z - b_lse[:, None]) * LOG2E
+            if SOFTCAP:  # the cache holds softcap · tanh · inv_t
+                b_tanh = b_z * (1.0 / (b_it * softcap))[:, None]
         else:
             o_vc = tl.minimum(v_begin + o_j, V - 1).to(tl.int64)
             k_hi = tl.where(n_live > 0, H, 0)  # all rows ignored: no GEMM
@@ -304,9 +317,14 @@ def lce_bwd_kernel(
                                BLOCK_V, BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA)
             if BF16_LOGITS:  # the forward's rounding; its gradient is taken as identity
                 b_r = round_bf16(b_r, UPCAST)
+            if SOFTCAP:
+                b_r, b_tanh = soft_cap(b_r, softcap, inv_softcap)
             b_x = b_r * (b_it * LOG2E)[:, None] - (b_lse * LOG2E)[:, None]
         b_p = tl.exp2(b_x)
         b_dl = -b_p * (b_A[:, None] + b_B[:, None] * b_x)
+        if SOFTCAP:  # the one-hot term here (lce_bwd_label_kernel is not run), then d cap / d r = 1 - tanh²
+            b_dl += tl.where((v_begin + o_j)[None, :] == b_y[:, None], (b_glp * b_it)[:, None], 0.0)
+            b_dl *= (1.0 - b_tanh) * (1.0 + b_tanh)
         if n_live < BLOCK_N:  # an ignored row, or the ragged last block (its extra rows are not stored)
             b_dl = tl.where(b_live[:, None], b_dl, 0.0)
         p_dl = dl + o_n[:, None] * stride_dl + o_j[None, :]

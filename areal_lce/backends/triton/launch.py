@@ -14,7 +14,8 @@ Backward, per vocab chunk [c0, c1) of the shard (fixed chunk order, no atomics: 
     lce_bwd_kernel      recompute (or read cached) logits, write d_logits [N, c1 - c0] (bf16 for
                         bf16/fp16 inputs, fp32 for fp32 inputs and under the interpreter); persistent:
                         SM slots x BWD_PROGRAMS_PER_SM programs walk the chunk's tiles
-    lce_bwd_label_kernel  add the one-hot term at each row's label column
+    lce_bwd_label_kernel  add the one-hot term at each row's label column (under params.softcap
+                        lce_bwd_kernel adds it, times the cap's slope, and this kernel is not launched)
     Determinism costs one thing: d_hidden is accumulated chunk after chunk, so each chunk's GEMM
     re-reads and re-writes the fp32 [N, H] accumulator (8·N·H bytes per chunk) instead of atomics.
     cuBLAS              d_weight[c0:c1] = d_logitsᵀ · h   (one GEMM over all N tokens: fp32 accumulate
@@ -182,7 +183,7 @@ class TritonBackend:
 
     name = "triton"
     skips_ignored_rows = True  # module docstring: no compaction needed
-    supports_softcap = False  # api.py refuses softcap here until the kernels apply it
+    supports_softcap = True  # the kernels' SOFTCAP flag (kernels.py)
 
     def __init__(self, backward_gemms: bool = True):
         self.backward_gemms = bool(backward_gemms)
@@ -230,8 +231,9 @@ class TritonBackend:
         with _device_ctx(dev):
             lce_fwd_kernel[grid](
                 hidden, weight, d_h, d_w, y, it if it is not None else part, part, cache if use_cache else part,
-                N, H, valid, split_v, n_splits, n_splits * N, inv_t_scalar,
+                N, H, valid, split_v, n_splits, n_splits * N, inv_t_scalar, *_cap_args(params),
                 HAS_INV_T=it is not None, HAS_CACHE=use_cache, HAS_SUMS=sums, BF16_LOGITS=params.bf16_logits,
+                SOFTCAP=bool(params.softcap),
                 EVEN_K=H % cfg.block_k == 0,
                 UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
                 BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
@@ -253,8 +255,10 @@ class TritonBackend:
         return finish_folded(q, zy, mx, mn, inv_t, scales)
 
     # ----------------------------------------------------------------------------------- backward
+    takes_sparse = True  # backward(..., sparse=(cols, coef)): base.py; select_launch.add_sparse_columns
+
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,
-                 need_d_hidden: bool, need_d_weight: bool):
+                 need_d_hidden: bool, need_d_weight: bool, sparse=None):
         _check(hidden, weight, labels, inv_t, params)
         if not (need_d_hidden or need_d_weight):
             return None, None
@@ -301,22 +305,33 @@ class TritonBackend:
                 lce_bwd_kernel[(n_programs,)](
                     hidden, weight, d_h, d_w, y, it if it is not None else vecs[0], *vecs,
                     cache if cache is not None else vecs[0], dl,
-                    N, H, valid, c0, width, width, n_programs, inv_t_scalar,
-                    HAS_INV_T=it is not None, USE_CACHE=cache is not None,
+                    N, H, valid, c0, width, width, n_programs, inv_t_scalar, *_cap_args(params),
+                    HAS_INV_T=it is not None, USE_CACHE=cache is not None, SOFTCAP=bool(params.softcap),
                     EVEN_K=H % cfg.block_k == 0,
                     UPCAST=INTERPRET, BF16_LOGITS=params.bf16_logits, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
                     BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
                     CACHE_COLS=configs.CACHE_COLS, **_launch_opts(cfg),
                 )
-                lce_bwd_label_kernel[(triton.cdiv(N, configs.LABEL_FIX_BLOCK_N),)](
-                    dl, y, it if it is not None else vecs[0], vecs[2], N, c0, width, width, inv_t_scalar,
-                    HAS_INV_T=it is not None, BLOCK_N=configs.LABEL_FIX_BLOCK_N, num_warps=4,
-                )
+                if not params.softcap:  # under softcap lce_bwd_kernel adds the one-hot term (times its slope)
+                    lce_bwd_label_kernel[(triton.cdiv(N, configs.LABEL_FIX_BLOCK_N),)](
+                        dl, y, it if it is not None else vecs[0], vecs[2], N, c0, width, width, inv_t_scalar,
+                        HAS_INV_T=it is not None, BLOCK_N=configs.LABEL_FIX_BLOCK_N, num_warps=4,
+                    )
+                if sparse is not None:
+                    from .select_launch import add_sparse_columns  # (it imports this module)
+                    add_sparse_columns(dl, sparse, c0, width)
                 if dw is not None and self.backward_gemms:
                     gemm.d_weight(dl, dw[c0:c0 + width])
                 if dh is not None and self.backward_gemms:
                     gemm.d_hidden(dl, weight[c0:c0 + width], dh, first=c0 == 0)
         return (dh, dw) if self.backward_gemms else (None, None)
+
+
+def _cap_args(params: LCEParams) -> Tuple[float, float]:
+    """(softcap, 1 / softcap) for the kernels' SOFTCAP path; (0, 0) unused when off. One 1 / softcap for the
+    forward and the backward's recompute, so both cap each logit to the same bits."""
+    c = float(params.softcap)
+    return (c, 1.0 / c) if c else (0.0, 0.0)
 
 
 def _chunk_width(N: int, H: int, valid: int, esize: int, block_v: int = 256) -> int:

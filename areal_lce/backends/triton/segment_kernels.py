@@ -13,12 +13,13 @@
                         FRAC_BITS fractional bits and summed (integer atomics over chunks of segments):
                         exact, so any order gives the same bits.
 
-BF16_LOGITS rounds every raw logit to bf16 right after the fp32 accumulation (logits_precision="bf16").
+BF16_LOGITS rounds every raw logit to bf16 right after the fp32 accumulation (logits_precision="bf16"); then
+SOFTCAP caps it, c · tanh(r / c) (kernel_common.soft_cap, elementwise: the invariance is unchanged).
 """
 import triton
 import triton.language as tl
 
-from .kernel_common import IGNORED, LN2, LOG2E, _cache_tile, _tile_coords, round_bf16
+from .kernel_common import IGNORED, LN2, LOG2E, _cache_tile, _tile_coords, round_bf16, soft_cap
 
 
 @triton.jit
@@ -82,13 +83,16 @@ def _seg_logits(h, w, d_h, d_w, o_nc, o_vc0, o_vc1, row0, col0, H,
 
 @triton.jit
 def _seg_fold(b_r, c0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn, b_mx, b_zy,
-              UPCAST: tl.constexpr, MASKED: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, BF16_LOGITS: tl.constexpr,
-              SEG: tl.constexpr, CACHE_COLS: tl.constexpr):
+              softcap, inv_softcap, UPCAST: tl.constexpr, MASKED: tl.constexpr, HAS_CACHE: tl.constexpr,
+              HAS_SUMS: tl.constexpr, BF16_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr, SEG: tl.constexpr,
+              CACHE_COLS: tl.constexpr):
     """Reduce one [BLOCK_N, SEG] raw-logits segment (local columns c0 + [0, SEG), valid below v_end) and
     store its partials at segment index g (only when g < G: a tile's second half may lie past the shard)."""
     o_v = c0 + tl.arange(0, SEG)
     if BF16_LOGITS:
         b_r = round_bf16(b_r, UPCAST)
+    if SOFTCAP:
+        b_r, _ = soft_cap(b_r, softcap, inv_softcap)
     if HAS_CACHE:
         p_c = _cache_tile(z_cache, o_n, c0, N, SEG, CACHE_COLS)
         tl.store(p_c, b_r * b_it[:, None], mask=m_n[:, None] & (o_v < v_end)[None, :])
@@ -127,8 +131,9 @@ def _seg_fold(b_r, c0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c
 @triton.jit
 def lce_fwd_seg_kernel(
     h, w, d_h, d_w, y, inv_t, seg, part, z_cache,
-    N, H, V, G, SPLIT_V, n_splits, stride_seg, stride_part, inv_t_scalar,
+    N, H, V, G, SPLIT_V, n_splits, stride_seg, stride_part, inv_t_scalar, softcap, inv_softcap,
     HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, BF16_LOGITS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     SEG: tl.constexpr, SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     CACHE_COLS: tl.constexpr,
@@ -168,20 +173,24 @@ def lce_fwd_seg_kernel(
                                  BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA)
         g = col0 // SEG
         if col0 + TILE <= v_end:
-            b_mn, b_mx, b_zy = _seg_fold(b_r0, col0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c,
-                                   z_cache, b_mn, b_mx, b_zy, UPCAST, False, HAS_CACHE, HAS_SUMS, BF16_LOGITS, SEG, CACHE_COLS)
+            b_mn, b_mx, b_zy = _seg_fold(
+                b_r0, col0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn, b_mx, b_zy,
+                softcap, inv_softcap, UPCAST, False, HAS_CACHE, HAS_SUMS, BF16_LOGITS, SOFTCAP, SEG, CACHE_COLS)
             if SUB == 2:
-                b_mn, b_mx, b_zy = _seg_fold(b_r1, col0 + SEG, v_end, g + 1, G, seg, stride_seg, o_n, m_n, N, b_y, b_it,
-                                       b_c, z_cache, b_mn, b_mx, b_zy, UPCAST, False, HAS_CACHE, HAS_SUMS, BF16_LOGITS, SEG,
-                                       CACHE_COLS)
+                b_mn, b_mx, b_zy = _seg_fold(
+                    b_r1, col0 + SEG, v_end, g + 1, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn,
+                    b_mx, b_zy, softcap, inv_softcap, UPCAST, False, HAS_CACHE, HAS_SUMS, BF16_LOGITS, SOFTCAP, SEG,
+                    CACHE_COLS)
         else:
-            b_mn, b_mx, b_zy = _seg_fold(b_r0, col0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c,
-                                   z_cache, b_mn, b_mx, b_zy, UPCAST, True, HAS_CACHE, HAS_SUMS, BF16_LOGITS, SEG, CACHE_COLS)
+            b_mn, b_mx, b_zy = _seg_fold(
+                b_r0, col0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn, b_mx, b_zy,
+                softcap, inv_softcap, UPCAST, True, HAS_CACHE, HAS_SUMS, BF16_LOGITS, SOFTCAP, SEG, CACHE_COLS)
             if SUB == 2:
                 if col0 + SEG < v_end:
-                    b_mn, b_mx, b_zy = _seg_fold(b_r1, col0 + SEG, v_end, g + 1, G, seg, stride_seg, o_n, m_n, N, b_y,
-                                           b_it, b_c, z_cache, b_mn, b_mx, b_zy, UPCAST, True, HAS_CACHE, HAS_SUMS,
-                                           BF16_LOGITS, SEG, CACHE_COLS)
+                    b_mn, b_mx, b_zy = _seg_fold(
+                        b_r1, col0 + SEG, v_end, g + 1, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache,
+                        b_mn, b_mx, b_zy, softcap, inv_softcap, UPCAST, True, HAS_CACHE, HAS_SUMS, BF16_LOGITS,
+                        SOFTCAP, SEG, CACHE_COLS)
     p_part = part + i_s * N + o_n
     tl.store(p_part, b_mn, mask=m_n)
     tl.store(p_part + stride_part, b_zy * b_it, mask=m_n)

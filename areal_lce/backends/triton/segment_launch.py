@@ -10,7 +10,8 @@ from ... import exact
 from ...types import LCEParams
 from ..base import ShardStats
 from . import configs
-from .launch import INTERPRET, TensorDescriptor, _alloc, _descriptors, _device_ctx, _dot_precision, _launch_opts
+from .launch import (INTERPRET, TensorDescriptor, _alloc, _cap_args, _descriptors, _device_ctx, _dot_precision,
+                     _launch_opts)
 from .segment_kernels import lce_fwd_seg_kernel, lce_seg_finish_kernel, lce_seg_fold_kernel, lce_seg_reduce_kernel
 
 
@@ -41,9 +42,9 @@ def forward_segments(hidden, weight, y, it, inv_t_scalar, params: LCEParams, cfg
         lce_fwd_seg_kernel[(triton.cdiv(N, cfg.block_n) * n_splits,)](
             hidden, weight, d_h, d_w, y, it if it is not None else part, seg, part,
             cache if cache is not None else part,
-            N, H, valid, G, split_v, n_splits, G * N, n_splits * N, inv_t_scalar,
+            N, H, valid, G, split_v, n_splits, G * N, n_splits * N, inv_t_scalar, *_cap_args(params),
             HAS_INV_T=it is not None, HAS_CACHE=cache is not None, HAS_SUMS=sums,
-            BF16_LOGITS=params.bf16_logits, EVEN_K=H % cfg.block_k == 0, UPCAST=INTERPRET,
+            BF16_LOGITS=params.bf16_logits, SOFTCAP=bool(params.softcap), EVEN_K=H % cfg.block_k == 0, UPCAST=INTERPRET,
             DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
             SEG=seg_w, SUB=sub, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
             CACHE_COLS=configs.CACHE_COLS, **_launch_opts(cfg),
