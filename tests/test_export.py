@@ -28,7 +28,7 @@ from areal_lce.megatron.compat import cpu_shims  # noqa: E402
 from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig  # noqa: E402
 from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
 from areal_lce.megatron.model import arch_from_hf  # noqa: E402
-from areal_lce.train.tokenizer import ByteTokenizer  # noqa: E402
+from areal_lce.train.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
 from export_worker import VOCAB, batch, make_checkpoint, norm_grads  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,6 +106,10 @@ def test_byte_tokenizer_files_reproduce_its_ids(tmp_path):
         for ids in ODD_IDS + [bt.encode(t) for t in ODD_TEXTS]:  # invalid UTF-8 -> U+FFFD in both
             for skip in (True, False):
                 assert hf.decode(ids, skip_special_tokens=skip) == bt.decode(ids, skip_special_tokens=skip), (ids, skip)
+    # a Hugging Face tokenizer directory (data.tokenizer) is exported as its own save_pretrained files
+    again = HFTokenizer(str(tmp_path))
+    assert "tokenizer.json" in again.save_pretrained(tmp_path / "again")
+    assert HFTokenizer(str(tmp_path / "again")).encode(ODD_TEXTS[-1]) == bt.encode(ODD_TEXTS[-1])
 
 
 # -------------------------------------------------------------------------------------------- import / export
