@@ -3,18 +3,23 @@ configs/distill_tiny.yaml distils it into a fresh 1-layer student (both in this 
 
 What must hold at this size: the forward KL on the teacher's top-k support falls by more than half, and
 the student's task score moves from a fresh model's (random bytes: ~0.01) towards the teacher's. The
-full-size run (the embedded sft_tiny teacher, 60 steps) is docs/results/distill_tiny_*.
+full-size run (the embedded sft_tiny teacher, 100 steps) is docs/results/distill_tiny_*.
 """
 from __future__ import annotations
 
+import math
+import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from areal_lce.train import distill, sft
-from areal_lce.train.config import ConfigError, load_config
-from areal_lce.train.logging_utils import read_metrics
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from areal_lce.train import distill, sft  # noqa: E402
+from areal_lce.train.config import ConfigError, load_config  # noqa: E402
+from areal_lce.train.logging_utils import read_metrics  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 QUIET = ["trainer.progress=false", "trainer.log_interval=1000", "trainer.plot=false"]
@@ -55,6 +60,31 @@ def test_distill_tiny_closes_the_gap_to_an_sft_teacher(tmp_path, one_thread):
     assert mean("teacher_score", records) > 3 * mean("score", first), [r["teacher_score"] for r in records]
     # seeds 1, 2, 3 and 1234: first 2 steps 0.002-0.008, last 6 steps 0.037-0.058
     assert mean("score", last) > max(2 * mean("score", first), 0.02), [r["score"] for r in records]
+
+
+@pytest.mark.distributed
+def test_torchrun_context_parallel_matches_single_process(tmp_path, one_thread):
+    """job distill at engine.parallel.context_parallel=2: the teacher's top-k ids and the student's selected
+    ids go through the CP split and gather (megatron/per_token.py) and give the single process's metrics."""
+    from helpers.launch import torchrun
+
+    teacher_dir = tmp_path / "teacher"  # a 6-step teacher: parity needs weights, not a good teacher
+    sft.run(load_config(REPO / "configs" / "sft_tiny.yaml", [f"trainer.output_dir={teacher_dir}", *QUIET,
+                                                             "trainer.steps=6", "trainer.sample_prompts=0"]))
+    common = [f"distill.teacher_checkpoint={teacher_dir}", "trainer.steps=2", "trainer.save_final=false", *QUIET]
+    out = tmp_path / "cp2"
+    proc = torchrun("areal_lce.train", REPO / "configs" / "distill_tiny.yaml", "engine.parallel.context_parallel=2",
+                    f"trainer.output_dir={out}", *common, module=True, timeout=240, cwd=REPO,
+                    env={"PYTHONWARNINGS": "ignore"})
+    assert "TP 1 x PP 1 x CP 2 x DP 1" in proc.stdout
+    ref = distill.run(load_config(REPO / "configs" / "distill_tiny.yaml",
+                                  [f"trainer.output_dir={tmp_path / 'cp1'}", *common]))["records"]
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for a, b in zip(rows, ref):
+        assert a["sample"] == b["sample"]
+        for k in ("kl_fwd", "reverse_kl", "entropy", "score", "teacher_score", "grad_norm"):
+            assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-6), (k, a[k], b[k])
 
 
 def test_distill_config_refuses_ppo_options_and_a_teacher_without_weights():
