@@ -36,6 +36,12 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 DEFAULT_SHARD_BYTES = 2 * 2**30
 
 
+def token_ids(tokenizer) -> dict:
+    """bos/eos/pad_token_id of a train job's tokenizer (None each without one)."""
+    return {key: getattr(tokenizer, attr, None) for key, attr in
+            (("bos_token_id", "bos_id"), ("eos_token_id", "eos_id"), ("pad_token_id", "pad_id"))}
+
+
 def hf_config(arch, vocab_size: int, dtype: torch.dtype, tokenizer=None):
     """The transformers config (Qwen2Config, LlamaConfig or Qwen3Config) of `arch` with `vocab_size` ids."""
     import transformers
@@ -44,15 +50,12 @@ def hf_config(arch, vocab_size: int, dtype: torch.dtype, tokenizer=None):
         raise ValueError(f"HF export: architecture family {arch.family!r} has no Hugging Face mapping here "
                          f"({', '.join(ARCHITECTURES)})")
     config_cls, model_cls = ARCHITECTURES[arch.family]
-    ids = {}
-    for key, attr in (("bos_token_id", "bos_id"), ("eos_token_id", "eos_id"), ("pad_token_id", "pad_id")):
-        ids[key] = getattr(tokenizer, attr, None) if tokenizer is not None else None
     kw = dict(vocab_size=vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.ffn_hidden_size,
               num_hidden_layers=arch.num_layers, num_attention_heads=arch.num_heads,
               num_key_value_heads=arch.num_kv_heads, head_dim=arch.head_dim, hidden_act="silu",
               rms_norm_eps=arch.rms_norm_eps, rope_theta=arch.rope_theta,
               max_position_embeddings=arch.max_position_embeddings, tie_word_embeddings=arch.tie_word_embeddings,
-              architectures=[model_cls], dtype=DTYPE_NAMES[dtype], **ids)
+              architectures=[model_cls], dtype=DTYPE_NAMES[dtype], **token_ids(tokenizer))
     if arch.family != "qwen2":
         kw.update(attention_bias=False, **({"mlp_bias": False} if arch.family == "llama" else {}))
     return getattr(transformers, config_cls)(**kw)
@@ -190,9 +193,7 @@ def _write(engine, tmp: Path, out: Path, tokenizer, dtype: torch.dtype, max_shar
     try:
         writer.finish()
         hf_config(engine.arch, engine.vocab_size, dtype, tokenizer).to_json_file(str(tmp / "config.json"))
-        gen = {k: getattr(tokenizer, a, None) for k, a in
-               (("bos_token_id", "bos_id"), ("eos_token_id", "eos_id"), ("pad_token_id", "pad_id"))}
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps(token_ids(tokenizer), indent=2))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         _seal(tmp, out)
