@@ -53,6 +53,18 @@ def checks(v=151936, h=896, n=1024):
     alone = linear_logprobs_entropy(hid[:300], w, y[:300], vocab_size=v, selected_ids=sel[:300], top_k=8)
     res["rows_alone_differ"] = sum(int((getattr(alone, f) != getattr(out, f)[:300]).sum())
                                    for f in ("selected_logprobs", "topk_ids", "topk_logprobs", "logprobs"))
+    # the top-k recompute gives the invariant forward's bits: each recomputed segment's max equals the
+    # forward's segment max (the proof that the top-k is exact needs exactly this)
+    from areal_lce.backends import get_backend
+    from areal_lce.backends.triton import select_launch
+    from areal_lce.types import LCEParams
+    p = LCEParams(inv_t=1.0, vocab_size=v, shard_valid=v, backend="triton", invariant=True, compact_ignored=False)
+    st = get_backend("triton").forward(hid, w, y, None, p, keep_cache=False)
+    G = st.seg.shape[1]
+    rows_s = torch.arange(64, device="cuda").repeat_interleave(G)
+    segs = torch.arange(G, device="cuda").repeat(64)
+    r = select_launch.segment_logits(hid, w, rows_s, segs, p).view(64, G, 128).amax(-1).t()
+    res["segment_recompute_max_differ"] = int((r != st.seg[0][:, :64]).sum())
     return res
 
 
