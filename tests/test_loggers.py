@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import signal
 import sys
 import time
 import types
@@ -17,6 +18,7 @@ import torch
 from areal_lce.train import loggers, loop
 from areal_lce.train.config import ConfigError, load_config
 from areal_lce.train.logging_utils import read_metrics
+from areal_lce.train.ranks import Interrupted
 from test_train_loop import CounterEngine  # the engine whose whole state is one number
 
 ONE_RANK = types.SimpleNamespace(is_main=True)
@@ -168,6 +170,23 @@ def test_wandb_logger_logs_each_record_at_its_step_and_a_resume_continues_the_ru
     want = [{"step": r["step"], **{k: float(r[k]) for k in SCALARS}} for r in first["records"] + resumed["records"]]
     assert logged == want
     assert [c for c in calls if c[0] == "finish"] == [("finish", 0), ("finish", 0)]
+
+
+def test_off_rank_0_no_logger_opens_or_writes(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "wandb", _fake_wandb(calls))
+    with loggers.RunLoggers(list(loggers.LOGGERS), tmp_path / "run", enabled=False) as off:
+        off.write({"step": 1, "loss": 1.0})
+    assert calls == [] and not (tmp_path / "run").exists()
+
+
+def test_an_interrupt_reaches_wandb_as_its_exit_status(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "wandb", _fake_wandb(calls))
+    with pytest.raises(Interrupted):
+        with loggers.RunLoggers(["wandb"], tmp_path / "run"):
+            raise Interrupted(signal.SIGTERM, 3)
+    assert calls[-1] == ("finish", 143)
 
 
 @pytest.mark.slow  # W&B's service process: about 5 s on 2 loaded cores

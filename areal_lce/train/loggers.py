@@ -65,7 +65,7 @@ class TensorBoardLogger:
             self._writer.add_scalar(key, value, global_step=int(record["step"]))
         self._writer.flush()
 
-    def close(self, failed: bool) -> None:
+    def close(self, exit_code: int) -> None:
         self._writer.close()
 
 
@@ -94,13 +94,13 @@ class WandbLogger:
     def write(self, record: dict) -> None:
         self._run.log({"step": int(record["step"]), **scalars(record)})
 
-    def close(self, failed: bool) -> None:
-        self._run.finish(exit_code=1 if failed else 0)
+    def close(self, exit_code: int) -> None:
+        self._run.finish(exit_code=exit_code)
 
 
 class RunLoggers:
     """The loggers of `trainer.loggers` (all inactive off rank 0): `write(record)` each step, closed on
-    leaving the `with` block (W&B is told whether the run failed)."""
+    leaving the `with` block; W&B gets the exit status: 0, an interrupt's 130 / 143, else 1."""
 
     def __init__(self, names: Sequence[str], out, *, resume_step: int = 0, config: Optional[dict] = None,
                  enabled: bool = True):
@@ -126,14 +126,14 @@ class RunLoggers:
         for lg in self._loggers:
             lg.write(record)
 
-    def close(self, failed: bool = False) -> None:
+    def close(self, exit_code: int = 0) -> None:
         loggers, self._loggers = self._loggers, []
         for lg in loggers:
             if hasattr(lg, "close"):
-                lg.close(failed)
+                lg.close(exit_code)
 
     def __enter__(self) -> "RunLoggers":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.close(failed=exc_type is not None)
+        self.close(0 if exc is None else getattr(exc, "exit_code", 1))  # ranks.Interrupted carries 130 / 143
