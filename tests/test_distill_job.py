@@ -65,7 +65,8 @@ def test_distill_tiny_closes_the_gap_to_an_sft_teacher(tmp_path, one_thread):
 @pytest.mark.distributed
 def test_torchrun_context_parallel_matches_single_process(tmp_path, one_thread):
     """job distill at engine.parallel.context_parallel=2: the teacher's top-k ids and the student's selected
-    ids go through the CP split and gather (megatron/per_token.py) and give the single process's metrics."""
+    ids go through the CP split and gather (megatron/per_token.py) and give the single process's metrics;
+    and the same teacher as an HF export (distill.teacher.hf_checkpoint_dir) gives them too."""
     from helpers.launch import torchrun
 
     teacher_dir = tmp_path / "teacher"  # a 6-step teacher: parity needs weights, not a good teacher
@@ -79,9 +80,15 @@ def test_torchrun_context_parallel_matches_single_process(tmp_path, one_thread):
     assert "TP 1 x PP 1 x CP 2 x DP 1" in proc.stdout
     ref = distill.run(load_config(REPO / "configs" / "distill_tiny.yaml",
                                   [f"trainer.output_dir={tmp_path / 'cp1'}", *common]))["records"]
+    from areal_lce.export.__main__ import export_checkpoint
+
+    hf_dir = export_checkpoint(teacher_dir / "checkpoints" / "step_00000006", tmp_path / "teacher_hf")
+    from_hf = distill.run(load_config(REPO / "configs" / "distill_tiny.yaml",
+                                      [f"trainer.output_dir={tmp_path / 'hf'}", *common, "distill.teacher_checkpoint=",
+                                       f"distill.teacher.hf_checkpoint_dir={hf_dir}"]))["records"]
     rows = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2]
-    for a, b in zip(rows, ref):
+    assert [r["step"] for r in rows] == [1, 2] and len(from_hf) == 2
+    for a, b in [*zip(rows, ref), *zip(from_hf, ref)]:
         assert a["sample"] == b["sample"]
         for k in ("kl_fwd", "reverse_kl", "entropy", "score", "teacher_score", "grad_norm"):
             assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-6), (k, a[k], b[k])

@@ -24,7 +24,6 @@ rebuilt the same way on resume; checkpoints hold the student only.
 """
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -138,13 +137,12 @@ class DistillJob(RLJob):
         order = torch.randperm(batch.rows, generator=gen)
         outs = [self.policy.train_step(mbs, loss_fn) for mbs in minibatch_plan(full, order, rl.minibatches, self.micro)]
         upd = {k: sum(float(o[k]) for o in outs) / len(outs) for k in outs[0]}  # means over the optimizer steps
-        t_score = self.teacher_score(step, ro["items"]) if self.distill.teacher_score else math.nan
-
         mask = batch.labels != -100
         local = {"kl_fwd": upd["kl_fwd"], "reverse_kl": upd["reverse_kl"], "entropy": upd["entropy"],
-                 "score": float(ro["rewards"].mean()), "teacher_score": t_score,
-                 "response_len": ro["response_len"], "loss": upd["loss"], "grad_norm": upd["grad_norm"],
-                 "tokens": float(mask.sum())}
+                 "score": float(ro["rewards"].mean()), "response_len": ro["response_len"], "loss": upd["loss"],
+                 "grad_norm": upd["grad_norm"], "tokens": float(mask.sum())}
+        if self.distill.teacher_score:  # else absent from the record (and the plot)
+            local["teacher_score"] = self.teacher_score(step, ro["items"])
         rec = reduce_metrics(local, _REDUCE, self.dist)
         rec.update(tokens=int(round(rec["tokens"])), lr=upd["lr"], peak_mem_gib=upd.get("peak_mem_gib", 0.0),
                    gen_time_s=t_gen, step_time_s=time.perf_counter() - t0,
