@@ -454,25 +454,18 @@ def test_refuses_logit_transforms(option, value):
     assert not hf.is_patched(model)
 
 
-def test_refuses_gemma2_softcapping():
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    cfg = Gemma2Config(hidden_size=H, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                       head_dim=32, intermediate_size=128, vocab_size=V)
-    assert cfg.final_logit_softcapping  # Gemma2's default is on
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        hf.apply(Gemma2ForCausalLM(cfg))
+# Gemma2's soft-capped head is patched (the op applies the cap): tests/test_softcap_hf.py.
 
 
 def test_unverified_family_needs_opt_in():
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from transformers import GemmaConfig, GemmaForCausalLM
 
-    cfg = Gemma2Config(hidden_size=H, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                       head_dim=32, intermediate_size=128, vocab_size=V, final_logit_softcapping=None)
-    model = Gemma2ForCausalLM(cfg)
+    cfg = GemmaConfig(hidden_size=H, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=32, intermediate_size=128, vocab_size=V)
+    model = GemmaForCausalLM(cfg)
     with pytest.raises(ValueError, match="allow_unverified"):
         hf.apply(model)
-    hf.apply(model, allow_unverified=True)  # no softcapping left: accepted on request
+    hf.apply(model, allow_unverified=True)  # accepted on request
     hf.remove(model)
 
 

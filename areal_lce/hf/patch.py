@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import numbers
 import types
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
@@ -37,14 +38,18 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..api import check_temperature
 from .head import fused_head
 
-# Families whose causal-LM forward is exactly `lm_head(base_model(...).last_hidden_state)` and that
-# tests/test_hf.py checks against the unpatched model. Others need `allow_unverified=True`.
-VERIFIED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+# Families whose causal-LM forward is exactly `lm_head(base_model(...).last_hidden_state)` (gemma2: then
+# soft-capped by config.final_logit_softcapping, which the op applies) and that tests/test_hf.py
+# (tests/test_softcap_hf.py for gemma2) checks against the unpatched model. Others need `allow_unverified=True`.
+VERIFIED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma2"})
+
+# Soft-capping (Gemma2/3, ...): logits -> c · tanh(logits / c), the op's softcap=c. Verified families whose
+# forward ignores it refuse a set value; an unverified one (allow_unverified) must cap as Gemma2 does.
+_SOFTCAP_OPTION, _SOFTCAP_MODEL_TYPES = "final_logit_softcapping", frozenset({"gemma2"})
 
 # Config options that change the logits after lm_head in ways the op can't express: (name, neutral
 # values). A value outside the neutral set refuses the patch.
 _LOGIT_TRANSFORM_OPTIONS = (
-    ("final_logit_softcapping", (None, 0, 0.0)),  # Gemma2/3: tanh soft-capping
     ("logit_scale", (None, 1, 1.0)),  # Cohere: logits * logit_scale
     ("logits_scaling", (None, 1, 1.0)),  # Granite: logits / logits_scaling
     ("lm_head_multiplier", (None, 1, 1.0)),  # Falcon-H1: logits * lm_head_multiplier
@@ -69,9 +74,10 @@ class LCECausalLMOutput(CausalLMOutputWithPast):
 
     Entry t belongs to the prediction made at position t, i.e. of token ``shift_labels[:, t]``
     (= labels[:, t + 1]); ignored positions hold 0.
-    logprobs   log softmax(z)[shift_label], z = h·Wᵀ / temperature (differentiable).
+    logprobs   log softmax(z)[shift_label], z = r / temperature, r = h·Wᵀ the raw logits, soft-capped
+               (c · tanh(r / c)) when config.final_logit_softcapping = c is set (differentiable).
     entropy    entropy of softmax(z) (differentiable).
-    max_logit  max raw logit h·W_jᵀ (before temperature); min_logit likewise; lse: log-sum-exp of z.
+    max_logit  max raw (soft-capped) logit r_j (before temperature); min_logit likewise; lse: log-sum-exp of z.
     shift_labels  int64 [B, S], the next-token labels used (ignore_index where ignored).
     """
 
@@ -146,7 +152,8 @@ def apply(
     packed_boundaries  with `position_ids`, ignore positions whose next token has position id 0 (the
                        first token of the next packed sequence).
     allow_unverified   patch a model type outside VERIFIED_MODEL_TYPES (its forward must be
-                       lm_head(base_model(...)) with no extra logits transform).
+                       lm_head(base_model(...)) with no extra logits transform, or soft-capped by
+                       config.final_logit_softcapping as Gemma2's).
     op_options         forwarded to `linear_logprobs_entropy`: temperature, backend, cache_bytes,
                        vocab_size (exclude padded vocabulary rows), check_labels.
     Applying twice raises; call `remove(model)` first.
@@ -162,6 +169,9 @@ def apply(
     if not isinstance(ignore_index, int):
         raise TypeError(f"areal_lce.hf.apply: ignore_index must be an int, got {ignore_index!r}")
     check_supported(model, allow_unverified=allow_unverified)
+    softcap = model_softcap(model.config)
+    if softcap is not None:
+        op_options["softcap"] = softcap
 
     forward = PatchedForward(model, model.__dict__.get("forward"), dict(op_options), ignore_index,
                              packed_boundaries)
@@ -239,6 +249,17 @@ def _config_values(config, name):
             if cfg is not None and getattr(cfg, name, None) is not None]
 
 
+def model_softcap(config) -> Optional[float]:
+    """config.final_logit_softcapping (on the config or its text sub-config) as the op's softcap; None when
+    unset or 0. Anything but one finite number > 0 is a ValueError naming the option."""
+    values = [v for v in _config_values(config, _SOFTCAP_OPTION) if v != 0]
+    ok = all(isinstance(v, numbers.Real) and not isinstance(v, bool) and 0 < v < float("inf") for v in values)
+    if not ok or len({float(v) for v in values}) > 1:
+        raise ValueError(f"areal_lce.hf: config.{_SOFTCAP_OPTION} must be one finite number > 0 (or unset / 0), "
+                         f"got {values!r} on the config and its text config")
+    return float(values[0]) if values else None
+
+
 def check_supported(model: nn.Module, *, allow_unverified: bool = False) -> None:
     """Raise ValueError naming the option/module when the fused head can't reproduce the model's logits."""
     config = getattr(model, "config", None)
@@ -249,6 +270,11 @@ def check_supported(model: nn.Module, *, allow_unverified: bool = False) -> None
             if value not in neutral:
                 raise ValueError(f"areal_lce.hf: config.{name}={value!r} transforms the logits after lm_head, "
                                  "which the fused op can't express; refusing to patch")
+    model_type = getattr(config, "model_type", None)
+    softcap = model_softcap(config)  # applied by the op (softcap=)
+    if softcap is not None and model_type in VERIFIED_MODEL_TYPES - _SOFTCAP_MODEL_TYPES:
+        raise ValueError(f"areal_lce.hf: config.{_SOFTCAP_OPTION}={softcap!r} is set, but model_type "
+                         f"{model_type!r}'s forward does not soft-cap its logits; refusing to patch")
     head = get_lm_head(model)
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
         raise ValueError(f"areal_lce.hf: lm_head is {type(head).__name__}, not a plain nn.Linear (adapters, "
@@ -259,7 +285,6 @@ def check_supported(model: nn.Module, *, allow_unverified: bool = False) -> None
     if not head.weight.is_floating_point() or head.weight.device.type == "meta":
         raise ValueError(f"areal_lce.hf: lm_head.weight must be a materialised floating-point tensor, got "
                          f"dtype {head.weight.dtype} on {head.weight.device}")
-    model_type = getattr(config, "model_type", None)
     if model_type not in VERIFIED_MODEL_TYPES and not allow_unverified:
         raise ValueError(f"areal_lce.hf: model_type {model_type!r} is not among the verified families "
                          f"{sorted(VERIFIED_MODEL_TYPES)}; pass allow_unverified=True if its forward is "
