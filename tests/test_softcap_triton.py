@@ -3,13 +3,7 @@ tests/test_select.py's triton rows do not take (those run the default invariant 
 cache): the online-softmax kernels, and the logits cache, whose backward reads the capped logits instead
 of recomputing them.
 
-Bounds (first order, on the test's own tensors; u = 2^-24). One fp32 capped logit is off by
-δr_j <= γ_(H+1)·Σ_k |h_k||w_jk| (the GEMM; tanh is 1-Lipschitz) + 4u·c (tanh within 2 ulp, the scaling by
-1/c and by c), so δz_j <= t·δr_j and, with Δ = max_j δz_j, logprob = z_y - lse is off by <= 2Δ plus
-the V-term sums' rounding γ_(V+8)·(1 + |lse| + |logp|); the entropy by Δ·(2 Σ_j p_j |log p_j + H| + 2)
-plus the same rounding. d_logits_j = t·s_j·(g_lp (1[j=y] - p_j) - g_ent p_j (log p_j + H)) with the slope
-s_j = 1 - tanh_j²: δs_j <= 2(δr_j / c + 4u), δp_j <= 2Δ p_j, and each product adds a few u; d_hidden and
-d_weight then add their GEMMs' γ_(V) / γ_(N) times |d_logits|·|W| / |d_logits|ᵀ·|h|.
+Bounds: tests/helpers/softcap_bounds.py (first order, on the test's own tensors).
 """
 from __future__ import annotations
 
@@ -23,7 +17,8 @@ import triton.language as tl
 from areal_lce import linear_logprobs_entropy as lce
 from areal_lce.backends.triton.kernel_common import soft_cap
 
-from helpers.bounds import EXP_ULPS, U32, gamma
+from helpers.bounds import U32
+from helpers.softcap_bounds import softcap_check
 
 pytestmark = pytest.mark.slow  # the Triton interpreter
 
@@ -71,45 +66,6 @@ def _inputs(n=37, seed=0):
     return hidden, weight, labels
 
 
-def _oracle_and_bounds(hidden, weight, labels, inv_t, g_lp, g_ent):
-    """fp64 (logprobs, entropy, d_hidden, d_weight) of Σ g_lp·logprob + g_ent·entropy, and their bounds."""
-    h = hidden.double().requires_grad_()
-    w = weight.double().requires_grad_()
-    n = h.shape[0]
-    t = (inv_t.double() if torch.is_tensor(inv_t) else torch.full((n,), inv_t, dtype=torch.float64))[:, None]
-    valid = labels != IGNORE
-    y = labels.clamp_min(0)
-    r_raw = h @ w[:V].t()
-    th = torch.tanh(r_raw / CAP)
-    z = CAP * th * t
-    logp = torch.log_softmax(z, -1)
-    lp = torch.where(valid, logp.gather(1, y[:, None]).squeeze(1), 0.0)
-    ent = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
-    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
-    with torch.no_grad():
-        ha, wa = hidden.double().abs(), weight[:V].double().abs()
-        dr = gamma(H + 1) * (ha @ wa.t()) + 4 * U32 * CAP
-        dz = t * dr
-        delta = dz.amax(1)
-        p, lse = logp.exp(), torch.logsumexp(z, -1)
-        ent_all = -(p * logp).sum(-1)
-        dev = (logp + ent_all[:, None]).abs()
-        rnd = gamma(V + 8) * (1 + lse.abs() + logp.abs().amax(1)) + EXP_ULPS * U32
-        b_lp = 2 * delta + rnd
-        b_ent = delta * (2 * (p * dev).sum(1) + 2) + rnd * (1 + (p * dev).sum(1))
-        onehot = torch.zeros_like(p).scatter_(1, y[:, None], 1.0)
-        a, b = g_lp.double()[:, None], g_ent.double()[:, None]
-        slope = 1 - th * th
-        A = a.abs() * (onehot + p) + b.abs() * p * dev  # |d_logits| / (t·slope)
-        dl_abs = t * slope * A
-        d_slope = 2 * (dr / CAP + 4 * U32)
-        d_inner = a.abs() * 2 * delta[:, None] * p + b.abs() * p * (2 * delta[:, None] * (dev + 1) + b_ent[:, None])
-        ddl = valid.double()[:, None] * (t * (d_slope * A + slope * d_inner) + 8 * U32 * dl_abs)
-        b_dh = ddl @ wa + gamma(V) * (dl_abs @ wa)
-        b_dw = torch.cat([ddl.t() @ ha + gamma(n) * (dl_abs.t() @ ha), torch.zeros(V_PAD - V, H, dtype=torch.float64)])
-    return lp.detach(), ent.detach(), h.grad, w.grad, valid * b_lp, valid * b_ent, b_dh, b_dw
-
-
 @pytest.mark.parametrize("kw", [
     dict(invariant=False, temperature="per_token"),  # the online-softmax kernels (lce_fwd_kernel)
     dict(invariant=False, temperature=0.7, cache_bytes="auto"),  # backward reads the capped cache
@@ -126,9 +82,11 @@ def test_online_and_cached_paths_match_the_float64_oracle(kw):
     out = lce(h, w, labels, vocab_size=V, backend="triton", softcap=CAP, return_stats=True,
               **dict(kw, temperature=temperature))
     ((out.logprobs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
-    lp, ent, dh, dw, b_lp, b_ent, b_dh, b_dw = _oracle_and_bounds(hidden, weight, labels, inv_t, g_lp, g_ent)
-    for name, got, want, bound in (("logprobs", out.logprobs, lp, b_lp), ("entropy", out.entropy, ent, b_ent),
-                                   ("d_hidden", h.grad, dh, b_dh), ("d_weight", w.grad, dw, b_dw)):
+    c = softcap_check(hidden, weight, labels, inv_t, CAP, g_lp, g_ent, V)
+    for name, got, want, bound in (("logprobs", out.logprobs, c.logprobs, c.b_logprobs),
+                                   ("entropy", out.entropy, c.entropy, c.b_entropy),
+                                   ("d_hidden", h.grad, c.d_hidden, c.b_d_hidden),
+                                   ("d_weight", w.grad, c.d_weight, c.b_d_weight)):
         err = (got.double() - want).abs()
         assert (err <= bound).all(), f"{name}: max err {float(err.max()):.3e}, worst err/bound {float((err / bound).max()):.2f}"
     assert (out.max_logit[labels != IGNORE] <= CAP).all() and torch.all(w.grad[V:] == 0)

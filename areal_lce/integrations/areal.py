@@ -13,8 +13,10 @@ AReaL's contract (read from its source):
       `gather_output` and `config.defer_embedding_wgrad_compute` are refused (as AReaL does), and so is
       every layer whose logits are not (h·Wᵀ)·logit_scale, found by inspecting it: anything but
       megatron-core's ColumnParallelLinear (AReaL's LM-head mixin on it allowed), a class or instance that
-      replaces its forward (Gemma2's logit soft-capping; AReaL marks those chunked_loss_supported=False)
-      or its _forward_impl, an added bias (skip_bias_add=False with a bias). With its
+      replaces its forward (AReaL marks those chunked_loss_supported=False) or its _forward_impl, an added
+      bias (skip_bias_add=False with a bias). One forward override is read instead: Megatron-Bridge's (and
+      NeMo's) Gemma2OutputLayer, c·tanh(h·Wᵀ / c) with c = layer.config.final_logit_softcapping (unset or
+      0: no cap), computed by the op's softcap=c (then logit_scale must be 1). With its
       `gradient_accumulation_fusion=True` the weight gradient is added in fp32 into `weight.main_grad` and
       `grad_added_to_main_grad` set, as megatron's own linear does (areal_lce/main_grad.py); with
       `fp32_operands` the fp32 copy's gradient returns through autograd instead.
@@ -41,7 +43,8 @@ Returns AReaL's `ChunkedLMHeadOutput` (this module's look-alike when AReaL is no
 tensors [s·b]:
   logprobs           log softmax(z)[label]; the only differentiable output (to hidden and weight)
   entropy            of softmax(z), detached (AReaL marks it non-differentiable)
-  vocab_min_logits, vocab_max_logits   min / max of (h·Wᵀ)·logit_scale, before temperature
+  vocab_min_logits, vocab_max_logits   min / max of the logits (h·Wᵀ)·logit_scale (soft-capped ones for a
+      Gemma2OutputLayer), before temperature
   vocab_mean_logits, vocab_norm_logits mean and L2 norm of the same row, from the op's epilogue sums
       Σr, Σr² (mean = Σr·logit_scale / V, norm = sqrt(Σr²)·logit_scale), not from another pass.
 The four vocab statistics are over the whole vocabulary on every TP rank. AReaL's own chunked head
@@ -95,8 +98,20 @@ _MEGATRON_LINEAR = ("megatron.core.tensor_parallel.layers", "ColumnParallelLinea
 _AREAL_MIXIN = ("areal.models.mcore.vocab_parallel_head", "_AReaLVocabParallelLMHeadMixin")
 
 
+# Output layers whose forward is megatron-core's followed by c·tanh(logits / c), c read from
+# layer.config.final_logit_softcapping (Megatron-Bridge's gemma2_provider; NeMo 2's gemma2 model, which
+# mixes it into the instance's class with extend_instance): the op applies that cap itself (softcap=c).
+_SOFTCAP_LAYERS = (("megatron.bridge.models.gemma.gemma2_provider", "Gemma2OutputLayer"),
+                   ("nemo.collections.llm.gpt.model.gemma2", "Gemma2OutputLayer"))
+_SOFTCAP_OPTION = "final_logit_softcapping"
+
+
 def _class_named(cls: type, module: str, qualname: str):
     return next((c for c in cls.__mro__ if c.__module__ == module and c.__qualname__ == qualname), None)
+
+
+def _softcap_class(cls: type):
+    return next((c for c in map(lambda k: _class_named(cls, *k), _SOFTCAP_LAYERS) if c is not None), None)
 
 
 def _inexact_logits(output_layer) -> str:
@@ -106,15 +121,18 @@ def _inexact_logits(output_layer) -> str:
     if linear is None:
         return (f"output_layer is a {cls.__module__}.{cls.__qualname__}, not megatron-core's ColumnParallelLinear "
                 "(or AReaL's LM head built on it)")
-    if getattr(output_layer, "chunked_loss_supported", True) is False:
+    capper = _softcap_class(cls)  # AReaL marks it chunked_loss_supported=False too: the adapter reads it
+    if capper is None and getattr(output_layer, "chunked_loss_supported", True) is False:
         return "AReaL marks it chunked_loss_supported=False: its class overrides forward"
     replaced = [name for name in ("forward", "_forward_impl") if name in vars(output_layer)]
     if replaced:
         return f"its {replaced[0]} is replaced on the instance"
-    if cls.forward is not linear.forward:
-        owner = next(c for c in cls.__mro__ if "forward" in vars(c))
-        return (f"{owner.__qualname__} overrides ColumnParallelLinear.forward (e.g. Gemma2's logit soft-capping), "
-                "so its logits are not h·Wᵀ")
+    mro = cls.__mro__
+    between = mro[mro.index(capper) + 1:mro.index(linear)] if capper is not None else ()
+    if cls.forward is not (capper or linear).forward or any("forward" in vars(c) for c in between):
+        owner = next(c for c in mro if "forward" in vars(c) and c is not capper)
+        return (f"{owner.__qualname__} overrides ColumnParallelLinear.forward (soft-capping is read only from "
+                "Megatron-Bridge's / NeMo's Gemma2OutputLayer), so its logits are not h·Wᵀ")
     mixin = _class_named(cls, *_AREAL_MIXIN)
     exact_impls = [vars(c).get("_forward_impl") for c in (linear, mixin) if c is not None]
     if getattr(cls, "_forward_impl", None) not in exact_impls:
@@ -123,6 +141,22 @@ def _inexact_logits(output_layer) -> str:
     if not getattr(output_layer, "skip_bias_add", True) and getattr(output_layer, "bias", None) is not None:
         return "it adds a bias to the logits"
     return ""
+
+
+def _layer_softcap(output_layer, logit_scale: float) -> Optional[float]:
+    """The soft-cap c of a Gemma2OutputLayer (None when it has none, or the layer is another kind)."""
+    if _softcap_class(type(output_layer)) is None:
+        return None
+    cap = getattr(getattr(output_layer, "config", None), _SOFTCAP_OPTION, None)
+    if not cap:  # Gemma2OutputLayer leaves the logits alone for an unset or 0 cap
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < float("inf"):
+        raise ValueError(f"{_NAME}: output_layer.config.{_SOFTCAP_OPTION} must be a finite number > 0, "
+                         f"got {cap!r}")
+    if logit_scale != 1.0:
+        raise NotImplementedError(f"{_NAME}: logit_scale={logit_scale} with a soft-capped output layer "
+                                  f"({_SOFTCAP_OPTION}={cap}): the order of the two is not the layer's to say")
+    return float(cap)
 
 
 def _check_layer(output_layer) -> None:
@@ -150,6 +184,7 @@ def chunked_lm_head_logprobs_entropy(output_layer, hidden_states: torch.Tensor, 
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"{_NAME}: chunk_size must be a positive int, got {chunk_size!r}")
     _check_layer(output_layer)
+    softcap = _layer_softcap(output_layer, scale)
     tp_group = getattr(output_layer, "tp_group", None)
     tp = comms.group_size(tp_group)
     sp = tp > 1 and bool(getattr(output_layer, "sequence_parallel", False))
@@ -170,7 +205,7 @@ def chunked_lm_head_logprobs_entropy(output_layer, hidden_states: torch.Tensor, 
         d_hidden = "all_reduce" if getattr(output_layer, "allreduce_dgrad", tp > 1) else "caller"
     vp = VocabParallel(tp_group if tp > 1 else None, d_hidden)
     out = op(h2, weight, y, temperature=t / scale, vocab_parallel=vp, return_stats=True, return_logit_sums=True,
-             ignore_index=NO_IGNORE_INDEX, check_labels=check_labels, **consistency, **op_options)
+             ignore_index=NO_IGNORE_INDEX, check_labels=check_labels, softcap=softcap, **consistency, **op_options)
     vocab = weight.shape[0] * tp
     return output_type()(
         out.logprobs, out.entropy.detach(), out.min_logit * scale, out.max_logit * scale,
