@@ -60,7 +60,7 @@ def load_teacher_weights(engine, path) -> Path:
 def teacher_stats(engine, batch, ranges, top_k: int) -> dict:
     """No-grad teacher statistics of the whole batch at its temperature, one forward per row range:
     'token_logprobs' [B, S] (the sampled tokens), 'topk_ids' [B, S, k] int64, 'topk_logprobs' [B, S, k],
-    host tensors (one copy at the end)."""
+    host tensors (copied to the host once, after the last forward)."""
     parts = {"token_logprobs": [], "topk_ids": [], "topk_logprobs": []}
     for rows in ranges:
         st = engine.token_stats(batch.input_ids[rows], batch.labels[rows], temperature=batch.temperature,
