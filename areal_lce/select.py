@@ -88,6 +88,14 @@ def gather_logits_torch(hidden: torch.Tensor, weight: torch.Tensor, cols: torch.
 _NATIVE = {"triton": "areal_lce.backends.triton.select_launch"}  # backends with their own kernels for these
 
 
+def _native(params: LCEParams):
+    """The module of the backend's own select kernels (rank_segments / candidate_keys), or None."""
+    if params.backend not in _NATIVE:
+        return None
+    import importlib
+    return importlib.import_module(_NATIVE[params.backend])
+
+
 def _backend_fn(params: LCEParams, name: str, default):
     """The backend's `name` (base.py's optional gather_logits / segment_logits), else the torch default."""
     if params.backend in _NATIVE:
@@ -138,7 +146,10 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
     pad = sort_key(torch.full((1,), float("-inf"), device=dev), torch.full((1,), _ID_MASK, device=dev))
     out = pad.expand(n, k).contiguous()  # keys below every logit: what a shard without columns offers
     kk = min(k, G)
-    if kk:
+    native = _native(sp)
+    if kk and native is not None:
+        segs = native.rank_segments(seg_max, inv_t if torch.is_tensor(inv_t) else it, kk)
+    elif kk:
         seg_of = torch.arange(G, device=dev)
         seg_rank = sort_key(seg_max.t() * it, seg_of[None, :].expand(n, G)).topk(kk, dim=1).values
         segs = key_id(seg_rank)  # [N, kk] local segment indices, best first
@@ -147,11 +158,15 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
     cols = torch.arange(exact.SEG, device=dev)
     for t0 in range(0, n if kk else 0, chunk):
         t1 = min(n, t0 + chunk)
-        rows = torch.arange(t0, t1, device=dev).repeat_interleave(kk)
-        r = recompute(hidden, weight, rows, segs[t0:t1].reshape(-1), sp)  # [(t1-t0)·kk, SEG], -inf past the shard
-        z = r.view(t1 - t0, kk * exact.SEG) * (it[t0:t1] if torch.is_tensor(it) else it)
-        gid = (segs[t0:t1, :, None] * exact.SEG + cols + params.vocab_start).view(t1 - t0, -1)
-        keys = sort_key(z, gid)
+        if native is not None:  # the keys straight from the recompute kernel
+            keys = native.candidate_keys(hidden, weight, t0, segs[t0:t1], inv_t if torch.is_tensor(inv_t) else it,
+                                         sp, params.vocab_start)
+        else:
+            rows = torch.arange(t0, t1, device=dev).repeat_interleave(kk)
+            r = recompute(hidden, weight, rows, segs[t0:t1].reshape(-1), sp)  # [(t1-t0)·kk, SEG], -inf past the shard
+            z = r.view(t1 - t0, kk * exact.SEG) * (it[t0:t1] if torch.is_tensor(it) else it)
+            gid = (segs[t0:t1, :, None] * exact.SEG + cols + params.vocab_start).view(t1 - t0, -1)
+            keys = sort_key(z, gid)
         if keys.shape[1] < k:  # a shard narrower than k columns: pad with keys below every logit
             keys = torch.cat([keys, pad.expand(t1 - t0, k - keys.shape[1])], 1)
         out[t0:t1] = keys.topk(k, dim=1).values

@@ -8,10 +8,15 @@
                         forward, with the forward's BLOCK_K, precision and operand types, so every value is
                         bitwise what the forward reduced (the rows of a tensor-core tile are accumulated
                         alike, wherever they come from).
+  segment_rank_kernel   each row's segment maxima as sort keys (the top-k picks the row's best segments).
+  segment_keys_kernel   segment_logits_kernel's logits, transformed as the forward transforms them and
+                        tempered, stored as sort keys in the row's candidate slots (the top-k's input).
+  sparse_dl_kernel      the backward's sparse columns into a chunk of d_logits.
 """
 import triton
 import triton.language as tl
 
+from .kernel_common import round_bf16, soft_cap
 from .segment_kernels import _seg_logits
 
 
@@ -73,3 +78,64 @@ def sparse_dl_kernel(dl, cols, coef, N, J, c0, width, stride_dl, BLOCK_N: tl.con
         p = dl + row * stride_dl + (c - c0)
         x = tl.load(p, mask=m, other=0.0).to(tl.float32)
         tl.store(p, (x + v).to(dl.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _sort_key(z, ids):
+    """select.sort_key in a kernel: int64 keys ordered as (z descending, id ascending) under a descending
+    order; -0.0 counts as +0.0."""
+    z = tl.where(z == 0.0, 0.0, z)
+    bits = z.to(tl.int32, bitcast=True).to(tl.int64)
+    u = bits & 0xFFFFFFFF
+    mono = tl.where(bits >= 0, u + 2147483648, 4294967295 - u)
+    return (mono << 31) | (2147483647 - ids.to(tl.int64))
+
+
+@triton.jit
+def segment_rank_kernel(seg, inv_t, keys, N, G, inv_t_scalar, HAS_INV_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_G: tl.constexpr):
+    """keys[n, g] = sort_key(seg[g, n] · inv_t[n], g): the segments of each row in top-k order."""
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    m = (o_n < N)[:, None] & (o_g < G)[None, :]
+    r = tl.load(seg + o_g[None, :].to(tl.int64) * N + o_n[:, None], mask=m, other=0.0)
+    if HAS_INV_T:
+        it = tl.load(inv_t + o_n, mask=o_n < N, other=1.0)
+        z = r * it[:, None]
+    else:
+        z = r * inv_t_scalar
+    tl.store(keys + o_n[:, None].to(tl.int64) * G + o_g[None, :], _sort_key(z, o_g[None, :]), mask=m)
+
+
+@triton.jit
+def segment_keys_kernel(h, w, task_rows, task_dest, task_seg, inv_t, keys, H, valid, vocab_start, inv_t_scalar,
+                        softcap, inv_softcap, SEG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        HAS_INV_T: tl.constexpr, BF16_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """segment_logits_kernel's logits, head-transformed as the forward does (bf16 rounding, softcap) and
+    tempered, written as sort keys at keys[task_dest[t, i] · SEG + column] (global ids; -inf past the shard)."""
+    t = tl.program_id(0)
+    g = tl.load(task_seg + t)
+    if g >= 0:
+        o_i = tl.arange(0, BLOCK_N)
+        rows = tl.load(task_rows + t * BLOCK_N + o_i)
+        live = rows >= 0
+        o_nc = tl.where(live, rows, 0).to(tl.int64)
+        o_v = g * SEG + tl.arange(0, SEG)
+        o_vc = tl.minimum(o_v, valid - 1).to(tl.int64)
+        b_r, _ = _seg_logits(h, w, None, None, o_nc, o_vc, o_vc, 0, 0, H, SEG, 1, BLOCK_N, BLOCK_K, EVEN_K,
+                             UPCAST, DOT_PRECISION, False)
+        if BF16_LOGITS:
+            b_r = round_bf16(b_r, UPCAST)
+        if SOFTCAP:
+            b_r, _ = soft_cap(b_r, softcap, inv_softcap)
+        if HAS_INV_T:
+            it = tl.load(inv_t + o_nc, mask=live, other=1.0)
+            z = b_r * it[:, None]
+        else:
+            z = b_r * inv_t_scalar
+        z = tl.where((o_v < valid)[None, :], z, float("-inf"))
+        k = _sort_key(z, (o_v + vocab_start)[None, :])
+        dest = tl.load(task_dest + t * BLOCK_N + o_i)
+        p = keys + dest[:, None].to(tl.int64) * SEG + tl.arange(0, SEG)[None, :]
+        tl.store(p, k, mask=live[:, None])

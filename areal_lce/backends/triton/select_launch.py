@@ -9,8 +9,9 @@ from ... import exact
 from ...types import LCEParams
 from ..base import head_transform
 from . import configs
-from .launch import INTERPRET, _alloc, _device_ctx, _dot_precision
-from .select_kernels import gather_logits_kernel, segment_logits_kernel, sparse_dl_kernel
+from .launch import INTERPRET, _alloc, _cap_args, _device_ctx, _dot_precision
+from .select_kernels import (gather_logits_kernel, segment_keys_kernel, segment_logits_kernel, segment_rank_kernel,
+                             sparse_dl_kernel)
 
 GATHER_R, GATHER_J, GATHER_H = 16, 8, 64
 
@@ -27,10 +28,11 @@ def gather_logits(hidden: torch.Tensor, weight: torch.Tensor, cols: torch.Tensor
     return out
 
 
-def _tasks(rows: torch.Tensor, segs: torch.Tensor, G: int, block: int):
+def _tasks(rows: torch.Tensor, segs: torch.Tensor, G: int, block: int, dest=None):
     """(task_rows [T, block] with -1 padding, task_seg [T] with -1 for unused tasks, flat position of each
-    pair in the [T·block] output): the pairs grouped by segment into tasks of up to `block` rows, on the
-    device, no host sync (T = ceil(P / block) + G bounds the task count)."""
+    pair in the [T·block] output, and with `dest` [P] the pairs' destinations laid out like task_rows): the
+    pairs grouped by segment into tasks of up to `block` rows, on the device, no host sync
+    (T = ceil(P / block) + G bounds the task count)."""
     p = rows.shape[0]
     dev = rows.device
     order = torch.sort(segs, stable=True).indices
@@ -49,7 +51,11 @@ def _tasks(rows: torch.Tensor, segs: torch.Tensor, G: int, block: int):
     task_seg[task] = s_sorted
     pos = torch.empty_like(order)
     pos[order] = task * block + slot
-    return task_rows, task_seg, pos
+    task_dest = None
+    if dest is not None:
+        task_dest = torch.zeros((t_max, block), dtype=torch.int64, device=dev)
+        task_dest[task, slot] = dest[order]
+    return task_rows, task_seg, pos, task_dest
 
 
 def segment_logits(hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, segs: torch.Tensor,
@@ -61,7 +67,7 @@ def segment_logits(hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tenso
     G = exact.segments(valid)
     cfg = configs.tile("fwd", fp32=hidden.dtype == torch.float32, interpret=INTERPRET, H=h)
     block = cfg.block_n
-    task_rows, task_seg, pos = _tasks(rows, segs, G, block)
+    task_rows, task_seg, pos, _ = _tasks(rows, segs, G, block)
     out = _alloc((task_seg.shape[0] * block, exact.SEG), torch.float32, hidden.device)
     if rows.shape[0]:
         with _device_ctx(hidden.device):
@@ -88,3 +94,53 @@ def add_sparse_columns(dl: torch.Tensor, sparse, c0: int, width: int) -> None:
         sparse_dl_kernel[(triton.cdiv(n, SPARSE_BLOCK_N),)](
             dl, cols.contiguous(), coef.contiguous(), n, j, c0, width, dl.stride(0), BLOCK_N=SPARSE_BLOCK_N,
             num_warps=4)
+
+
+RANK_N, RANK_G = 32, 128
+_ID_MASK = (1 << 31) - 1
+
+
+def _inv_t_args(inv_t, like: torch.Tensor):
+    if torch.is_tensor(inv_t):
+        return inv_t.to(torch.float32).contiguous(), 1.0, True
+    return like, float(inv_t), False
+
+
+def rank_segments(seg_max: torch.Tensor, inv_t, kk: int) -> torch.Tensor:
+    """[N, kk] local segment indices of each row's kk largest tempered segment maxima (seg_max [G, N] raw),
+    best first, ties to the lower segment (select.topk_keys)."""
+    G, N = seg_max.shape
+    keys = _alloc((N, G), torch.int64, seg_max.device)
+    it, scalar, has = _inv_t_args(inv_t, seg_max)
+    if N and G:
+        with _device_ctx(seg_max.device):
+            segment_rank_kernel[(triton.cdiv(N, RANK_N), triton.cdiv(G, RANK_G))](
+                seg_max.contiguous(), it, keys, N, G, scalar, HAS_INV_T=has, BLOCK_N=RANK_N, BLOCK_G=RANK_G,
+                num_warps=4)
+    return _ID_MASK - (keys.topk(kk, dim=1).values & _ID_MASK)
+
+
+def candidate_keys(hidden: torch.Tensor, weight: torch.Tensor, row0: int, segs: torch.Tensor, inv_t,
+                   params: LCEParams, vocab_start: int) -> torch.Tensor:
+    """[c, kk·128] sort keys (select.sort_key of the tempered logit and the global id) of the segments
+    segs [c, kk] of rows [row0, row0 + c), computed with the forward's bits (segment_keys_kernel)."""
+    c, kk = segs.shape
+    n, h = hidden.shape
+    dev = hidden.device
+    valid = params.shard_valid
+    cfg = configs.tile("fwd", fp32=hidden.dtype == torch.float32, interpret=INTERPRET, H=h)
+    block = cfg.block_n
+    rows = torch.arange(row0, row0 + c, device=dev).repeat_interleave(kk)
+    dest = torch.arange(c * kk, device=dev)
+    task_rows, task_seg, _, task_dest = _tasks(rows, segs.reshape(-1), exact.segments(valid), block, dest)
+    keys = _alloc((c, kk * exact.SEG), torch.int64, dev)
+    it, scalar, has = _inv_t_args(inv_t, keys)
+    if c and kk:
+        with _device_ctx(dev):
+            segment_keys_kernel[(task_seg.shape[0],)](
+                hidden, weight, task_rows, task_dest, task_seg, it, keys, h, valid, vocab_start, scalar,
+                *_cap_args(params), SEG=exact.SEG, BLOCK_N=block, BLOCK_K=cfg.block_k, EVEN_K=h % cfg.block_k == 0,
+                UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), HAS_INV_T=has,
+                BF16_LOGITS=params.bf16_logits, SOFTCAP=bool(params.softcap), num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+    return keys
