@@ -1,5 +1,6 @@
 """verl adapter: `linear_cross_entropy` with the signature and contract of verl's
-`verl.utils.kernel.linear_cross_entropy` (verl 0.9.1), computed by areal_lce's fused op.
+`verl.utils.kernel.linear_cross_entropy` (verl 0.9.1), computed by areal_lce's fused op; and
+`linear_topk_log_probs`, the signature of verl's fused top-k distillation op (PR #7809, not in a release).
 
     from areal_lce.integrations import verl as lce_verl
     lce_verl.apply()            # verl's Megatron fused forward now calls areal_lce
@@ -91,6 +92,58 @@ def linear_cross_entropy(
     elif reduction.lower() == "mean":
         logprobs = logprobs.mean()
     return logprobs, out.entropy
+
+
+_TOPK_NAME = "areal_lce.integrations.verl.linear_topk_log_probs"
+
+
+def linear_topk_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    topk_ids: torch.Tensor,
+    temperature: float = 1.0,
+    dist_process_group=None,
+    chunk_size: Optional[int] = None,
+    *,
+    check_labels=True,
+    invariant: Optional[bool] = None,
+    logits_precision: str = "fp32",
+    **op_options,
+) -> torch.Tensor:
+    """The signature and contract of verl's fused top-k distillation op (`linear_topk_log_probs` of
+    verl/utils/kernel/linear_topk_log_probs.py, verl PR #7809, read at commit c8bb9d4): fp32 student
+    logprobs at the teacher's ids, normalised over the whole (TP-sharded) vocabulary, shaped like topk_ids.
+
+    hidden [..., H] (the full sequence of this TP rank), weight [V/tp, H] (this rank's shard; every row is
+    part of the softmax, as there), topk_ids [..., K] global ids in [0, V) (checked like labels: see
+    `linear_cross_entropy`), temperature a float > 0, dist_process_group the TP group or None. d_hidden is
+    left vocab-partial for the caller's TP mapping to reduce, as verl's op does. chunk_size (the token chunk
+    of verl's non-Triton fallback) is accepted and unused: nothing here is chunked by rows. Computed by
+    `linear_logprobs_entropy(selected_ids=...)`: the logsumexp is the op's (batch / TP invariant in
+    invariant mode), the selected logits a fixed-order dot product per id."""
+    check_op_options(op_options, _TOPK_NAME)
+    consistency = consistency_options(invariant, logits_precision, _TOPK_NAME)
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
+        raise ValueError(f"{_TOPK_NAME}: chunk_size must be None or a positive int, got {chunk_size!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"{_TOPK_NAME}: temperature must be a float, got {type(temperature).__name__}")
+    t = check_temperature(float(temperature), f"{_TOPK_NAME}: temperature", allow_tensor=False)
+    if not torch.is_tensor(topk_ids) or topk_ids.dim() < 2 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{_TOPK_NAME}: topk_ids must be an int32 / int64 tensor [..., K], got "
+                        f"{getattr(topk_ids, 'dtype', type(topk_ids).__name__)}")
+    if not torch.is_tensor(hidden) or hidden.dim() < 2 or hidden.shape[:-1].numel() != topk_ids.shape[:-1].numel():
+        raise ValueError(f"{_TOPK_NAME}: hidden [..., H] and topk_ids [..., K] must cover the same tokens, got "
+                         f"{tuple(getattr(hidden, 'shape', ()))} and {tuple(topk_ids.shape)}")
+    ids = topk_ids.reshape(-1, topk_ids.shape[-1]).to(torch.int64)
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    if h2.dtype != weight.dtype:
+        h2 = h2.to(weight.dtype)
+    check_no_negative_labels(ids.reshape(-1), check_labels, comms.group_size(dist_process_group), _TOPK_NAME)
+    vp = VocabParallel(dist_process_group, d_hidden="caller")
+    out = linear_logprobs_entropy(h2, weight, ids[:, 0], temperature=t, vocab_parallel=vp,
+                                  ignore_index=NO_IGNORE_INDEX, check_labels=check_labels, selected_ids=ids,
+                                  **consistency, **op_options)
+    return out.selected_logprobs.view(topk_ids.shape)
 
 
 def apply(**op_options) -> list:
