@@ -1,11 +1,13 @@
-"""NeMo-RL and slime adapters (areal_lce.integrations.nemo_rl / .slime).
+"""NeMo-RL, slime and miles adapters (areal_lce.integrations.nemo_rl / .nemo_rl_packed / .slime / .miles).
 
 Oracle without the stacks' code (CI): the fp64 materialised computation of the documented semantics
-(tests/zero_mismatch_worker.py `reference`), TP=1 in this process, TP=2 on gloo ranks.
-Live comparison with the stacks' real functions: NeMo-RL's `from_parallel_hidden_states_to_logprobs` and
-slime's `calculate_log_probs_and_entropy`, from snapshots extracted by file into .carry/peers (git-ignored;
-see docs/integrations.md "Validation against the real code"), loaded by path in the worker's ranks only,
-never in this process. Skipped, saying so, when the folder is absent (CI has no network).
+(tests/zero_mismatch_worker.py `reference`), TP=1 in this process, TP=2 / CP=2 on gloo ranks.
+Live comparison with the stacks' real functions (NeMo-RL's `from_parallel_hidden_states_to_logprobs` and
+`from_parallel_logits_to_logprobs_packed_sequences`, slime's `calculate_log_probs_and_entropy` and
+`get_log_probs_and_entropy`, miles' kernel and step), from snapshots extracted by file into .carry/peers
+(git-ignored; see docs/integrations.md "Validation against the real code"), loaded by path in the worker's
+ranks only, never in this process. Skipped, saying so, when the folder is absent (CI has no network).
+In-process tests of the packed seam and of miles: tests/test_integrations_zero_mismatch_miles.py.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from areal_lce.integrations import nemo_rl as lce_nemo  # noqa: E402
 from areal_lce.integrations import slime as lce_slime  # noqa: E402
 
 PEERS = os.environ.get("AREAL_LCE_PEERS", "") or os.path.join(os.path.dirname(W.HERE), ".carry", "peers")
-PEER_FILES = ("nemo_rl/model_utils.py", "nemo_rl/logits_sampling_utils.py", "slime/ppo_utils.py")
+PEER_FILES = ("nemo_rl/model_utils.py", "nemo_rl/logits_sampling_utils.py", "slime/ppo_utils.py",
+              "miles/full/miles/backends/training_utils/loss_hub/logit_processors.py")
 
 
 def peers_present() -> bool:
@@ -210,11 +213,11 @@ def worker_results() -> dict:
 @pytest.mark.slow
 def test_tp2_matches_reference_and_is_invariant():
     # the SP shard of d_hidden (NeMo-RL), the reduced d_hidden (slime), d_weight per shard; padding rows on
-    # rank 1 in exact mode; the slime step with and without sequence parallel; a token's logprob bitwise
-    # equal at TP=1 and TP=2 through each adapter
+    # rank 1 in exact mode; the slime step with and without sequence parallel; NeMo-RL's packed seam at CP=2
+    # and TP=2; a token's logprob bitwise equal at TP=1 and TP=2 through each adapter (miles' included)
     res = worker_results()
-    cases = [c for c in res if "-ref-tp2" in c or c.startswith("invariant")]
-    assert len(cases) == 17, sorted(res)
+    cases = [c for c in res if ("-ref-" in c and "tp1" not in c) or c.startswith("invariant")]
+    assert len(cases) == 25, sorted(res)
     for case in cases:
         check(case, res[case])
 
@@ -225,10 +228,12 @@ def test_tp2_matches_reference_and_is_invariant():
                     "docs/integrations.md 'Validation against the real code' says how to extract them)")
 def test_matches_the_stacks_real_functions():
     # NeMo-RL's and slime's own functions, loaded by path in the ranks: outputs and gradients, TP=1 and TP=2;
-    # slime's get_log_probs_and_entropy (packed THD, 3 samples, temperature 0.7) against the log-prob step
+    # slime's get_log_probs_and_entropy (packed THD, 3 samples, temperature 0.7) against the log-prob step,
+    # also at CP=2 (zigzag and all-gather); NeMo-RL's packed function at CP=2 and TP=2; miles' kernel and step
+    # (normal and true-on-policy modes, CP=2 zigzag / all-gather)
     res = worker_results()
     cases = [c for c in res if "-peer-" in c]
-    assert len(cases) == 18, sorted(res)
+    assert len(cases) == 44, sorted(res)
     for case in cases:
         check(case, res[case])
 

@@ -29,7 +29,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 from areal_lce.integrations import nemo_rl as lce_nemo  # noqa: E402
+from areal_lce.integrations import miles as lce_miles  # noqa: E402
+from areal_lce.integrations import nemo_rl_packed as lce_packed  # noqa: E402
 from areal_lce.integrations import slime as lce_slime  # noqa: E402
+from zero_mismatch_miles_cases import run_miles_cases  # noqa: E402
+from zero_mismatch_packed_cases import run_packed_cases, run_slime_cp_cases  # noqa: E402
 
 S, B, H, V_SHARD, TRUE_V = 12, 2, 16, 40, 75  # 2 shards of 40 rows; ids 75..79 are padding in exact mode
 TEMPERATURE = 0.7
@@ -293,7 +297,22 @@ def invariant_tp(rank, tp, group) -> dict:
                                                             v0 + 256 // tp, group, **kw)
     s_one = lce_slime.calculate_log_probs_and_entropy(hidden[:, 0], weight, target[0], None, True, 0.7, **kw)
     s_many = lce_slime.calculate_log_probs_and_entropy(hidden[:, 0], weight[shard], target[0], group, True, 0.7, **kw)
+    cu, t2 = torch.tensor([0, 4, S]), target[:1]  # two packed sequences of the first row
+    p_one = lce_packed.from_parallel_hidden_states_to_logprobs_packed_sequences(
+        hidden[:, :1], weight, t2, cu, S, 0, 256, None, **kw)
+    p_many = lce_packed.from_parallel_hidden_states_to_logprobs_packed_sequences(
+        hidden[rows, :1], weight[shard], t2, cu, S, v0, v0 + 256 // tp, group, **kw)
+    hb, wb, tm = hidden[:, 0].to(torch.bfloat16), weight.to(torch.bfloat16), target[0].clamp(max=249)
+    m_one = lce_miles.calculate_log_probs_and_entropy(hb, wb, tm, None, True, True, -1, True, 250, backend="torch")
+    m_many = lce_miles.calculate_log_probs_and_entropy(hb, wb[shard], tm, group, True, True, -1, True, 250,
+                                                       backend="torch")  # true-on-policy: invariant by default
+    n_one = lce_miles.calculate_log_probs_and_entropy(hidden[:, 0], weight, tm, None, temperature=0.7, **kw)
+    n_many = lce_miles.calculate_log_probs_and_entropy(hidden[:, 0], weight[shard], tm, group, temperature=0.7, **kw)
     return {"nemo_rl": [float(not torch.equal(one, many)), 0.0],
+            "nemo_rl_packed": [float(not torch.equal(p_one, p_many)), 0.0],
+            "miles_true_on_policy": [float(not (torch.equal(m_one[0], m_many[0]) and torch.equal(m_one[1], m_many[1]))),
+                                     0.0],
+            "miles": [float(not torch.equal(n_one[0], n_many[0])), 0.0],
             "slime": [float(not (torch.equal(s_one[0], s_many[0]) and torch.equal(s_one[1], s_many[1]))), 0.0]}
 
 
@@ -336,6 +355,9 @@ def main():
         results[f"slime-exact-ref-tp{tp}"] = slime_case(torch.bfloat16, tp, group, rank, exact=True)
     if world > 1:
         results["invariant-tp1-vs-tp2"] = invariant_tp(rank, world, dist.group.WORLD)
+    run_packed_cases(results, reference, err, bounds, rank, world, singles, nemo_peer)
+    run_slime_cp_cases(results, err, bounds, rank, world, singles, slime_loss)
+    run_miles_cases(results, load, err, bounds, rank, world, singles, peers)
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:

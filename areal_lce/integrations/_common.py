@@ -107,3 +107,21 @@ def restore(module_name: str, attr: str) -> bool:
         return False
     setattr(importlib.import_module(module_name), attr, original)
     return True
+
+
+def patch_all(module_names, attr: str, new) -> list:
+    """`patch` in every module of `module_names`, none or all: on a failure the ones done are restored."""
+    done = []
+    try:
+        for name in module_names:
+            done.append(patch(name, attr, new))
+    except Exception:
+        for name in module_names:
+            restore(name, attr)
+        raise
+    return done
+
+
+def restore_all(module_names, attr: str) -> list:
+    """`restore` in every module of `module_names`; returns the restored names."""
+    return [f"{name}.{attr}" for name in module_names if restore(name, attr)]

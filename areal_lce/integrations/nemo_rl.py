@@ -72,6 +72,18 @@ def default_precision(dtype: torch.dtype, logits_precision: Optional[str], adapt
                     "rounding: pass logits_precision='fp32' (exact logits) or run the model in bf16")
 
 
+def check_vocab_range(weight, vocab_start_index: int, vocab_end_index: int, tp_group, adapter: str) -> None:
+    """NeMo-RL's [V/tp, H] weight shard and its vocab range must be megatron's equal split (the op's layout)."""
+    if not torch.is_tensor(weight) or weight.dim() != 2:
+        raise ValueError(f"{adapter}: output_weight_layer must be [V/tp, H], got {tuple(getattr(weight, 'shape', ()))}")
+    v_shard, rank = weight.shape[0], comms.group_rank(tp_group)
+    if (vocab_start_index, vocab_end_index) != (rank * v_shard, (rank + 1) * v_shard):
+        raise ValueError(f"{adapter}: vocab range [{vocab_start_index}, {vocab_end_index}) on tp rank {rank} is not "
+                         f"this rank's equal shard [{rank * v_shard}, {(rank + 1) * v_shard}) of the "
+                         f"{v_shard}-row weight: the op shards the vocabulary as megatron does (pad the "
+                         "vocabulary to a multiple of tp)")
+
+
 def _run(hidden, weight, target, vocab_start_index, vocab_end_index, tp_group, inference_only, cp_group,
          vocab_size, logits_precision, invariant, check_labels, op_options):
     """The op's LCEOutput for NeMo-RL's arguments, [S, B] per output (positions in the sequence order)."""
@@ -91,14 +103,7 @@ def _run(hidden, weight, target, vocab_start_index, vocab_end_index, tp_group, i
         raise ValueError(f"{_NAME}: target {tuple(target.shape)} must be [B, S] = [{hidden.shape[1]}, "
                          f"{hidden.shape[0]} × tp {tp}] for hidden {tuple(hidden.shape)} (the sequence-parallel "
                          "shard [S/tp, B, H] at tp > 1)")
-    if not torch.is_tensor(weight) or weight.dim() != 2:
-        raise ValueError(f"{_NAME}: output_weight_layer must be [V/tp, H], got {tuple(getattr(weight, 'shape', ()))}")
-    v_shard, rank = weight.shape[0], comms.group_rank(tp_group)
-    if (vocab_start_index, vocab_end_index) != (rank * v_shard, (rank + 1) * v_shard):
-        raise ValueError(f"{_NAME}: vocab range [{vocab_start_index}, {vocab_end_index}) on tp rank {rank} is not "
-                         f"this rank's equal shard [{rank * v_shard}, {(rank + 1) * v_shard}) of the "
-                         f"{v_shard}-row weight: the op shards the vocabulary as megatron does (pad the "
-                         "vocabulary to a multiple of tp)")
+    check_vocab_range(weight, vocab_start_index, vocab_end_index, tp_group, _NAME)
     consistency = consistency_options(invariant, default_precision(hidden.dtype, logits_precision), _NAME)
     labels = target.roll(shifts=-1, dims=-1).t().contiguous()  # [S, B]: hidden's row order
     check_no_negative_labels(labels, check_labels, tp, _NAME)

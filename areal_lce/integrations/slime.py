@@ -43,8 +43,8 @@ import torch
 from .. import comms
 from ..api import check_temperature, linear_logprobs_entropy
 from ..types import VocabParallel
-from ._common import (NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, patch,
-                      restore, token_rows)
+from ._common import (NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, patch_all,
+                      restore_all, token_rows)
 from .nemo_rl import default_precision
 
 _NAME = "areal_lce.integrations.slime.calculate_log_probs_and_entropy"
@@ -156,17 +156,12 @@ def apply(weight_fn, *, sequence_parallel: bool = False, **options) -> list:
 
     step = log_probs_step(importlib.import_module(LOSS_MODULE), weight_fn, sequence_parallel=sequence_parallel,
                           **options)
-    try:
-        return [patch(name, "get_log_probs_and_entropy", step) for name in STEP_TARGETS]
-    except Exception:
-        remove()  # none or all
-        raise
+    return patch_all(STEP_TARGETS, "get_log_probs_and_entropy", step)
 
 
 def remove() -> list:
     """Restore slime's own step where `apply()` replaced it; returns the restored names."""
-    return [f"{name}.get_log_probs_and_entropy" for name in STEP_TARGETS
-            if restore(name, "get_log_probs_and_entropy")]
+    return restore_all(STEP_TARGETS, "get_log_probs_and_entropy")
 
 
 def _hidden_out(input_, weight=None, runtime_gather_output=None):
