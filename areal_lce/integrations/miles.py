@@ -24,10 +24,13 @@ true_on_policy=True (miles' `--true-on-policy-mode`, which all-gathers the bf16 
 to vocab_size and takes a bf16 `log_softmax`): here the op with logits_precision="bf16" and invariant=True
 (each row's result independent of the TP split and the batch, no all-gather of [R, V] logits), the softmax
 over the first vocab_size ids, outputs rounded to the logits' dtype (bf16) as miles returns them. Tolerance
-against miles (tests/zero_mismatch_miles_cases.py): one bf16 ulp of the outputs, plus, at a temperature
-other than 1, one bf16 rounding of the largest |logit / temperature| (miles rounds the scaled logits to bf16,
-the op the unscaled ones); gradients 2⁻⁸ per bf16 rounding on either side. fp16 models are refused (the op
-has no fp16 rounding).
+against miles (tests/zero_mismatch_miles_cases.py): one bf16 rounding of the outputs on each side (2⁻⁷
+relative; the entropy 2⁻⁶, miles' bf16 exp, products and sum), plus, at a temperature other than 1, one
+bf16 rounding of the largest |logit / temperature| (miles rounds the scaled logits to bf16, the op the
+unscaled ones); gradients: the op's own bf16 bound plus 2⁻⁸ per bf16 rounding in miles' backward (its
+logits gradient: once in normal mode, megatron's fused cross entropy returning it in bf16; twice for the
+true-on-policy logprob; five times the bounded terms of its bf16 entropy backward). fp16 models are
+refused (the op has no fp16 rounding).
 
 The log-prob step: `log_probs_step(weight_fn)` is miles' `get_log_probs_and_entropy` on the last stage's
 hidden states ([1, T, H] THD or [B, S, H] BSHD, full sequence: sequence parallel is refused, as miles'
