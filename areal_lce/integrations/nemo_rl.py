@@ -38,7 +38,8 @@ Differences, refused or stated:
   - context parallelism (cp_group of > 1 rank): refused, as NeMo-RL refuses it (its config check and assert):
     its signature has no cu_seqlens or CP layout to undo. Packed sequences: NeMo-RL's config refuses them with
     the fused path; this drop-in would treat a packed [1, T] row as one sequence (targets rolled across
-    sequence boundaries, as NeMo-RL's own function does), which is the caller's to avoid.
+    sequence boundaries, as NeMo-RL's own function does). Both go through the second seam,
+    `areal_lce.integrations.nemo_rl_packed` (NeMo-RL's packed signature with cu_seqlens and cp_group).
   - a target outside [0, tp·V/tp): NeMo-RL silently scores 0; here it is a bad label (`check_labels`).
   - tp_group=None: unsharded weight (NeMo-RL would use the default world group).
 Entropy: `from_parallel_hidden_states_to_logprobs_and_entropy` (same arguments) returns (logprobs, entropy),
@@ -92,7 +93,8 @@ def _run(hidden, weight, target, vocab_start_index, vocab_end_index, tp_group, i
     if cp > 1:
         raise NotImplementedError(f"{_NAME}: context parallelism (cp_group of {cp} ranks) "
                                   "is not supported by NeMo-RL's fused linear-logprobs seam: its signature has no "
-                                  "CP layout or cu_seqlens to undo the load-balanced split (NeMo-RL asserts the same)")
+                                  "CP layout or cu_seqlens to undo the load-balanced split (NeMo-RL asserts the same); "
+                                  "use areal_lce.integrations.nemo_rl_packed, which takes cu_seqlens_padded and cp_group")
     if not torch.is_tensor(hidden) or hidden.dim() != 3:
         raise ValueError(f"{_NAME}: tensor_parallel_hidden_states must be [S/tp, B, H], got "
                          f"{tuple(getattr(hidden, 'shape', ()))}")
