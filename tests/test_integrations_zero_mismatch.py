@@ -224,7 +224,7 @@ def test_tp2_matches_reference_and_is_invariant():
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.skipif(not peers_present(), reason=f"NeMo-RL / slime snapshot files not in {PEERS} (no network in CI; "
+@pytest.mark.skipif(not peers_present(), reason=f"NeMo-RL / slime / miles snapshot files not in {PEERS} (no network in CI; "
                     "docs/integrations.md 'Validation against the real code' says how to extract them)")
 def test_matches_the_stacks_real_functions():
     # NeMo-RL's and slime's own functions, loaded by path in the ranks: outputs and gradients, TP=1 and TP=2;
