@@ -1,18 +1,20 @@
 """The materialised route: per-token logprobs/entropy/stats from logits that already exist.
 
 This is what a model that runs its LM-head GEMM (Megatron's output layer, an HF lm_head) feeds into:
-vocab-parallel logits [..., V_shard] in, the same `LCEOutput` as the fused op out, differentiated by
-torch autograd (so memory holds the fp32 logits and softmax of every token). The fused op must match
-it; the Megatron engine uses it when `use_fused_linear_ce` is off.
+vocab-parallel logits [..., V_shard] in, the same `LCEOutput` as the fused op out. The logits stay in the
+dtype their GEMM produced; `materialised_lean.LeanLogprobsEntropy` reduces them block by block in fp32
+(no fp32 copy of the [N, V] logits or their softmax) and writes d_logits once in backward. The fused op
+must match it; the Megatron engine uses it when `use_fused_linear_ce` is off (the RL jobs).
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
 from . import checks, comms, exact
 from .checks import inv_temperature
+from .materialised_lean import LeanLogprobsEntropy, LeanParams, block_rows
 from .types import LCEOutput, LCEParams, VocabParallel
 
 
@@ -41,34 +43,25 @@ def _exact_values(raw, y, it, start: int, valid_cols: int, ignore_index: int, tp
     return fin.lp, fin.ent, fin.mx, fin.mn, fin.lse
 
 
-def logprobs_entropy_from_logits(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    temperature: Union[float, torch.Tensor] = 1.0,
-    ignore_index: int = -100,
-    vocab_size: Optional[int] = None,
-    tp_group=None,
-    invariant: Optional[bool] = None,
-    logits_precision: str = "fp32",
-    check_labels: Union[bool, str] = True,
-) -> LCEOutput:
-    """logits [..., V_shard] (this rank's vocab shard under tp_group), labels [...] global ids.
+class _Call(NamedTuple):
+    """One call's checked options (`checked_call`)."""
+    tp: int
+    vocab_size: int
+    invariant: bool
+    start: int  # global id of this shard's first column
+    valid_cols: int  # columns of this shard below vocab_size
+    inv_t_scalar: Optional[float]
+    inv_t: Optional[torch.Tensor]  # [N] fp32 on labels' device, or None
+    bad: Optional[torch.Tensor]  # check_labels="deferred": the bad labels' mask, shaped like labels
 
-    logits_precision: "fp32" takes the logits as given (upcast to fp32); "bf16" rounds each to bf16 first,
-    as the fused op's option does (the rounding's gradient is identity). invariant=True: each row's values
-    do not depend on the other rows or on the TP degree (exact.py's segment sums, three more passes over
-    the logits; the gradient is the ordinary one, through torch autograd); None (default): off. The contract
-    covers these reductions given the logits: logits a model computes for a whole batch carry the batch
-    dependence of that GEMM. check_labels as the op's (a label outside [0, vocab_size) that is not
-    ignore_index raises, or with "deferred" gives NaN and check_deferred() raises).
 
-    Returns fp32 logprobs, entropy (differentiable w.r.t. logits) and max_logit, min_logit (raw), lse
-    (tempered), all 0 at ignore_index rows. Collectives under tp_group: MAX of the per-token max/min
-    (no gradient), SUM of exp-sums, weighted logit sums and the label logit (identity backward).
-    """
+def checked_call(logits, labels, temperature, ignore_index, vocab_size, tp_group, invariant, logits_precision,
+                 check_labels) -> _Call:
+    """Checks the materialised route's arguments once (both implementations take them this way)."""
     if tuple(logits.shape[:-1]) != tuple(labels.shape):
         raise ValueError(f"logits leading shape {tuple(logits.shape[:-1])} must equal labels {tuple(labels.shape)}")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating-point tensor, got {logits.dtype}")
     from .checks import check_invariant_layout, check_logits_precision, resolve_invariant
 
     check_logits_precision(logits_precision)
@@ -81,62 +74,74 @@ def logprobs_entropy_from_logits(
         invariant = check_invariant_layout(v_shard, tp, vocab_size, asked)
     start = comms.group_rank(tp_group) * v_shard
     valid_cols = max(0, min(v_shard, vocab_size - start))
-    raw = logits.float()[..., :valid_cols]
-    if logits_precision == "bf16":  # straight through: the values are the rounded ones, the gradient identity
-        raw = raw + (raw.to(torch.bfloat16).float() - raw).detach()
     inv_t_scalar, inv_t = inv_temperature(temperature, labels)
     bad = None
     mode = checks.resolve_mode(check_labels, logits.device)
     if mode == "sync":
-        checks.check_now(labels.reshape(-1), None if inv_t is None else inv_t.reshape(-1), vocab_size, ignore_index)
+        checks.check_now(labels.reshape(-1), inv_t, vocab_size, ignore_index)
     elif mode == "deferred":
-        bad = checks.record(labels.reshape(-1), None if inv_t is None else inv_t.reshape(-1), vocab_size,
-                            ignore_index).view(labels.shape)
-    it = inv_t_scalar if inv_t is None else inv_t.to(raw.device).view(labels.shape)[..., None]
-    z = raw * it
-    with torch.no_grad():
-        # MAX over the group of the raw [max, -min]: global max and min logit, no gradient needed.
-        if valid_cols:
-            mm = torch.stack([raw.max(-1).values, -raw.min(-1).values])
-        else:
-            mm = torch.full((2,) + tuple(z.shape[:-1]), float("-inf"), device=z.device)
-        comms.all_reduce_max_(mm, tp_group)
-        big_mx, mn = mm[0], -mm[1]
-        big_m = big_mx * (it[..., 0] if torch.is_tensor(it) else it)  # softmax shift: the max of z, exactly
-    e = torch.exp(z - big_m[..., None])
-    # SUM: full-vocab exp-sum; its gradient is summed too (every rank's own log-probs use lse)
-    s = comms.all_reduce_sum_partial_grad(e.sum(-1), tp_group)
-    lse = big_m + torch.log(s)
-    logp = z - lse[..., None]
-    p = torch.exp(logp)
-    plogp = comms.all_reduce_sum_replicated_grad((p * logp).sum(-1), tp_group)  # SUM: Σ p log p
-    y = labels.to(torch.int64)
-    valid = y != ignore_index
-    local = y - start
-    own = (local >= 0) & (local < valid_cols) & valid
-    if valid_cols:
-        picked = logp.gather(-1, local.clamp(0, valid_cols - 1)[..., None]).squeeze(-1)
-    else:
-        # A shard of padding only owns no label; its 0 is still taken through lse, so that this rank's
-        # backward reaches the exp-sum's SUM collective exactly as the other ranks' backward does.
-        picked = logp.sum(-1)
-    lp = comms.all_reduce_sum_replicated_grad(torch.where(own, picked, torch.zeros_like(picked)), tp_group)
-    ent = -plogp
+        bad = checks.record(labels.reshape(-1), inv_t, vocab_size, ignore_index).view(labels.shape)
+    return _Call(tp, vocab_size, bool(invariant), start, valid_cols, inv_t_scalar, inv_t, bad)
+
+
+def logprobs_entropy_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: Union[float, torch.Tensor] = 1.0,
+    ignore_index: int = -100,
+    vocab_size: Optional[int] = None,
+    tp_group=None,
+    invariant: Optional[bool] = None,
+    logits_precision: str = "fp32",
+    check_labels: Union[bool, str] = True,
+    return_logit_sums: bool = False,
+) -> LCEOutput:
+    """logits [..., V_shard] (this rank's vocab shard under tp_group, any float dtype: kept as given),
+    labels [...] global ids.
+
+    logits_precision: "fp32" takes the logits as given (reduced in fp32); "bf16" rounds each to bf16 first,
+    as the fused op's option does (the rounding's gradient is identity; a no-op on bf16 logits).
+    invariant=True: each row's values do not depend on the other rows or on the TP degree (exact.py's
+    segment sums over a transient fp32 copy of the logits, three more passes; the gradient is the ordinary
+    one); None (default): off. The contract covers these reductions given the logits: logits a model
+    computes for a whole batch carry the batch dependence of that GEMM. check_labels as the op's (a label
+    outside [0, vocab_size) that is not ignore_index raises, or with "deferred" gives NaN and
+    check_deferred() raises). return_logit_sums: also sum_logit (differentiable) and sumsq_logit.
+
+    Returns fp32 logprobs, entropy, lse (tempered; differentiable w.r.t. logits) and max_logit, min_logit
+    (raw), all 0 at ignore_index rows, whose logits get an exact 0 gradient; columns >= vocab_size are
+    padding (excluded, 0 gradient). Collectives under tp_group, forward only: MAX of the per-token
+    [max, -min], then one SUM of the packed shard partials (`LeanLogprobsEntropy`).
+    """
+    c = checked_call(logits, labels, temperature, ignore_index, vocab_size, tp_group, invariant, logits_precision,
+                     check_labels)
+    tp, v_shard, start, valid_cols = c.tp, logits.shape[-1], c.start, c.valid_cols
+    invariant, inv_t_scalar, inv_t, bad = c.invariant, c.inv_t_scalar, c.inv_t, c.bad
+    shape = labels.shape
+    x = logits.reshape(-1, v_shard)
+    y = labels.reshape(-1).to(device=logits.device, dtype=torch.int64)
+    inv_t = None if inv_t is None else inv_t.to(logits.device)
+    params = LeanParams(inv_t=1.0 if inv_t_scalar is None else inv_t_scalar, start=start, valid_cols=valid_cols,
+                        ignore_index=ignore_index, tp_group=tp_group if tp > 1 else None,
+                        round_bf16=logits_precision == "bf16", logit_sums=bool(return_logit_sums),
+                        rows_per_block=block_rows(valid_cols))
+    outs = [t.view(shape) for t in LeanLogprobsEntropy.apply(x, y, inv_t, params)]
+    lp, ent, mx, mn, lse = outs[:5]
     if invariant:
         with torch.no_grad():
-            shape = labels.shape
-            ex = _exact_values(raw.detach().reshape(y.numel(), valid_cols), y.reshape(-1),
-                               it.reshape(-1) if torch.is_tensor(it) else it, start, valid_cols, ignore_index,
-                               tp_group)
-            ex = [t.view(shape) for t in ex]
-        # the exact values, with the ordinary graph's gradient (x - x.detach() adds exactly 0)
-        lp = ex[0] + (lp - lp.detach())
-        ent = ex[1] + (ent - ent.detach())
-        big_mx, mn, lse = ex[2], ex[3], ex[4]
+            raw = x.detach()[:, :valid_cols].float()
+            if logits_precision == "bf16":
+                raw = raw.to(torch.bfloat16).float()
+            ex = _exact_values(raw, y, inv_t_scalar if inv_t is None else inv_t, start, valid_cols, ignore_index,
+                               params.tp_group)
+            del raw
+            valid = (y != ignore_index).view(shape)
+            ex = [torch.where(valid, t.view(shape), 0.0) for t in ex]
+        # the exact values, with the lean graph's gradient (x - x.detach() adds exactly 0)
+        lp, ent, lse = (ex[0] + (lp - lp.detach()), ex[1] + (ent - ent.detach()), ex[4] + (lse - lse.detach()))
+        mx, mn = ex[2], ex[3]
     if bad is not None:
         lp = lp.masked_fill(bad, float("nan"))
-    zero = torch.zeros_like(lse)
-    return LCEOutput(
-        torch.where(valid, lp, zero), torch.where(valid, ent, zero),
-        torch.where(valid, big_mx, zero).detach(), torch.where(valid, mn, zero).detach(),
-        torch.where(valid, lse, zero).detach())
+    sums = dict(sum_logit=outs[5], sumsq_logit=outs[6]) if return_logit_sums else {}
+    return LCEOutput(lp, ent, mx, mn, lse, **sums)

@@ -41,6 +41,8 @@ for job in "$@"; do
           ${ROUTES:+--routes $ROUTES} ${ROPE:+--rope-fusion $ROPE} ${GRAPHS:+--model-graphs $GRAPHS} \
           ${COMPACT:+--compact-ignored $COMPACT} --out "$W" ;;
     bench_invariant) run bench_invariant 480 python3 -m benchmark.bench_invariant --rounds ${ROUNDS:-5} --out "$W" ;;
+    bench_materialised) run bench_materialised 420 python3 -m benchmark.bench_materialised --rounds ${ROUNDS:-3} \
+          --lean-blocks ${LEAN_BLOCKS:-4194304,8388608,67108864} --out "$W" ;;
     bench_select) run bench_select 500 python3 -m benchmark.bench_select --rounds ${ROUNDS:-3} --out "$W" ;;
     gpu_tests) run gpu_tests 400 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_capture.py \
           tests/test_checkpoint_integrity.py tests/test_gpu_generate.py -x ;;
