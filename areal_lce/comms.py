@@ -51,6 +51,11 @@ def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def group_backend(group) -> Optional[str]:
+    """The collective backend of `group` ("nccl", "gloo", ...), None without a group."""
+    return None if group is None else str(dist.get_backend(group))
+
+
 def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 

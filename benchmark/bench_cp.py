@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from areal_lce.megatron.microbatch import MicroBatch
+from areal_lce.engine.microbatch import MicroBatch
 
 from .harness import run_meta, sync, write_json
 
@@ -38,8 +38,8 @@ def main():
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
 
-    from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
-    from areal_lce.megatron.engine import MegatronEngine
+    from areal_lce.engine.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
+    from areal_lce.engine.engine import MegatronEngine
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = EngineConfig(model=ModelConfig(preset=args.preset, max_seq_len=args.seq,

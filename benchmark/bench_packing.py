@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from areal_lce.megatron.microbatch import MicroBatch
+from areal_lce.engine.microbatch import MicroBatch
 
 from .harness import run_meta, sync, write_json
 
@@ -54,8 +54,8 @@ def make_steps(args, vocab: int, micro_batch: int):
 
 
 def build(args, fused: bool, pack: bool, trainable: bool = True):
-    from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig
-    from areal_lce.megatron.engine import MegatronEngine
+    from areal_lce.engine.config import EngineConfig, ModelConfig, OptimConfig
+    from areal_lce.engine.engine import MegatronEngine
 
     cfg = EngineConfig(model=ModelConfig(preset=args.preset, max_seq_len=args.prompt_len + args.max_response),
                        optim=OptimConfig(lr=1e-6, clip_grad=1.0), use_fused_linear_ce=fused, pack_sequences=pack,
@@ -121,8 +121,8 @@ def run(args, job: str, fused: bool, pack: bool) -> dict:
 
 
 def vocab_of(args) -> int:
-    from areal_lce.megatron.config import ModelConfig
-    from areal_lce.megatron.model import resolve_arch
+    from areal_lce.engine.config import ModelConfig
+    from areal_lce.engine.model.builder import resolve_arch
 
     return resolve_arch(ModelConfig(preset=args.preset)).vocab_size
 

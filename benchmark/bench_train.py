@@ -25,14 +25,14 @@ import time
 
 import torch
 
-from areal_lce.megatron.microbatch import MicroBatch
+from areal_lce.engine.microbatch import MicroBatch
 
 from .harness import run_meta, sync, write_json
 
 
 def _engine(args, fused: bool, trainable: bool = True):
-    from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig
-    from areal_lce.megatron.engine import MegatronEngine
+    from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig
+    from areal_lce.engine.engine import MegatronEngine
 
     cfg = EngineConfig(
         model=ModelConfig(preset=args.preset, dtype="auto", max_seq_len=max(args.seq, 64),
@@ -223,7 +223,7 @@ def main():
     meta = run_meta(args=vars(args), world=int(os.environ.get("WORLD_SIZE", "1")))
     seq = args.seq if args.job == "sft" else args.prompt_len + args.new_tokens
     n_tok = args.micro_batch * seq
-    from areal_lce.megatron.model import padded_vocab_size  # noqa: F401  (documented padding rule)
+    from areal_lce.engine.model.builder import padded_vocab_size  # noqa: F401  (documented padding rule)
     print(f"\n{args.job} {args.preset} tp={args.tp} sp={args.sp} seq={args.seq} micro_batch={args.micro_batch} "
           f"x{args.micro_batches} rope_fusion={args.rope_fusion} model_graphs={args.model_graphs} on {meta['device']} (git {meta['git_sha']})")
     for r in results:

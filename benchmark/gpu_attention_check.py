@@ -1,4 +1,4 @@
-"""GPU check of the engine's core attention (areal_lce/megatron/attention.py) on one CUDA device.
+"""GPU check of the engine's core attention (areal_lce/engine/model/attention.py) on one CUDA device.
 
     pip install --no-deps megatron-core==0.19.2     # the GPU image has none (a cp312 wheel will do)
     python -m benchmark.gpu_attention_check --out DIR
@@ -44,7 +44,7 @@ def _time(fn, iters=10):
 def timing():
     # imported here: the tests run first and their conftest must set the poisoning switch before
     # areal_lce loads
-    from areal_lce.megatron.attention import causal_varlen_attention, make_segments
+    from areal_lce.engine.model.attention import causal_varlen_attention, make_segments
 
     g = torch.Generator().manual_seed(2)
     lengths = torch.randint(64, 2049, (16,), generator=g).tolist()

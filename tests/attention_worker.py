@@ -36,8 +36,8 @@ def init_parallel(cp: int, tp: int = 1, seed: int = 1234) -> None:
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
-    from areal_lce.megatron.config import ParallelConfig
-    from areal_lce.megatron.parallel import init_distributed
+    from areal_lce.engine.config import ParallelConfig
+    from areal_lce.engine.parallel import init_distributed
 
     if not dist.is_initialized():
         init_distributed(ParallelConfig(), seed)
@@ -54,8 +54,8 @@ def init_parallel(cp: int, tp: int = 1, seed: int = 1234) -> None:
 def build_tiny(cp: int, state=None, tp: int = 1, sp: bool = False):
     """The `tiny` preset (Qwen2-shaped: 4 heads / 2 KV heads, RoPE, untied) as a GPTModel of the local
     spec with SDPAttention, context-parallel size `cp` (parallel state already initialised)."""
-    from areal_lce.megatron import model as M
-    from areal_lce.megatron.config import ModelConfig
+    from areal_lce.engine.model import builder as M
+    from areal_lce.engine.config import ModelConfig
 
     cfg = ModelConfig(preset="tiny", max_seq_len=64)
     par = types.SimpleNamespace(tensor_parallel=tp, pipeline_parallel=1, sequence_parallel=sp, context_parallel=cp)
@@ -223,7 +223,7 @@ def refusal_case() -> dict:
     """SDPAttention under CP refuses a cp_comm_type it does not implement, naming the option."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from areal_lce.megatron.attention import SDPAttention
+    from areal_lce.engine.model.attention import SDPAttention
 
     init_parallel(2)
     config = build_tiny(2).config

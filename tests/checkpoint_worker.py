@@ -26,8 +26,8 @@ VOCAB, SEQ, GLOBAL_BATCH = 259, 16, 4
 
 
 def engine(tp: int, pp: int, seed: int):
-    from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
-    from areal_lce.megatron.engine import MegatronEngine
+    from areal_lce.engine.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
+    from areal_lce.engine.engine import MegatronEngine
 
     model = ModelConfig(preset="tiny", max_seq_len=32, num_layers=2, tie_word_embeddings=True)
     cfg = EngineConfig(model=model,
@@ -39,7 +39,7 @@ def engine(tp: int, pp: int, seed: int):
 def steps(e, first: int, n: int) -> list:
     """Train steps `first`..`first+n-1` on the global batch of each step (this rank's data-parallel share,
     in micro-batches of two sequences at most); the losses."""
-    from areal_lce.megatron import MicroBatch
+    from areal_lce.engine import MicroBatch
 
     dp, rank = e.dist.dp_size, e.dist.dp_rank
     losses = []
@@ -58,7 +58,7 @@ def gathered(e) -> dict:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
 
-    from areal_lce.megatron import sharded
+    from areal_lce.engine import sharded
     from areal_lce.megatron.compat import cpu_shims
 
     with cpu_shims():

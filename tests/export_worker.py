@@ -20,9 +20,9 @@ import torch
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
-from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
-from areal_lce.megatron.microbatch import MicroBatch  # noqa: E402
+from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from areal_lce.engine.engine import MegatronEngine  # noqa: E402
+from areal_lce.engine.microbatch import MicroBatch  # noqa: E402
 
 VOCAB = 300  # megatron pads it to 384 (and at TP=2 too): the export must cut the embedding and LM head back
 

@@ -28,15 +28,15 @@ def megatron_on_cpu():
 
 
 def padded_vocab(tp: int) -> int:
-    from areal_lce.megatron.model import padded_vocab_size
+    from areal_lce.engine.model.builder import padded_vocab_size
 
     return padded_vocab_size(VOCAB, 128, tp)
 
 
 def init(tp: int = 1, sp: bool = False, seed: int = 1234):
     """torch.distributed (gloo on CPU) + megatron's parallel_state for TP=tp, seeded."""
-    from areal_lce.megatron.config import ParallelConfig
-    from areal_lce.megatron.parallel import init_distributed
+    from areal_lce.engine.config import ParallelConfig
+    from areal_lce.engine.parallel import init_distributed
 
     return init_distributed(ParallelConfig(tensor_parallel=tp, sequence_parallel=sp), seed)
 
@@ -50,8 +50,8 @@ def build_gpt(tp: int = 1, sp: bool = False, tied: bool = False, mtp_layers: int
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from areal_lce.megatron.attention import SDPAttention
-    from areal_lce.megatron.model import _local_rms_norm_class
+    from areal_lce.engine.model.attention import SDPAttention
+    from areal_lce.engine.model.builder import _local_rms_norm_class
 
     init(tp, sp, seed)
     cfg = TransformerConfig(

@@ -49,8 +49,8 @@ def build_hybrid(tp: int = 1, sp: bool = False, tied: bool = False, pattern: str
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    from areal_lce.megatron.attention import SDPAttention
-    from areal_lce.megatron.model import _local_rms_norm_class
+    from areal_lce.engine.model.attention import SDPAttention
+    from areal_lce.engine.model.builder import _local_rms_norm_class
 
     G.init(tp, sp, seed)
     norm = _local_rms_norm_class()  # marks its weight sequence_parallel, as megatron's fused norms are

@@ -18,9 +18,9 @@ import torch
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from areal_lce.megatron.microbatch import MicroBatch  # noqa: E402
-from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
-from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
+from areal_lce.engine.microbatch import MicroBatch  # noqa: E402
+from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from areal_lce.engine.engine import MegatronEngine  # noqa: E402
 
 GREEDY_PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]]
 GREEDY_TOKENS = 5
@@ -258,7 +258,7 @@ def kv_case() -> dict:
     """Generation through the KV cache vs full recompute (fp32): greedy and seeded sampling, prompts of
     1-8 tokens, sequences stopping at EOS, at TP=2 (sequence parallel off and on) and PP=2. Tokens must be
     identical between the routes and across ranks, and finished sequences must leave the decode batch."""
-    from areal_lce.megatron import decode as D
+    from areal_lce.engine.generation import decode as D
 
     batches, real = [], D.CachedSteps._forward
 

@@ -54,7 +54,7 @@ def megatron_ce_spy():
 
 def sft_microbatches(seed: int = 0, n: int = 2, b: int = 3, s: int = 14):
     """Right-padded rows with a prompt (no target), a response (targets) and padding, random ids."""
-    from areal_lce.megatron.microbatch import MicroBatch
+    from areal_lce.engine.microbatch import MicroBatch
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -74,8 +74,8 @@ def parity(tp: int = 1, sp: bool = False, pack: bool = True, fusions=(False,), *
     `model.cross_entropy_loss_fusion` of `fusions`, all engines on the fused engine's parameters.
     `parallel`: further ParallelConfig fields (context_parallel=2, pipeline_parallel=2)."""
     from areal_lce.megatron.compat import cpu_shims
-    from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig
-    from areal_lce.megatron.engine import MegatronEngine
+    from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig
+    from areal_lce.engine.engine import MegatronEngine
     from areal_lce.train.losses import SFTLoss
     from areal_lce.train.rl import _copy_parameters
 

@@ -167,8 +167,8 @@ def stall() -> dict:
 
     from megatron.core import parallel_state as mpu
 
-    from areal_lce.megatron.config import ParallelConfig
-    from areal_lce.megatron.parallel import barrier_world, init_distributed
+    from areal_lce.engine.config import ParallelConfig
+    from areal_lce.engine.parallel import barrier_world, init_distributed
 
     # Re-create the process group through the engine's own start-up, with the short timeout, on a fresh
     # rendezvous store (the torchrun agent's store still holds the destroyed groups' addresses).

@@ -35,8 +35,8 @@ def fixed_rollout(vocab: int, seed: int = 0, batch: int = 8):
 
 def route_parity(tp: int = 1, temperature: float = 0.7) -> dict:
     """Max relative differences (loss, grads) fused vs materialised for each loss_agg; asserts inside."""
-    from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
-    from areal_lce.megatron.engine import MegatronEngine
+    from areal_lce.engine.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
+    from areal_lce.engine.engine import MegatronEngine
     from areal_lce.train.rl import _copy_parameters, minibatch_plan
     from areal_lce.train.rl_config import RLConfig
     from areal_lce.train.rl_losses import PolicyMicroBatch, rl_loss

@@ -24,7 +24,7 @@ from gpt_builder import megatron_on_cpu  # noqa: E402,F401  (autouse: megatron-c
 from helpers.launch import torchrun  # noqa: E402
 
 from areal_lce.megatron import context_parallel as CP  # noqa: E402
-from areal_lce.megatron.attention import (  # noqa: E402
+from areal_lce.engine.model.attention import (  # noqa: E402
     SDPAttention,
     causal_varlen_attention,
     make_segments,
@@ -141,8 +141,8 @@ def _attention():
     A.init_parallel(1)
     from megatron.core.transformer.enums import AttnMaskType
 
-    from areal_lce.megatron import model as M
-    from areal_lce.megatron.config import ModelConfig, ParallelConfig
+    from areal_lce.engine.model import builder as M
+    from areal_lce.engine.config import ModelConfig, ParallelConfig
 
     cfg = M.build_transformer_config(M.resolve_arch(ModelConfig(preset="tiny")), ParallelConfig(), torch.float32)
     return SDPAttention(cfg, 1, AttnMaskType.causal)

@@ -76,7 +76,7 @@ def test_bad_cache_bytes_is_named(bad):
 
 
 def test_engine_option_accepts_auto():
-    from areal_lce.megatron.config import EngineConfig, LCEConfig
+    from areal_lce.engine.config import EngineConfig, LCEConfig
     from areal_lce.train.config import ConfigError, JobConfig, load_config
 
     assert EngineConfig(lce=LCEConfig(cache_bytes="auto")).lce.cache_bytes == "auto"

@@ -58,9 +58,9 @@ def _tree(root: Path) -> dict:
 @pytest.fixture(scope="module")
 def engine_ckpt(tmp_path_factory):
     """A tiny CPU engine after one step, saved (sealed) once; each test copies the directory."""
-    from areal_lce.megatron import MicroBatch
-    from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig
-    from areal_lce.megatron.engine import MegatronEngine
+    from areal_lce.engine import MicroBatch
+    from areal_lce.engine.config import EngineConfig, ModelConfig, OptimConfig
+    from areal_lce.engine.engine import MegatronEngine
 
     cfg = EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=32, num_layers=1), optim=OptimConfig(lr=1e-2))
     e = MegatronEngine(cfg, vocab_size=200)
@@ -130,9 +130,9 @@ def test_engine_files_load_only_when_they_match_the_manifest(engine_ckpt, tmp_pa
 
 
 def test_a_model_that_does_not_fit_is_named_not_taken_for_damage(engine_ckpt):
-    from areal_lce.megatron.config import EngineConfig, ModelConfig
-    from areal_lce.megatron.engine import MegatronEngine
-    from areal_lce.megatron.state import CheckpointMismatch
+    from areal_lce.engine.config import EngineConfig, ModelConfig
+    from areal_lce.engine.engine import MegatronEngine
+    from areal_lce.engine.state import CheckpointMismatch
 
     _e, cfg, saved = engine_ckpt
     other = MegatronEngine(cfg, vocab_size=300)  # padded vocabulary 384 rows instead of 256
@@ -148,9 +148,9 @@ def test_a_model_that_does_not_fit_is_named_not_taken_for_damage(engine_ckpt):
 def test_model_weights_alone_and_the_previous_per_rank_format(engine_ckpt, tmp_path):
     """load_weights (a frozen engine: a teacher, an export) reads the weights and nothing else; a directory of
     the previous per-rank format loads at its own layout and is refused, naming the format, at another."""
-    from areal_lce.megatron.config import EngineConfig
-    from areal_lce.megatron.engine import MegatronEngine
-    from areal_lce.megatron.state import CheckpointMismatch, rng_states
+    from areal_lce.engine.config import EngineConfig
+    from areal_lce.engine.engine import MegatronEngine
+    from areal_lce.engine.state import CheckpointMismatch, rng_states
 
     e, cfg, saved = engine_ckpt
     frozen = MegatronEngine(EngineConfig(model=cfg.model, seed=99), vocab_size=200, trainable=False)
@@ -181,7 +181,7 @@ def test_model_weights_alone_and_the_previous_per_rank_format(engine_ckpt, tmp_p
 
 
 def test_saved_state_is_checked_for_weights_only_loading():
-    from areal_lce.megatron.state import check_plain
+    from areal_lce.engine.state import check_plain
 
     check_plain({"a": [torch.ones(2), (1, 2.0, "x", None)], "b": {0: torch.float32}})
     with pytest.raises(TypeError, match=r"state\['opt'\]\[1\] is a .*_Payload"):
@@ -336,9 +336,9 @@ def test_metrics_are_never_truncated_in_place(tmp_path, monkeypatch):
 def test_gpu_mixed_precision_optimizer_state_round_trips_weights_only(tmp_path):
     """bf16 engine: megatron's Float16 optimizer (fp32 master weights, Adam moments) saved as sharded tensors
     and reloaded; the reloaded engine's next step equals the original's."""
-    from areal_lce.megatron import MicroBatch
-    from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig
-    from areal_lce.megatron.engine import MegatronEngine
+    from areal_lce.engine import MicroBatch
+    from areal_lce.engine.config import EngineConfig, ModelConfig, OptimConfig
+    from areal_lce.engine.engine import MegatronEngine
 
     def loss(stats, mb):
         return -stats.logprobs.mean(), {}
@@ -350,7 +350,7 @@ def test_gpu_mixed_precision_optimizer_state_round_trips_weights_only(tmp_path):
     assert a.megatron_optimizer, "expected megatron's optimizer on CUDA"
     a.train_step(batches[0], loss)
     a.save(str(tmp_path / "engine"))
-    from areal_lce.megatron.sharded import read_metadata, saved_shapes
+    from areal_lce.engine.sharded import read_metadata, saved_shapes
 
     keys = saved_shapes(read_metadata(str(tmp_path / "engine" / "sharded")))
     assert any(k.startswith("optimizer.state.fp32_param.") for k in keys), sorted(keys)

@@ -13,11 +13,11 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from areal_lce.megatron import batch as B  # noqa: E402
+from areal_lce.engine import batch as B  # noqa: E402
 from areal_lce.megatron import capture  # noqa: E402
-from areal_lce.megatron import graphs as G  # noqa: E402
-from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig  # noqa: E402
-from areal_lce.megatron.microbatch import MicroBatch  # noqa: E402
+from areal_lce.engine import graphs as G  # noqa: E402
+from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig  # noqa: E402
+from areal_lce.engine.microbatch import MicroBatch  # noqa: E402
 from areal_lce.train.config import JobConfig  # noqa: E402
 from areal_lce.train.config_io import load_config  # noqa: E402
 
@@ -107,7 +107,7 @@ def test_config_validation():
 
 
 def _engine(option, fused=True):
-    from areal_lce.megatron.engine import MegatronEngine
+    from areal_lce.engine.engine import MegatronEngine
 
     cfg = EngineConfig(model=ModelConfig(preset="tiny", dtype="fp32", max_seq_len=256), optim=OptimConfig(lr=1e-3),
                        use_fused_linear_ce=fused, lce=LCEConfig(backend="torch", compact_ignored=option), seed=5)

@@ -165,7 +165,7 @@ OLD_SPELLINGS = [("lce_backend", "backend", "torch", "torch"), ("lce_cache_bytes
 @pytest.mark.parametrize("old, new, text, value", OLD_SPELLINGS, ids=[o[0] for o in OLD_SPELLINGS])
 @pytest.mark.parametrize("where", ["yaml", "override", "python"])
 def test_old_lce_spelling_warns_naming_the_new_key_and_still_works(tmp_path, where, old, new, text, value):
-    from areal_lce.megatron.config import EngineConfig
+    from areal_lce.engine.config import EngineConfig
 
     with pytest.warns(FutureWarning, match=rf"engine\.{old} is deprecated.*engine\.lce\.{new}"):
         if where == "yaml":

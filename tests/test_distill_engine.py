@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig
-from areal_lce.megatron.engine import MegatronEngine
-from areal_lce.megatron.microbatch import MicroBatch
+from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig
+from areal_lce.engine.engine import MegatronEngine
+from areal_lce.engine.microbatch import MicroBatch
 
 VOCAB, K = 259, 5
 # fp32 on CPU; the packed and padded calls run the same rows through differently shaped GEMMs and attention

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_lce.megatron.config import EngineConfig
+from areal_lce.engine.config import EngineConfig
 from areal_lce.train.distill_config import DistillConfig, check_rl_for_distill
 from areal_lce.train.distill_loss import TAIL_FLOOR, DistillMicroBatch, distill_loss, forward_kl_topk
 from areal_lce.train.rl_config import RLConfig

@@ -16,10 +16,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import megatron_worker as W  # noqa: E402
 from test_megatron_capture import worker_results  # noqa: E402
 
-from areal_lce.megatron.microbatch import MicroBatch  # noqa: E402
-from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig  # noqa: E402
-from areal_lce.megatron.engine import MegatronEngine, lr_at  # noqa: E402
-from areal_lce.megatron.model import padded_vocab_size, resolve_arch  # noqa: E402
+from areal_lce.engine.microbatch import MicroBatch  # noqa: E402
+from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig  # noqa: E402
+from areal_lce.engine.engine import MegatronEngine, lr_at  # noqa: E402
+from areal_lce.engine.model.builder import padded_vocab_size, resolve_arch  # noqa: E402
 
 HF_ATOL = 2e-5  # fp32; Megatron and transformers differ only in attention/matmul summation order
 
@@ -266,7 +266,7 @@ def test_engine_lce_options_reach_the_head_of_either_route(monkeypatch):
 def test_per_token_rope_matches_megatrons_per_sequence_rope():
     """The packed-frequencies branch of megatron's THD RoPE (all tokens' own positions at once, what the
     engine uses) gives the same statistics as its per-sequence branch."""
-    from areal_lce.megatron.batch import per_token_rope
+    from areal_lce.engine.batch import per_token_rope
     from areal_lce.megatron.compat import cpu_shims
     from areal_lce.megatron.stats import model_output
 

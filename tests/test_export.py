@@ -25,9 +25,9 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from areal_lce.megatron.compat import cpu_shims  # noqa: E402
-from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig  # noqa: E402
-from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
-from areal_lce.megatron.model import arch_from_hf  # noqa: E402
+from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig  # noqa: E402
+from areal_lce.engine.engine import MegatronEngine  # noqa: E402
+from areal_lce.engine.model.builder import arch_from_hf  # noqa: E402
 from areal_lce.train.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
 from export_worker import VOCAB, batch, make_checkpoint, norm_grads  # noqa: E402
 
@@ -188,7 +188,7 @@ def test_export_refusals(tmp_path):
 def test_export_at_tp2_and_pp2_equals_the_tp1_export(tmp_path):
     from helpers.launch import torchrun
 
-    from areal_lce.megatron.config import ParallelConfig
+    from areal_lce.engine.config import ParallelConfig
 
     # untied Qwen2 (q/k/v biases, an LM head of its own on the last stage); the export of TP=2 + sequence
     # parallelism and of PP=2 must be bitwise the TP=1 export, which is bitwise the imported checkpoint

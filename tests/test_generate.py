@@ -24,11 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import megatron_worker as W  # noqa: E402
 from test_megatron_capture import worker_results  # noqa: E402
 
-from areal_lce.megatron import decode as D  # noqa: E402
-from areal_lce.megatron import generate as G  # noqa: E402
-from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig  # noqa: E402
-from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
-from areal_lce.megatron.kv_attention import cached_attention  # noqa: E402
+from areal_lce.engine.generation import decode as D  # noqa: E402
+from areal_lce.engine.generation import generate as G  # noqa: E402
+from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig  # noqa: E402
+from areal_lce.engine.engine import MegatronEngine  # noqa: E402
+from areal_lce.engine.model.kv_attention import cached_attention  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # 1 to 11 tokens: the longest prompt sets the cache's prompt width, the others are left-padded
@@ -284,7 +284,7 @@ def test_generate_returns_the_trainers_logprobs(kv):
 def test_sampling_follows_the_heads_logits_precision():
     """logits_precision="bf16": the sampler draws from the logits rounded to bf16, as the head computes
     them; "fp32" (and None, the op's default) from the fp32 logits as they are."""
-    from areal_lce.megatron.sampling import sampling_logits
+    from areal_lce.engine.generation.sampling import sampling_logits
 
     logits = torch.tensor([[1.0 + 2 ** -12, 3.0, -0.3]])
     assert torch.equal(sampling_logits(logits, None), logits) and torch.equal(sampling_logits(logits, "fp32"), logits)

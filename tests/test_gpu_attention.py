@@ -1,4 +1,4 @@
-"""The engine's core attention (areal_lce/megatron/attention.py) on one CUDA device (marked `gpu`: skipped
+"""The engine's core attention (areal_lce/engine/model/attention.py) on one CUDA device (marked `gpu`: skipped
 without CUDA). Needs megatron-core, as the rest of the attention tests do.
 
     python -m pytest -q -m gpu tests/test_gpu_attention.py
@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_lce.megatron.attention import causal_varlen_attention, make_segments, varlen_usable
+from areal_lce.engine.model.attention import causal_varlen_attention, make_segments, varlen_usable
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -62,9 +62,9 @@ def test_varlen_attn_matches_sdpa(name, dtype, record_property):
 def test_gpt_tiny_thd_varlen_matches_bshd(record_property):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from areal_lce.megatron import model as M
-    from areal_lce.megatron.config import ModelConfig, ParallelConfig
-    from areal_lce.megatron.parallel import init_distributed
+    from areal_lce.engine.model import builder as M
+    from areal_lce.engine.config import ModelConfig, ParallelConfig
+    from areal_lce.engine.parallel import init_distributed
 
     init_distributed(ParallelConfig(), seed=3)
     cfg = ModelConfig(preset="tiny", max_seq_len=4096)

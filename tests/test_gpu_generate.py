@@ -25,8 +25,8 @@ PROMPTS = [[5, 9, 2, 7, 1, 3, 8, 4, 6, 10, 11], [17, 3, 1], [400], [21, 22, 23, 
 @pytest.fixture(scope="module")
 def engine():
     pytest.importorskip("megatron.core")
-    from areal_lce.megatron.config import EngineConfig, ModelConfig, OptimConfig
-    from areal_lce.megatron.engine import MegatronEngine
+    from areal_lce.engine.config import EngineConfig, ModelConfig, OptimConfig
+    from areal_lce.engine.engine import MegatronEngine
 
     cfg = EngineConfig(model=ModelConfig(preset="tiny", dtype="fp32", max_seq_len=64, attention="sdpa"),
                        optim=OptimConfig(lr=0.0), pack_sequences=True)
@@ -64,7 +64,7 @@ def test_graphed_decode_matches_eager_and_recompute(engine, monkeypatch, record_
 def test_graph_replay_logits_equal_eager_step(engine):
     """One decode step at batch 8: the graph's logits equal the eager step's bitwise, and after the
     replay the cache holds what the eager step wrote (same slot, same values)."""
-    from areal_lce.megatron import decode as D
+    from areal_lce.engine.generation import decode as D
 
     gm = engine.generation_model()
     engine.model.eval()

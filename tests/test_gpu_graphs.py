@@ -34,8 +34,8 @@ STEPS = ((LAYOUTS[0], LAYOUTS[1]), (LAYOUTS[2], SHORT[0]), (SHORT[1], LAYOUTS[3]
 
 def _engines(preset: str, compact="auto"):
     pytest.importorskip("megatron.core")
-    from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig
-    from areal_lce.megatron.engine import MegatronEngine
+    from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig
+    from areal_lce.engine.engine import MegatronEngine
 
     out = {}
     for graphs in (True, False):
@@ -48,7 +48,7 @@ def _engines(preset: str, compact="auto"):
 
 
 def _batch(lengths, seed: int):
-    from areal_lce.megatron import MicroBatch
+    from areal_lce.engine import MicroBatch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 500, (len(lengths), 40), generator=g)

@@ -33,7 +33,7 @@ def _oracle(t, f):
 def test_bf16_rounding(record_property):
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-    from areal_lce.megatron.rope import FusedRotary
+    from areal_lce.engine.model.rope import FusedRotary
 
     t = torch.randn(2048, 2, 14, 64, device="cuda").bfloat16()
     f = _angles(2048, 64, start=3000)
@@ -47,7 +47,7 @@ def test_bf16_rounding(record_property):
 
 
 def test_large_angles(record_property):
-    from areal_lce.megatron.rope import FusedRotary
+    from areal_lce.engine.model.rope import FusedRotary
 
     t = torch.randn(256, 1, 4, 128, device="cuda")
     f = _angles(256, 128, start=32768 - 256, base=1e6)
@@ -57,7 +57,7 @@ def test_large_angles(record_property):
 
 
 def _fwd_bwd(t, f, up):
-    from areal_lce.megatron.rope import FusedRotary
+    from areal_lce.engine.model.rope import FusedRotary
 
     x = t.detach().requires_grad_()
     out = FusedRotary.apply(x, f)
@@ -86,7 +86,7 @@ def test_cuda_graph_replay_matches_eager(record_property):
 
 
 def test_packed_slot_is_sync_free():
-    from areal_lce.megatron.rope import fused_rope_thd
+    from areal_lce.engine.model.rope import fused_rope_thd
 
     cu = torch.tensor([0, 300, 301, 1024], dtype=torch.int32)  # host cu_seqlens, as the engine keeps them
     f = _angles(1024, 64)
@@ -102,9 +102,9 @@ def test_packed_slot_is_sync_free():
 
 
 def test_engine_with_rope_fusion_matches_unfused(record_property):
-    from areal_lce.megatron.config import EngineConfig, ModelConfig
-    from areal_lce.megatron.engine import MegatronEngine
-    from areal_lce.megatron.model import use_te_spec
+    from areal_lce.engine.config import EngineConfig, ModelConfig
+    from areal_lce.engine.engine import MegatronEngine
+    from areal_lce.engine.model.builder import use_te_spec
 
     if use_te_spec():
         pytest.skip("Transformer Engine installed: its own fused RoPE fills megatron's slots")

@@ -10,12 +10,12 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from areal_lce.megatron import graphs as G  # noqa: E402
-from areal_lce.megatron.attention import captured_plan  # noqa: E402
-from areal_lce.megatron.batch import prepare  # noqa: E402
-from areal_lce.megatron.config import EngineConfig  # noqa: E402
-from areal_lce.megatron.microbatch import MicroBatch  # noqa: E402
-from areal_lce.megatron.rope import thd_rows  # noqa: E402
+from areal_lce.engine import graphs as G  # noqa: E402
+from areal_lce.engine.model.attention import captured_plan  # noqa: E402
+from areal_lce.engine.batch import prepare  # noqa: E402
+from areal_lce.engine.config import EngineConfig  # noqa: E402
+from areal_lce.engine.microbatch import MicroBatch  # noqa: E402
+from areal_lce.engine.model.rope import thd_rows  # noqa: E402
 from areal_lce.train.rl_losses import PolicyMicroBatch  # noqa: E402
 
 CUDA = torch.device("cuda", 0)
@@ -52,8 +52,8 @@ def test_config_options():
 
 
 def test_cpu_engine_has_no_graphs():
-    from areal_lce.megatron.config import ModelConfig
-    from areal_lce.megatron.engine import MegatronEngine
+    from areal_lce.engine.config import ModelConfig
+    from areal_lce.engine.engine import MegatronEngine
 
     e = MegatronEngine(EngineConfig(model=ModelConfig(preset="tiny", dtype="fp32", max_seq_len=32)), vocab_size=100)
     assert e.graphs is None

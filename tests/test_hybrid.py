@@ -146,9 +146,9 @@ def test_engine_builder_hides_only_the_gpt_deprecation(caplog):
     drops that record (its GPTModel is deliberate: docs/megatron.md), a user's own GPTModel still logs it."""
     from megatron.core.models.gpt import gpt_model
 
-    from areal_lce.megatron import model as builder
+    from areal_lce.engine.model import builder as builder
     from areal_lce.megatron.compat import quiet_gpt_deprecation
-    from areal_lce.megatron.config import ModelConfig, ParallelConfig
+    from areal_lce.engine.config import ModelConfig, ParallelConfig
 
     notice = "GPTModel IS DEPRECATED"
     with caplog.at_level(logging.WARNING, logger=gpt_model.logger.name):

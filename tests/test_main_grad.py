@@ -125,9 +125,9 @@ def test_seam_with_gradient_accumulation_fusion_under_megatron_ddp():
     without the flag, bitwise (fp32 model: the same d_weight), and the flag is set (DDP's hook added nothing)."""
     import megatron_worker as W
 
-    from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig
-    from areal_lce.megatron.engine import MegatronEngine
-    from areal_lce.megatron.microbatch import MicroBatch
+    from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig
+    from areal_lce.engine.engine import MegatronEngine
+    from areal_lce.engine.microbatch import MicroBatch
 
     grads = {}
     for fusion in (False, True):

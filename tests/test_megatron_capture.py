@@ -22,9 +22,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import megatron_worker as W  # noqa: E402
 
 from areal_lce.megatron import capture  # noqa: E402
-from areal_lce.megatron.microbatch import MicroBatch  # noqa: E402
-from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
-from areal_lce.megatron.engine import MegatronEngine  # noqa: E402
+from areal_lce.engine.microbatch import MicroBatch  # noqa: E402
+from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from areal_lce.engine.engine import MegatronEngine  # noqa: E402
 
 STATS_ATOL = 1e-5  # fp32, same weights: only summation order differs between the routes
 GRAD_RTOL = 1e-5  # max |Δgrad| / max |grad| per parameter

@@ -1,5 +1,5 @@
 """use_fused_linear_ce=false: the SFT loss runs through megatron-core's own `labels=` loss
-(areal_lce/megatron/own_loss.py), equals the fused route's loss, and the RL losses stay on areal_lce's
+(areal_lce/engine/own_loss.py), equals the fused route's loss, and the RL losses stay on areal_lce's
 materialised route. Cases in tests/own_loss_worker.py."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from areal_lce.megatron.engine import MegatronEngine
-from areal_lce.megatron.own_loss import check_temperature_one
+from areal_lce.engine.engine import MegatronEngine
+from areal_lce.engine.own_loss import check_temperature_one
 from areal_lce.megatron.stats import TokenStats
 from areal_lce.train.losses import SFTLoss
 

@@ -189,7 +189,7 @@ def test_bad_engine_and_rl_options_fail_at_config_load(override, named, monkeypa
 
 
 def test_collective_timeout_option():
-    from areal_lce.megatron.config import ParallelConfig
+    from areal_lce.engine.config import ParallelConfig
 
     assert ParallelConfig().timeout_s == 600.0
     assert load_config(SFT_TINY, ["engine.parallel.timeout_s=30"]).engine.parallel.timeout_s == 30.0
@@ -215,7 +215,7 @@ def _no_engine(*args, **kwargs):
 @pytest.fixture
 def no_engine(monkeypatch):
     """Building a MegatronEngine fails the test: the jobs must catch bad data before any model exists."""
-    from areal_lce.megatron import engine
+    from areal_lce.engine import engine
 
     monkeypatch.setattr(engine, "MegatronEngine", _no_engine)
 
@@ -375,7 +375,7 @@ def test_tp_ranks_with_different_labels_get_a_clear_error_not_an_abort():
 
 @pytest.mark.distributed
 def test_sft_at_tp2_with_an_all_padding_lm_head_shard_trains_on_both_routes():
-    from areal_lce.megatron.model import padded_vocab_size
+    from areal_lce.engine.model.builder import padded_vocab_size
 
     assert padded_vocab_size(259, 512, 2) == 1024  # rank 1's 512 rows are ids 512..1023: padding only
     losses = _case("sft_padding")["0"]["losses"]

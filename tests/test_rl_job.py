@@ -61,7 +61,7 @@ def test_fused_and_materialised_routes_agree_on_rl_loss_and_grads(monkeypatch):
 @pytest.mark.parametrize("logits_precision", ["fp32", "bf16"])
 def test_rollout_mismatch_is_zero_with_the_invariant_head(logits_precision):
     import areal_lce
-    from areal_lce.megatron.sampling import token_logprobs
+    from areal_lce.engine.generation.sampling import token_logprobs
     from areal_lce.train.rl_losses import rollout_mismatch
 
     g = torch.Generator().manual_seed(0)
@@ -173,7 +173,7 @@ def test_packed_and_padded_rl_runs_agree(tmp_path):
 
 
 def test_token_budget_ranges_hand_checked():
-    from areal_lce.megatron.microbatch import token_budget_ranges
+    from areal_lce.engine.microbatch import token_budget_ranges
 
     labels = torch.full((5, 6), -100)
     for r, last in enumerate([2, 5, -1, 0, 3]):  # row 2 has no target (costs nothing packed)
@@ -194,9 +194,9 @@ def test_token_budget_ranges_hand_checked():
 
 def test_logprob_passes_by_token_budget_match_per_sequence():
     """The behaviour/reference pass gives the same statistics whatever rows share a forward."""
-    from areal_lce.megatron.config import EngineConfig, ModelConfig
-    from areal_lce.megatron.engine import MegatronEngine
-    from areal_lce.megatron.microbatch import token_budget_ranges
+    from areal_lce.engine.config import EngineConfig, ModelConfig
+    from areal_lce.engine.engine import MegatronEngine
+    from areal_lce.engine.microbatch import token_budget_ranges
 
     vocab = 259
     batch, _ = rl_worker.fixed_rollout(vocab, seed=3, batch=9)

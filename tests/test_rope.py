@@ -19,7 +19,7 @@ import torch
 
 warnings.filterwarnings("ignore")
 
-from areal_lce.megatron import rope  # noqa: E402
+from areal_lce.engine.model import rope  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEV == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
@@ -182,9 +182,9 @@ def test_packed_engine_step_equals_unfused(monkeypatch):
     gives the unfused engine's statistics and gradient norm; the config says which ran."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    from areal_lce.megatron.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig
-    from areal_lce.megatron.engine import MegatronEngine
-    from areal_lce.megatron.microbatch import MicroBatch
+    from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig
+    from areal_lce.engine.engine import MegatronEngine
+    from areal_lce.engine.microbatch import MicroBatch
 
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb_thd", None)

@@ -1,11 +1,11 @@
-"""Device-side next-token sampler (areal_lce/megatron/sampling.py) on CPU tensors: inverse-CDF
+"""Device-side next-token sampler (areal_lce/engine/generation/sampling.py) on CPU tensors: inverse-CDF
 boundaries, empirical distribution vs the softmax, nucleus truncation, greedy, seeding."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from areal_lce.megatron.sampling import inverse_cdf, sample_tokens
+from areal_lce.engine.generation.sampling import inverse_cdf, sample_tokens
 
 N_DRAWS = 40000
 

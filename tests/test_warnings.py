@@ -31,8 +31,8 @@ def test_cuda_advice_is_hidden_on_cpu_only(device, hidden):
 
 
 def test_building_the_engine_model_shows_no_megatron_construction_notices():
-    from areal_lce.megatron.config import EngineConfig, ModelConfig
-    from areal_lce.megatron.engine import MegatronEngine
+    from areal_lce.engine.config import EngineConfig, ModelConfig
+    from areal_lce.engine.engine import MegatronEngine
 
     shown = _shown(lambda: MegatronEngine(EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=32)),
                                           vocab_size=300))

@@ -27,10 +27,10 @@ def build_model(tp: int, sequence_parallel: bool):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from areal_lce.megatron.attention import SDPAttention  # local-spec core attention with THD support
-    from areal_lce.megatron.config import ParallelConfig
-    from areal_lce.megatron.model import _local_rms_norm_class, padded_vocab_size
-    from areal_lce.megatron.parallel import init_distributed
+    from areal_lce.engine.model.attention import SDPAttention  # local-spec core attention with THD support
+    from areal_lce.engine.config import ParallelConfig
+    from areal_lce.engine.model.builder import _local_rms_norm_class, padded_vocab_size
+    from areal_lce.engine.parallel import init_distributed
 
     # torch.distributed + parallel_state.initialize_model_parallel + model_parallel_cuda_manual_seed
     init_distributed(ParallelConfig(tensor_parallel=tp, sequence_parallel=sequence_parallel), seed=0)

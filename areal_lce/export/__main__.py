@@ -54,7 +54,7 @@ def export_checkpoint(step_dir, out_dir, *, dtype: Optional[str] = None, max_sha
     with the run's tokenizer; returns `out_dir`."""
     import torch
 
-    from ..megatron.engine import MegatronEngine
+    from ..engine.engine import MegatronEngine
     from ..train.job import model_vocab_size
     from ..train.tokenizer import load_tokenizer
     from .hf import DEFAULT_SHARD_BYTES, export_hf
@@ -99,7 +99,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(error_line(e), file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
     finally:
-        from ..megatron.parallel import destroy_distributed
+        from ..engine.parallel import destroy_distributed
 
         destroy_distributed()
     if int(os.environ.get("RANK", "0")) == 0:

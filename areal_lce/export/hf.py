@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from .. import durable
-from ..megatron.parallel import all_ranks_true
+from ..engine.parallel import all_ranks_true
 from .weights import check_mappable, hf_tensors
 
 ARCHITECTURES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),

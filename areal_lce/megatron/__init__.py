@@ -1,19 +1,33 @@
-"""Megatron-core integration: the public token_stats call, capture seam, packing, model building, engine.
+"""The plugin seam for a user's own megatron-core model: per-token logprobs, entropy and logit extremes from
+the fused LM head, with the packing and context-parallel helpers a training loop needs.
 
     from areal_lce.megatron import token_stats, TokenStats, Route, packed_next_token_labels
     from areal_lce.megatron import split_for_context_parallel, gather_from_context_parallel
 
-Importing this package does not import megatron-core; the functions do, when called.
+Modules (import floors, lowest first): compat (megatron-core version seams), packing (THD rows and labels),
+context_parallel (zigzag split / gather), head (the output layer's weight, TP group and logit precision),
+capture (the seam: output_processor / output_layer), route (fused or materialised, one model call), stats
+(token_stats). areal_lce's own training engine (model builder, micro-batches, schedule, CUDA graphs,
+generation) lives in areal_lce.engine, above this package.
+
+Importing this package does not import megatron-core; the functions do, when called. The engine names this
+package exported before (EngineConfig, ModelConfig, OptimConfig, ParallelConfig, LCEConfig, MicroBatch) and
+its former modules (areal_lce.megatron.engine, .config, .model, .generate, ...) still resolve, with a
+DeprecationWarning, for one release (`_moved.py`).
 """
-from .config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig
+from . import _moved
 from .context_parallel import (ContextParallelPadding, gather_from_context_parallel, pad_for_context_parallel,
                                pad_packed, split_for_context_parallel)
-from .microbatch import MicroBatch
 from .packing import PackedRows, pack_rows, packed_next_token_labels
 from .route import Route
 from .stats import SelectedTokenStats, TokenStats, find_gpt_model, token_stats
 
-__all__ = ["token_stats", "TokenStats", "SelectedTokenStats", "find_gpt_model", "packed_next_token_labels", "pack_rows", "PackedRows",
-           "split_for_context_parallel", "gather_from_context_parallel", "pad_for_context_parallel", "pad_packed",
-           "ContextParallelPadding", "MicroBatch", "Route", "EngineConfig", "LCEConfig", "ModelConfig", "OptimConfig",
-           "ParallelConfig"]
+__all__ = ["token_stats", "TokenStats", "SelectedTokenStats", "find_gpt_model", "packed_next_token_labels",
+           "pack_rows", "PackedRows", "split_for_context_parallel", "gather_from_context_parallel",
+           "pad_for_context_parallel", "pad_packed", "ContextParallelPadding", "Route"]
+
+_moved.install()
+
+
+def __getattr__(name: str):
+    return _moved.moved_name(name)

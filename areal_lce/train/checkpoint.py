@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from .. import durable
-from ..megatron.parallel import all_ranks_true, barrier_world
+from ..engine.parallel import all_ranks_true, barrier_world
 from .config_io import ConfigError
 
 MARKER = "COMPLETE"

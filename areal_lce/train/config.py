@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence, Union
 
-from areal_lce.megatron.config import EngineConfig
+from areal_lce.engine.config import EngineConfig
 
 from . import config_io
 from .config_io import (ConfigError, dump_yaml, from_dict, iter_fields, load_yaml, parse_value,  # noqa: F401

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ..megatron.microbatch import MicroBatch
+from ..engine.microbatch import MicroBatch
 from .config import DataConfig, split_global_batch
 
 IGNORE_INDEX = -100

@@ -86,7 +86,7 @@ class DistillJob(RLJob):
         self.teacher_from = ""
 
     def build_engines(self) -> None:
-        from ..megatron.engine import MegatronEngine
+        from ..engine.engine import MegatronEngine
 
         self.policy = MegatronEngine(self.cfg.engine, vocab_size=self.vocab_size)
         self.teacher = MegatronEngine(teacher_engine_config(self.cfg.engine, self.distill.teacher),

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from areal_lce.megatron.config import ModelConfig
+from areal_lce.engine.config import ModelConfig
 
 from .rl_config import RLConfig
 

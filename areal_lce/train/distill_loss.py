@@ -29,7 +29,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..megatron.microbatch import MicroBatch
+from ..engine.microbatch import MicroBatch
 
 IGNORE_INDEX = -100
 # Logprobs of fp32 logits of magnitude up to 64 carry absolute errors up to ulp(64) = 2^-17 each, so the

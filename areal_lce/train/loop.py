@@ -45,7 +45,7 @@ from .run_dir import close_run, open_run
 def run(cfg, make_job: Callable[..., Job]) -> dict:
     """Initialise torch.distributed, check that every rank runs this config, set up megatron's parallel
     state for `cfg`, run `make_job(cfg, dist_info)` through the loop, and tear it all down again."""
-    from ..megatron.parallel import destroy_distributed, init_distributed, init_process_group
+    from ..engine.parallel import destroy_distributed, init_distributed, init_process_group
 
     check_runs_here(cfg)
     try:

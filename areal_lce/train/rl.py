@@ -39,7 +39,7 @@ from typing import List
 
 import torch
 
-from ..megatron.microbatch import MicroBatch, token_budget_ranges
+from ..engine.microbatch import MicroBatch, token_budget_ranges
 from . import loop
 from .config import RL_JOBS
 from .data import Example, check_token_ids, collate
@@ -151,7 +151,7 @@ class RLJob:
         return self.policy
 
     def build_engines(self) -> None:
-        from ..megatron.engine import MegatronEngine
+        from ..engine.engine import MegatronEngine
 
         self.policy = MegatronEngine(self.cfg.engine, vocab_size=self.vocab_size)
         self.reference = MegatronEngine(self.cfg.engine, vocab_size=self.vocab_size, trainable=False)

@@ -21,7 +21,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..megatron.microbatch import MicroBatch
+from ..engine.microbatch import MicroBatch
 from .losses import masked_extreme
 
 # log-ratio clamp of the k3 estimator: exp(20) ~ 5e8 keeps the penalty finite in fp32 when the policy

@@ -30,7 +30,7 @@ from typing import Optional
 
 import yaml
 
-from ..megatron.parallel import all_ranks_true
+from ..engine.parallel import all_ranks_true
 from . import checkpoint as ckpt
 from .config_io import ConfigError, to_dict, yaml_load
 

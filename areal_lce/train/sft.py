@@ -50,7 +50,7 @@ class SFTJob:
         self.engine = None
 
     def build_engines(self) -> None:
-        from ..megatron.engine import MegatronEngine
+        from ..engine.engine import MegatronEngine
 
         self.engine = MegatronEngine(self.cfg.engine, vocab_size=self.vocab_size)
         self.megatron_loss = self.engine.uses_megatron_loss(SFTLoss)

@@ -43,22 +43,22 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from .. import checks, comms
-from . import generate as generation
+from .generation import generate as generation
 from . import schedule
 from . import state as engine_state
 from .batch import ModelBatch, per_token_rope
 from .graphs import ModelCallGraphs, why_not_graphed
 from .batch import prepare as prepare_batch
-from .compat import cpu_shims
+from ..megatron.compat import cpu_shims
 from .config import EngineConfig
 from .microbatch import MicroBatch, check_microbatches
-from .model import build_gpt_model, load_hf_checkpoint, resolve_arch, use_te_spec
+from .model.builder import build_gpt_model, load_hf_checkpoint, resolve_arch, use_te_spec
 from .optim import build_optimizer, lr_at, optimizer_step
 from .own_loss import check_temperature_one, logprobs_only, megatron_loss_call
 from .parallel import init_distributed, object_from_last_stage
 from .per_token import IGNORE_INDEX, stats_with_extras, to_model_layout
-from .route import Route
-from .stats import TokenStats
+from ..megatron.route import Route
+from ..megatron.stats import TokenStats
 
 
 def _resolve_dtype(name: str) -> torch.dtype:

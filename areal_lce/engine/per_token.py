@@ -15,8 +15,8 @@ import torch
 
 from .. import comms
 from .batch import ModelBatch
-from .context_parallel import pad_packed, split_for_context_parallel
-from .packing import host_to_device
+from ..megatron.context_parallel import pad_packed, split_for_context_parallel
+from ..megatron.packing import host_to_device
 
 IGNORE_INDEX = -100  # the engine's: labels and selected_ids entries without a target
 

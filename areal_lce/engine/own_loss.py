@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .stats import TokenStats
+from ..megatron.stats import TokenStats
 
 
 def check_temperature_one(temperature) -> None:

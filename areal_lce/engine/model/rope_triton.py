@@ -12,7 +12,7 @@ import contextlib
 import torch
 import triton
 
-from .. import interpreter_on
+from ...backends import interpreter_on
 from .rope_kernel import rope_kernel
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -29,8 +29,8 @@ from typing import Dict
 import torch
 import torch.nn.functional as F
 
-from .compat import cpu_shims, quiet_gpt_deprecation
-from .config import ModelConfig, ParallelConfig
+from ...megatron.compat import cpu_shims, quiet_gpt_deprecation
+from ..config import ModelConfig, ParallelConfig
 
 TINY_VOCAB = 512
 FAMILIES = ("qwen2", "llama", "qwen3")  # HF model_type values the builder maps
@@ -165,7 +165,7 @@ def _local_rms_norm_class():
 
 
 def _sdpa_attention_class():
-    """The engine's core attention class (areal_lce.megatron.attention.SDPAttention; imports megatron)."""
+    """The engine's core attention class (areal_lce.engine.model.attention.SDPAttention; imports megatron)."""
     from .attention import SDPAttention
 
     return SDPAttention

@@ -13,7 +13,7 @@ from typing import Optional, Tuple, Union
 
 from ..api import LOGITS_PRECISIONS
 from ..backends import BACKENDS
-from .capture import SEAMS
+from ..megatron.capture import SEAMS
 
 PRESETS = ("tiny", "tiny-llama", "tiny-qwen3", "qwen2.5-0.5b", "qwen2.5-7b")
 DTYPES = ("auto", "fp32", "bf16")
@@ -69,7 +69,7 @@ class ModelConfig:
     rope_fusion: bool = field(
         default=True,
         metadata={"help": "on CUDA without Transformer Engine: apply RoPE with one Triton kernel per call "
-                  "(areal_lce.megatron.rope in megatron-core's apply_rope_fusion slot) instead of megatron's "
+                  "(areal_lce.engine.model.rope in megatron-core's apply_rope_fusion slot) instead of megatron's "
                   "unfused torch RoPE (~11 kernels per call); false: the unfused one. Ignored on CPU "
                   "and under Transformer Engine (its own fused RoPE)"},
     )
@@ -282,7 +282,7 @@ class EngineConfig:
     )
     decode_cuda_graphs: bool = field(
         default=True,
-        metadata={"help": "with kv_cache on CUDA at tensor_parallel = pipeline_parallel = 1: capture each decode "
+        metadata={"help": "with kv_cache on CUDA at pipeline_parallel = 1 (tensor_parallel > 1 on NCCL): capture each decode "
                   "step (one per batch size) in a CUDA graph and replay it; elsewhere, or false, the same "
                   "fixed-shape step runs eagerly"},
     )

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .packing import host_to_device, row_lengths
+from ..megatron.packing import host_to_device, row_lengths
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,13 @@ KV cache (`CachedSteps`), all megatron-core machinery: `StaticInferenceContext` 
            when first needed); when it shrinks, the cache rows are permuted in place (live rows first;
            megatron's `swap_key_value_dict` would re-allocate the buffers a graph points to) and finished
            rows inside the batch compute on unread.
-  * graphs   `cuda_graphs=True` on CUDA with TP = PP = 1: a size's first step runs eagerly (lazy
-           initialisation), the next is captured and every later one replays; elsewhere (CPU, TP or PP
-           > 1) the same fixed-shape step runs eagerly. A replay's logits and hidden states are
-           overwritten by the next (the sampled tokens' logprobs are taken before it).
+  * graphs   `cuda_graphs=True` on CUDA with PP = 1, at any TP degree whose group runs on NCCL (the
+           step's collectives, megatron's TP all-reduces and the logits gather, are captured with it: every
+           TP rank captures and replays the same step in lockstep, as the ranks decode the same batch):
+           a size's first step runs eagerly (lazy initialisation, NCCL communicator set-up), the next is
+           captured and every later one replays; elsewhere (CPU, gloo, PP > 1) the same fixed-shape step
+           runs eagerly. A replay's logits and hidden states are overwritten by the next (the sampled
+           tokens' logprobs are taken before it).
   * TP / PP  each rank caches its own K/V heads, each stage its own layers; logits are gathered over TP
            and shared over the pipeline group, so every rank samples the same tokens. Sequence
            parallelism is off while generating (generate.py).
@@ -46,11 +49,12 @@ from typing import Any, List, NamedTuple, Optional
 
 import torch
 
-from .batch import prepare as prepare_batch
-from .parallel import DistInfo
-from .route import Route
+from ... import comms
+from ..batch import prepare as prepare_batch
+from ..parallel import DistInfo
+from ...megatron.route import Route
 from .sampling import token_logprobs
-from .schedule import from_last_stage, run_schedule
+from ..schedule import from_last_stage, run_schedule
 
 
 @dataclass(frozen=True)
@@ -154,9 +158,11 @@ def decode_batch(n_live: int, n: int) -> int:
 
 
 def graphs_usable(gm: GenerationModel) -> bool:
-    """CUDA graphs for the decode step: on CUDA, one tensor- and pipeline-parallel rank (the step then
-    makes no collective call)."""
-    return gm.device.type == "cuda" and gm.dist.tp_size == 1 and gm.dist.pp_size == 1
+    """CUDA graphs for the decode step: on CUDA, one pipeline stage, and a tensor-parallel group of one rank
+    or on NCCL (whose collectives a CUDA graph captures; gloo's run on the host)."""
+    if gm.device.type != "cuda" or gm.dist.pp_size != 1:
+        return False
+    return gm.dist.tp_size == 1 or comms.group_backend(gm.dist.tp_group) == "nccl"
 
 
 class CachedSteps:

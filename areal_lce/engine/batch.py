@@ -18,10 +18,10 @@ from typing import Any, Optional
 
 import torch
 
-from .context_parallel import (gather_from_context_parallel, pad_for_context_parallel, pad_packed,
+from ..megatron.context_parallel import (gather_from_context_parallel, pad_for_context_parallel, pad_packed,
                                split_for_context_parallel)
-from .packing import PackedRows, pack_rows
-from .stats import TokenStats
+from ..megatron.packing import PackedRows, pack_rows
+from ..megatron.stats import TokenStats
 
 
 @dataclass

@@ -39,7 +39,7 @@ from typing import Callable, Optional
 import torch
 
 from .batch import ModelBatch
-from .packing import PackedRows, host_to_device
+from ..megatron.packing import PackedRows, host_to_device
 
 MAX_GRAPHS = 16
 _SEEN = "seen"  # a key met once (ran eagerly)

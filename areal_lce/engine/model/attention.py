@@ -35,10 +35,10 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from .. import comms
-from .context_parallel import gathered_to_packed, ranges, sequence_lengths, zigzag_positions
+from ... import comms
+from ...megatron.context_parallel import gathered_to_packed, ranges, sequence_lengths, zigzag_positions
 from .kv_attention import cached_attention
-from .packing import host_to_device
+from ...megatron.packing import host_to_device
 
 
 def causal_attention(q, k, v, scale: float, dropout: float = 0.0) -> torch.Tensor:

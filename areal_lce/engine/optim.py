@@ -31,7 +31,7 @@ def build_optimizer(model, o, dtype: torch.dtype) -> Tuple[object, bool]:
     if torch.cuda.is_available():
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from .compat import use_device_grad_norm
+        from ..megatron.compat import use_device_grad_norm
 
         use_device_grad_norm()  # no per-parameter host read in the grad norm without Apex / TE
 

@@ -29,8 +29,8 @@ from typing import Optional
 
 import torch
 
-from .context_parallel import sequence_lengths, zigzag_positions
-from .packing import host_to_device
+from ...megatron.context_parallel import sequence_lengths, zigzag_positions
+from ...megatron.packing import host_to_device
 
 _WARNED = set()
 _INDEX_CACHE: dict = {}
@@ -42,21 +42,21 @@ class FusedRotary(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        from ..backends.triton.rope import rotate
+        from .rope_triton import rotate
 
         ctx.save_for_backward(freqs)
         return rotate(t, freqs)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        from ..backends.triton.rope import rotate
+        from .rope_triton import rotate
 
         (freqs,) = ctx.saved_tensors
         return rotate(grad if grad.stride(-1) == 1 else grad.contiguous(), freqs, inverse=True), None
 
 
 def _unsupported(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> str:
-    from ..backends.triton.rope import why_unsupported
+    from .rope_triton import why_unsupported
 
     return "interleaved rotary dims" if interleaved else why_unsupported(t, freqs)
 

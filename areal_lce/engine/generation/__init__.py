@@ -1,0 +1,1 @@
+"""Generation with the engine's model: generate (rollouts), decode (KV cache, CUDA graphs), sampling."""
