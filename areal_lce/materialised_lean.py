@@ -127,6 +127,7 @@ def backward_logits(x: torch.Tensor, y: torch.Tensor, inv_t: Optional[torch.Tens
         dx[:, p.valid_cols:] = 0
     local = y - p.start
     own = (local >= 0) & (local < p.valid_cols)
+    cols = local.clamp(0, max(0, p.valid_cols - 1))
     step = p.rows_per_block
     for r0 in range(0, n if p.valid_cols else 0, step):
         r1 = min(n, r0 + step)
@@ -138,8 +139,8 @@ def backward_logits(x: torch.Tensor, y: torch.Tensor, inv_t: Optional[torch.Tens
         b = gl if g_lse is None else gl - g_lse[r0:r1, None] * it
         coef = logp.add_(ent[r0:r1, None]).mul_(-ge).sub_(b)  # −(g_lp + g_ent (log p + ent) − g_lse) / T
         d = prob.mul_(coef)
-        rows = own[r0:r1].nonzero().squeeze(1)
-        d[rows, local[r0:r1][rows]] += gl[rows, 0]  # + g_lp / T at the label
+        # + g_lp / T at the label (0 added where another shard owns it: no host sync, no data-dependent shape)
+        d.scatter_add_(1, cols[r0:r1, None], torch.where(own[r0:r1, None], gl, 0.0))
         if g_sum is not None:
             d.add_(g_sum[r0:r1, None])
         d.masked_fill_(~valid[r0:r1, None], 0.0)  # ignored rows: exact 0, even from inf / NaN logits
