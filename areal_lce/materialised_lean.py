@@ -55,6 +55,11 @@ def _inv_t_rows(inv_t: Optional[torch.Tensor], r0: int, r1: int, p: LeanParams):
     return p.inv_t if inv_t is None else inv_t[r0:r1, None]
 
 
+def _scaled_(c: torch.Tensor, it) -> torch.Tensor:
+    """c · inv_T in place; at T = 1 nothing to do (x · 1 = x exactly), one pass over the block saved."""
+    return c if not torch.is_tensor(it) and it == 1.0 else c.mul_(it)
+
+
 def forward_stats(x: torch.Tensor, y: torch.Tensor, inv_t: Optional[torch.Tensor], p: LeanParams):
     """x [N, V_shard] logits (any float dtype), y [N] global ids, inv_t [N] fp32 or None -> fp32 [N] tensors
     (logprob, entropy, max, min, lse, sum, sumsq; the last two None unless p.logit_sums), over the TP group.
@@ -76,7 +81,7 @@ def forward_stats(x: torch.Tensor, y: torch.Tensor, inv_t: Optional[torch.Tensor
             sums[1, r0:r1] = (c * c).sum(-1)
         it = _inv_t_rows(inv_t, r0, r1, p)
         m = mx[r0:r1] * (it[:, 0] if torch.is_tensor(it) else it)  # max of z = x·inv_T (monotone rounding)
-        z = c.mul_(it).sub_(m[:, None])
+        z = _scaled_(c, it).sub_(m[:, None])
         e = torch.exp(z)
         s_loc[r0:r1] = e.sum(-1)
         a_loc[r0:r1] = e.mul_(z).sum(-1)
@@ -132,7 +137,7 @@ def backward_logits(x: torch.Tensor, y: torch.Tensor, inv_t: Optional[torch.Tens
     for r0 in range(0, n if p.valid_cols else 0, step):
         r1 = min(n, r0 + step)
         it = _inv_t_rows(inv_t, r0, r1, p)
-        logp = _block(x, r0, r1, p).mul_(it).sub_(lse[r0:r1, None])
+        logp = _scaled_(_block(x, r0, r1, p), it).sub_(lse[r0:r1, None])
         prob = torch.exp(logp)
         # per-row factors carry 1/T and the sign, so the block sees two passes: (log p + ent)·a + b, then ·p
         gl, ge = g_lp[r0:r1, None] * it, g_ent[r0:r1, None] * it
