@@ -154,6 +154,20 @@ def backward_logits(x: torch.Tensor, y: torch.Tensor, inv_t: Optional[torch.Tens
     return dx
 
 
+class _SecondOrderRefused(torch.autograd.Function):
+    """forward: identity on d_logits, tied to the tensors it was computed from; backward: raises."""
+
+    @staticmethod
+    def forward(ctx, dx, *anchors):
+        return dx.view_as(dx)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError("logprobs_entropy_from_logits does not support second-order gradients (its backward "
+                           "is not differentiable): a gradient taken with create_graph=True cannot be "
+                           "differentiated again")
+
+
 class LeanLogprobsEntropy(torch.autograd.Function):
     """(logits [N, V_shard], labels [N], inv_t [N] or None, LeanParams) -> fp32 [N] logprob, entropy, lse
     (differentiable), max, min (not), and with p.logit_sums sum (differentiable), sumsq (not).
@@ -183,8 +197,12 @@ class LeanLogprobsEntropy(torch.autograd.Function):
         def live(g):  # None (unused output) -> None; ignored rows' upstream gradients are not used
             return None if g is None else torch.where(valid, g.float(), 0.0)
 
-        zeros = torch.zeros_like(lse)
-        g_sum = live(g_sums[0]) if g_sums else None
-        dx = backward_logits(x, y, inv_t, lse, ent, valid, live(g_lp) if g_lp is not None else zeros,
-                             live(g_ent) if g_ent is not None else zeros, live(g_lse), g_sum, p)
+        anchors = [t for t in (x, g_lp, g_ent, g_lse, *g_sums) if t is not None and t.requires_grad]
+        with torch.no_grad():
+            zeros = torch.zeros_like(lse)
+            g_sum = live(g_sums[0]) if g_sums else None
+            dx = backward_logits(x, y, inv_t, lse, ent, valid, live(g_lp) if g_lp is not None else zeros,
+                                 live(g_ent) if g_ent is not None else zeros, live(g_lse), g_sum, p)
+        if torch.is_grad_enabled() and anchors:  # create_graph=True: differentiating dx again raises
+            dx = _SecondOrderRefused.apply(dx, *anchors)
         return dx, None, None, None

@@ -300,3 +300,17 @@ def test_no_fp32_copy_of_the_logits(monkeypatch):
             assert probe.largest <= limit, probe.largest
             assert x.grad.dtype == torch.bfloat16
         x.grad = None
+
+
+def test_second_order_gradient_is_refused():
+    """The backward is not differentiable: a gradient taken with create_graph=True equals the plain one, and
+    differentiating it again raises (the torch-autograd route gave a second order; none is given silently)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 10, generator=g, dtype=torch.float64).requires_grad_()
+    y = torch.tensor([1, 2, -100, 4, 9, 0])
+    out = logprobs_entropy_from_logits(x, y)
+    first, = torch.autograd.grad((out.logprobs + out.entropy).sum(), x, retain_graph=True)
+    second, = torch.autograd.grad((out.logprobs + out.entropy).sum(), x, create_graph=True)
+    assert torch.equal(first, second)
+    with pytest.raises(RuntimeError, match="second-order gradients"):
+        torch.autograd.grad((second ** 2).sum(), x)
