@@ -1,6 +1,6 @@
 """Invariant mode across TP degrees on real NCCL: TP=1 vs TP=2 bitwise, and its cost at TP=2.
 
-    torchrun --nproc_per_node=2 torchrun/run_invariant_tp2.py --out DIR
+    torchrun --nproc_per_node=2 torchrun/run_invariant_tp2.py --out DIR [--extras] [--softcap C] [--no-cost]
 
 Every rank builds the same inputs (seeded), computes TP=1 with the whole weight (the vocabulary padded
 to a multiple of 128, as megatron pads it at TP=1) on its own GPU, then the same tokens at TP=2 over
@@ -8,7 +8,8 @@ NCCL (the vocabulary padded to 128·2 with garbage rows, each rank its shard; SP
 each rank; SP on: each rank its half of the rows), and counts the values that are not bitwise equal,
 with invariant=True (the default) and invariant=False. Shapes: 4096x896 and 6000x4096 (bf16), 2048x896
 (fp32), V = 151936. Then forward+backward at TP=2, invariant vs invariant=False, paired alternating
-rounds. Rank 0 writes run_invariant_tp2.json.
+rounds. Rank 0 writes run_invariant_tp2.json. --extras adds 16 selected ids per row and top_k=8 to every
+call (their outputs join the compared fields); --softcap C runs the calls soft-capped.
 """
 import argparse
 import json
@@ -22,6 +23,17 @@ from areal_lce import VocabParallel, linear_logprobs_entropy
 
 V = 151936
 FIELDS = ("logprobs", "entropy", "max_logit", "min_logit", "lse")
+EXTRA_FIELDS = ("selected_logprobs", "topk_ids", "topk_logprobs")
+OPTS: dict = {}  # --extras / --softcap: options of every call
+
+
+def selected(y, dev):
+    g = torch.Generator(device=dev).manual_seed(5)
+    s = torch.randint(0, V, (y.shape[0], 16), device=dev, generator=g)
+    s[:, 0] = y.clamp_min(0)
+    s[:, 1] = padded(2) // 2 - 1  # the two sides of the TP=2 shard edge
+    s[:, 2] = padded(2) // 2
+    return s
 
 
 def padded(tp):
@@ -44,7 +56,9 @@ def inputs(n, h, dtype, tp, dev):
 def call(n, h, dtype, tp, sp, invariant, rank, group):
     dev = torch.device("cuda", torch.cuda.current_device())
     hid, w, y = inputs(n, h, dtype, tp, dev)
-    kw = dict(vocab_size=V, return_stats=True, invariant=invariant)
+    kw = dict(vocab_size=V, return_stats=True, invariant=invariant, softcap=OPTS.get("softcap"))
+    if OPTS.get("extras"):
+        kw.update(selected_ids=selected(y, dev), top_k=8)
     if tp == 1:
         return linear_logprobs_entropy(hid, w, y, **kw)
     shard = w.shape[0] // tp
@@ -92,7 +106,12 @@ def cost(n, h, rank, group, rounds=5, reps=8):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
+    ap.add_argument("--extras", action="store_true")
+    ap.add_argument("--softcap", type=float, default=None)
+    ap.add_argument("--no-cost", action="store_true")
     args = ap.parse_args()
+    OPTS.update(extras=args.extras, softcap=args.softcap)
+    fields = FIELDS + (EXTRA_FIELDS if args.extras else ())
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -104,7 +123,7 @@ def main():
             for sp in (False, True):
                 got = call(n, h, dtype, 2, sp, inv, rank, group)
                 key = f"{n}x{h}_{str(dtype)[6:]}_sp{int(sp)}_{'invariant' if inv else 'default'}"
-                res["checks"][key] = {f: int((getattr(got, f) != getattr(ref, f)).sum()) for f in FIELDS}
+                res["checks"][key] = {f: int((getattr(got, f) != getattr(ref, f)).sum()) for f in fields}
                 if rank == 0:
                     print(key, res["checks"][key], flush=True)
     # a 357-row slice at TP=2 against the same rows of the 6000-row call at TP=2
@@ -117,7 +136,7 @@ def main():
                                    vocab_parallel=vp)
     res["checks"]["slice_357_of_6000_tp2"] = {"logprobs": int((part.logprobs != full.logprobs[999:1356]).sum()),
                                               "entropy": int((part.entropy != full.entropy[999:1356]).sum())}
-    for n, h in ((8192, 4096), (32768, 2048)):
+    for n, h in (() if args.no_cost else ((8192, 4096), (32768, 2048))):
         res["cost"][f"{n}x{h}x{V}"] = cost(n, h, rank, group)
         if rank == 0:
             print(f"{n}x{h}", res["cost"][f"{n}x{h}x{V}"], flush=True)
@@ -125,7 +144,8 @@ def main():
     res["invariant_all_equal"] = not bad
     if rank == 0:
         print("INVARIANT TP=1 vs TP=2:", "all bitwise equal" if not bad else f"FAILED {bad}", flush=True)
-        with open(os.path.join(args.out, "run_invariant_tp2.json"), "w") as f:
+        name = "run_invariant_tp2" + ("_extras" if args.extras else "") + ("_softcap" if args.softcap else "")
+        with open(os.path.join(args.out, name + ".json"), "w") as f:
             json.dump(res, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
