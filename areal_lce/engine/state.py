@@ -177,15 +177,29 @@ def load_state(path: str, gpt, optimizer, megatron_optimizer: bool, info: DistIn
 
     model_state = sharded.model_sharded_state(gpt)
     request = {"model": model_state}
-    # AdamW saved before its first step has no moments: it is restored empty
-    moments = optimizer is not None and (megatron_optimizer or sharded.stepped(state["optimizer"]))
+    # an optimizer saved before its first step has no moments (AdamW's plain state says so; megatron's
+    # optimizer saves none then either: its index holds no optimizer tensor): it is restored empty
+    opt_request = None
+    if optimizer is not None and megatron_optimizer:
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        opt_request = sharded.optimizer_sharded_state(optimizer, True, model_state, loading=True)
+        saved = sharded.saved_shapes(sharded.read_metadata(os.path.join(path, SHARDED)))
+        wanted = [v.key for v in nested_values(opt_request) if isinstance(v, ShardedTensor)]
+        moments = any(k in saved for k in wanted)  # all or none: check_fits names a partial set
+    else:
+        moments = optimizer is not None and sharded.stepped(state["optimizer"])
     if moments:
-        request["optimizer"] = sharded.optimizer_sharded_state(optimizer, megatron_optimizer, model_state,
-                                                               loading=True)
+        request["optimizer"] = opt_request if opt_request is not None else sharded.optimizer_sharded_state(
+            optimizer, megatron_optimizer, model_state, loading=True)
     loaded = _load_tensors(path, request)
     _load_model(gpt, loaded["model"], path)
     if optimizer is not None and not moments:
-        optimizer.state.clear()
+        if megatron_optimizer:
+            optimizer.reload_model_params()  # fp32 main parameters from the loaded model
+        else:
+            optimizer.state.clear()
     if moments:
         try:
             merge(loaded["optimizer"], state["optimizer"])  # the param groups' hyperparameters, the step count
