@@ -186,8 +186,10 @@ def load_state(path: str, gpt, optimizer, megatron_optimizer: bool, info: DistIn
 
         opt_request = sharded.optimizer_sharded_state(optimizer, True, model_state, loading=True)
         saved = sharded.saved_shapes(sharded.read_metadata(os.path.join(path, SHARDED)))
-        wanted = [v.key for v in nested_values(opt_request) if isinstance(v, ShardedTensor)]
-        moments = any(k in saved for k in wanted)  # all or none: check_fits names a partial set
+        wanted = [v.key for v in nested_values(opt_request) if isinstance(v, ShardedTensor) and ".exp_avg" in v.key]
+        # no Adam moment saved: an optimizer that had not stepped (its fp32 main parameters, saved too, are
+        # the model's values then); any moment saved: all must be there (check_fits names a missing one)
+        moments = any(k in saved for k in wanted)
     else:
         moments = optimizer is not None and sharded.stepped(state["optimizer"])
     if moments:
