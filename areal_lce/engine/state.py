@@ -177,24 +177,17 @@ def load_state(path: str, gpt, optimizer, megatron_optimizer: bool, info: DistIn
 
     model_state = sharded.model_sharded_state(gpt)
     request = {"model": model_state}
-    # an optimizer saved before its first step has no moments (AdamW's plain state says so; megatron's
-    # optimizer saves none then either: its index holds no optimizer tensor): it is restored empty
-    opt_request = None
+    # an optimizer saved before its first step has no moments: AdamW's plain state says so; megatron's
+    # optimizer's index then holds no Adam moment (its fp32 main parameters, saved too, are the model's
+    # values then): the fresh optimizer stays as it is, its main parameters reloaded from the model
     if optimizer is not None and megatron_optimizer:
-        from megatron.core.dist_checkpointing.dict_utils import nested_values
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-        opt_request = sharded.optimizer_sharded_state(optimizer, True, model_state, loading=True)
         saved = sharded.saved_shapes(sharded.read_metadata(os.path.join(path, SHARDED)))
-        wanted = [v.key for v in nested_values(opt_request) if isinstance(v, ShardedTensor) and ".exp_avg" in v.key]
-        # no Adam moment saved: an optimizer that had not stepped (its fp32 main parameters, saved too, are
-        # the model's values then); any moment saved: all must be there (check_fits names a missing one)
-        moments = any(k in saved for k in wanted)
+        moments = any(k.startswith("optimizer.state.exp_avg") for k in saved)
     else:
         moments = optimizer is not None and sharded.stepped(state["optimizer"])
     if moments:
-        request["optimizer"] = opt_request if opt_request is not None else sharded.optimizer_sharded_state(
-            optimizer, megatron_optimizer, model_state, loading=True)
+        request["optimizer"] = sharded.optimizer_sharded_state(optimizer, megatron_optimizer, model_state,
+                                                               loading=True)
     loaded = _load_tensors(path, request)
     _load_model(gpt, loaded["model"], path)
     if optimizer is not None and not moments:
