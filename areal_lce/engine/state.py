@@ -192,6 +192,8 @@ def load_state(path: str, gpt, optimizer, megatron_optimizer: bool, info: DistIn
     _load_model(gpt, loaded["model"], path)
     if optimizer is not None and not moments:
         if megatron_optimizer:
+            for inner in getattr(optimizer, "chained_optimizers", [optimizer]):  # the torch optimizers inside
+                inner.optimizer.state.clear()
             optimizer.reload_model_params()  # fp32 main parameters from the loaded model
         else:
             optimizer.state.clear()
