@@ -13,7 +13,6 @@ Job-level collectives (few, small, on the host; the op's collectives live in are
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -61,12 +60,6 @@ class DistInfo:
 _OWNS_PROCESS_GROUP = False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_process_group(parallel_cfg: ParallelConfig) -> None:
     """torch.distributed's default group (nccl with CUDA, gloo without), unless one exists: the first half
     of `init_distributed`, for checks the ranks must pass before Megatron's groups are built."""
@@ -76,13 +69,14 @@ def init_process_group(parallel_cfg: ParallelConfig) -> None:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # plain single process: a one-rank group
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         # a stalled or dead rank makes the others raise after timeout_s instead of hanging (torch's default:
         # 10 min for NCCL, 30 min for gloo)
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=parallel_cfg.timeout_s))
+        timeout = timedelta(seconds=parallel_cfg.timeout_s)
+        if "RANK" not in os.environ:  # plain single process: a one-rank group on an in-process store (no TCP
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")  # port, so no race for one)
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout)
         _OWNS_PROCESS_GROUP = True
 
 
