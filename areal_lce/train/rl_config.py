@@ -59,7 +59,7 @@ class RLConfig:
                   "this many packed tokens (padded rows x width with engine.pack_sequences=false). 'auto': "
                   f"{AUTO_LOGPROB_TOKENS} on the fused route, which holds no [tokens, vocab] logits; trainer.micro_batch_size "
                   "sequences per forward on the materialised route (use_fused_linear_ce=false), whose "
-                  "forward holds several fp32 [tokens, vocab] tensors"},
+                  "forward holds the [tokens, vocab] logits the output layer builds"},
     )
     # --- advantages --------------------------------------------------------------------------------
     advantage: str = field(
