@@ -1,4 +1,4 @@
-"""Packed (THD) vs right-padded (BSHD) micro-batches, fused vs materialised LM head, RL-like lengths.
+"""Packed (THD) vs right-padded (BSHD) micro-batches, the fused LM head vs the flag-off route, RL-like lengths.
 
     python -m benchmark.bench_packing --preset qwen2.5-0.5b --out DIR          # one GPU
     python -m benchmark.bench_packing --preset tiny --seqs 8 --max-response 64  # CPU smoke run
@@ -7,7 +7,9 @@ Every step trains on `--seqs` sequences of prompt `--prompt-len` tokens plus a r
 random length in [--min-response, --max-response] (what a GRPO batch looks like), split into
 micro-batches of `--micro-batch` sequences. Padded: each micro-batch is right-padded to its longest
 sequence. Packed: the engine packs each micro-batch into one THD row (engine.pack_sequences).
-Two jobs per layout x route, each on a fresh engine from the same seed and the same batches:
+Two jobs per layout x route, each on a fresh engine from the same seed and the same batches. With the flag off
+(`--routes ...,materialised`) the SFT job runs megatron-core's own loss, reported as route "megatron" (the
+baseline a Megatron user has), and the GRPO job the lean materialised route, reported as "materialised":
   sft   one SFT step (token-mean NLL over response tokens)
   grpo  the GRPO step minus the rollout: behaviour logprobs (policy, no grad), reference logprobs
         (a frozen engine), and the PPO update with group advantages
@@ -74,7 +76,9 @@ def sft_step(eng, mbs, _ref, _rl):
 
 
 def grpo_step(eng, mbs, ref, rl_cfg):
-    from areal_lce.train.rl_losses import group_advantages, rl_loss
+    import dataclasses
+
+    from areal_lce.train.rl_losses import PolicyMicroBatch, group_advantages, rl_loss
 
     n_seq = sum(mb.input_ids.shape[0] for mb in mbs)
     n_tok = sum(int((mb.labels != -100).sum()) for mb in mbs)
@@ -84,8 +88,9 @@ def grpo_step(eng, mbs, ref, rl_cfg):
         b = mb.input_ids.shape[0]
         old = eng.token_stats(mb.input_ids, mb.labels).logprobs
         refl = ref.token_stats(mb.input_ids, mb.labels).logprobs
-        batch.append(dict(mb, advantages=adv[k:k + b].to(old.device), old_logprobs=old, ref_logprobs=refl,
-                          num_tokens=n_tok, num_seqs=n_seq))
+        fields = {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb)}
+        batch.append(PolicyMicroBatch(**fields, advantages=adv[k:k + b].to(old.device), old_logprobs=old,
+                                      ref_logprobs=refl, num_tokens=n_tok, num_seqs=n_seq))
         k += b
     return eng.train_step(batch, lambda st, mb: rl_loss(st, mb, rl_cfg))["loss"]
 
@@ -114,7 +119,8 @@ def run(args, job: str, fused: bool, pack: bool) -> dict:
     del eng, ref
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"job": job, "route": "fused" if fused else "materialised", "layout": "packed" if pack else "padded",
+    flag_off = "megatron" if job == "sft" else "materialised"  # what use_fused_linear_ce=false runs for the job
+    return {"job": job, "route": "fused" if fused else flag_off, "layout": "packed" if pack else "padded",
             "micro_batch": mb_size,
             "step_s": med, "step_s_all": times, "real_tokens_per_s": real / med, "peak_mem_gib": peak,
             "loss": losses}
@@ -159,10 +165,11 @@ def main():
         for route in sorted({r for r, _ in by}):
             summary[f"{job}_{route}_packed_over_padded_tokens_per_s"] = (
                 by[(route, "packed")]["real_tokens_per_s"] / by[(route, "padded")]["real_tokens_per_s"])
+        off = "megatron" if job == "sft" else "materialised"  # the flag-off route of this job
         for layout in ("packed", "padded"):
-            if ("materialised", layout) in by and ("fused", layout) in by:
-                summary[f"{job}_{layout}_memory_saved_gib"] = (by[("materialised", layout)]["peak_mem_gib"]
-                                                               - by[("fused", layout)]["peak_mem_gib"])
+            if (off, layout) in by and ("fused", layout) in by:
+                summary[f"{job}_{layout}_memory_saved_vs_{off}_gib"] = (by[(off, layout)]["peak_mem_gib"]
+                                                                        - by[("fused", layout)]["peak_mem_gib"])
         l0 = [r["loss"][0] for r in by.values()]
         summary[f"{job}_first_loss_rel_spread"] = (max(l0) - min(l0)) / max(abs(min(l0)), 1e-12)
     logits_gib = 4 * args.micro_batch * (args.prompt_len + args.max_response) * vocab / 2**30
