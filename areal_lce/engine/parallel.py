@@ -73,7 +73,8 @@ def init_process_group(parallel_cfg: ParallelConfig) -> None:
         # 10 min for NCCL, 30 min for gloo)
         timeout = timedelta(seconds=parallel_cfg.timeout_s)
         if "RANK" not in os.environ:  # plain single process: a one-rank group on an in-process store (no TCP
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")  # port, so no race for one)
+            # port, so no race for one; nothing written to os.environ, so a later group in this process is
+            # built the same way)
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
             dist.init_process_group(backend=backend, timeout=timeout)
