@@ -85,24 +85,14 @@ def gather_logits_torch(hidden: torch.Tensor, weight: torch.Tensor, cols: torch.
     return out
 
 
-_NATIVE = {"triton": "areal_lce.backends.triton.select_launch"}  # backends with their own kernels for these
-
-
-def _native(params: LCEParams):
-    """The module of the backend's own select kernels (rank_segments / candidate_keys), or None."""
-    if params.backend not in _NATIVE:
-        return None
-    import importlib
-    return importlib.import_module(_NATIVE[params.backend])
+def _backend(params: LCEParams):
+    from .backends import get_backend
+    return get_backend(params.backend)
 
 
 def _backend_fn(params: LCEParams, name: str, default):
     """The backend's `name` (base.py's optional gather_logits / segment_logits), else the torch default."""
-    if params.backend in _NATIVE:
-        import importlib
-        return getattr(importlib.import_module(_NATIVE[params.backend]), name)
-    from .backends import get_backend
-    return getattr(get_backend(params.backend), name, None) or default
+    return getattr(_backend(params), name, None) or default
 
 
 def local_columns(ids: torch.Tensor, params: LCEParams):
@@ -146,14 +136,14 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
     pad = sort_key(torch.full((1,), float("-inf"), device=dev), torch.full((1,), _ID_MASK, device=dev))
     out = pad.expand(n, k).contiguous()  # keys below every logit: what a shard without columns offers
     kk = min(k, G)
-    native = _native(sp)
+    own = _backend(sp)
+    native = own if hasattr(own, "candidate_keys") else None  # ranks and recomputes in its own kernels
     if kk and native is not None:
         segs = native.rank_segments(seg_max, inv_t if torch.is_tensor(inv_t) else it, kk)
     elif kk:
         seg_of = torch.arange(G, device=dev)
         seg_rank = sort_key(seg_max.t() * it, seg_of[None, :].expand(n, G)).topk(kk, dim=1).values
         segs = key_id(seg_rank)  # [N, kk] local segment indices, best first
-    recompute = _backend_fn(sp, "segment_logits", _segment_logits_torch)
     chunk = max(1, _CHUNK_ELEMS // (max(kk, 1) * exact.SEG))
     cols = torch.arange(exact.SEG, device=dev)
     for t0 in range(0, n if kk else 0, chunk):
@@ -163,6 +153,7 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
                                          sp, params.vocab_start)
         else:
             rows = torch.arange(t0, t1, device=dev).repeat_interleave(kk)
+            recompute = getattr(own, "segment_logits", None) or _segment_logits_torch
             r = recompute(hidden, weight, rows, segs[t0:t1].reshape(-1), sp)  # [(t1-t0)·kk, SEG], -inf past the shard
             z = r.view(t1 - t0, kk * exact.SEG) * (it[t0:t1] if torch.is_tensor(it) else it)
             gid = (segs[t0:t1, :, None] * exact.SEG + cols + params.vocab_start).view(t1 - t0, -1)

@@ -55,7 +55,10 @@ Optional, for selected ids / top-k (select.py has torch defaults):
   gather_logits(hidden, weight, cols [N, J]) -> fp32 [N, J] h_n · W[cols] before head_transform, each
       value's bits independent of N, J and the row's position;
   segment_logits(hidden, weight, rows [P], segs [P], params) -> fp32 [P, 128] head-transformed raw logits
-      of segment segs[p] for row rows[p], bitwise what the invariant forward reduced (-inf past the shard).
+      of segment segs[p] for row rows[p], bitwise what the invariant forward reduced (-inf past the shard);
+  or, doing the top-k's ranking and recompute in its own kernels (triton): rank_segments(seg_max [G, N],
+      inv_t, kk) -> [N, kk] segment indices and candidate_keys(hidden, weight, row0, segs, inv_t, params,
+      vocab_start) -> [c, kk·128] select.sort_key keys.
 
 cache_spec(n, h, v_shard, dtype, params, keep_cache) -> (shape, dtype) of the cache forward() keeps for
   these sizes, or None: forward decides with it, and the op's fake (meta) implementation allocates with

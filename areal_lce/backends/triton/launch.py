@@ -257,6 +257,20 @@ class TritonBackend:
     # ----------------------------------------------------------------------------------- backward
     takes_sparse = True  # backward(..., sparse=(cols, coef)): base.py; select_launch.add_sparse_columns
 
+    # the selected-id / top-k kernels (base.py's optional methods; select_launch imports this module, hence
+    # the imports on first use)
+    def gather_logits(self, hidden, weight, cols):
+        from .select_launch import gather_logits
+        return gather_logits(hidden, weight, cols)
+
+    def rank_segments(self, seg_max, inv_t, kk):
+        from .select_launch import rank_segments
+        return rank_segments(seg_max, inv_t, kk)
+
+    def candidate_keys(self, hidden, weight, row0, segs, inv_t, params, vocab_start):
+        from .select_launch import candidate_keys
+        return candidate_keys(hidden, weight, row0, segs, inv_t, params, vocab_start)
+
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,
                  need_d_hidden: bool, need_d_weight: bool, sparse=None):
         _check(hidden, weight, labels, inv_t, params)
