@@ -14,7 +14,6 @@ spread), and the extra peak memory. Target: <= 1.05 with K <= 64, <= 1.10 with k
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
@@ -22,7 +21,7 @@ import torch
 from areal_lce import linear_logprobs_entropy
 
 from .bench_invariant import SHAPES, inputs, timed
-from .harness import log, parse_shapes, run_meta, write_json
+from .harness import checks_then_costs, log
 
 
 def _sel(y, v, k, seed=1):
@@ -117,17 +116,7 @@ def cost(name, n, h, v, rounds):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--shapes", default="small,qwen7b,llama8b,wide_n")
-    p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args()
-    result = {"meta": run_meta(), "checks": checks(), "cost": {}}
-    log(f"checks: {result['checks']}")
-    write_json(args.out, "bench_select", result)
-    for name, (n, h, v) in parse_shapes(args.shapes, SHAPES):
-        result["cost"][name] = cost(name, n, h, v, args.rounds)
-        write_json(args.out, "bench_select", result)
+    checks_then_costs("bench_select", SHAPES, checks, cost)
 
 
 if __name__ == "__main__":

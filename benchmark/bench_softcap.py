@@ -11,7 +11,6 @@ capped logits; Liger's loss per row (reduction="none") likewise.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
@@ -19,7 +18,7 @@ import torch
 from areal_lce import linear_logprobs_entropy
 
 from .bench_invariant import SHAPES, inputs, timed
-from .harness import log, parse_shapes, run_meta, write_json
+from .harness import checks_then_costs, log
 
 CAP = 30.0
 
@@ -88,16 +87,7 @@ def cost(name, n, h, v, rounds):
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--shapes", default="small,qwen7b,llama8b,wide_n")
-    p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args()
-    result = {"meta": run_meta(), "checks": checks(), "cost": {}}
-    log(f"checks: {result['checks']}")
-    for name, (n, h, v) in parse_shapes(args.shapes, SHAPES):
-        result["cost"][name] = cost(name, n, h, v, args.rounds)
-        write_json(args.out, "bench_softcap", result)
+    checks_then_costs("bench_softcap", SHAPES, checks, cost)
 
 
 if __name__ == "__main__":

@@ -324,3 +324,22 @@ def exact_reference(h, W, y, with_ent: bool, chunk=2048) -> dict:
 
 def rel_l2(x, ref) -> float:
     return (torch.linalg.vector_norm((x.float() - ref).flatten()) / torch.linalg.vector_norm(ref.flatten())).item()
+
+
+def checks_then_costs(name: str, shapes: dict, checks, cost, default: str = "small,qwen7b,llama8b,wide_n") -> dict:
+    """The CLI of a check + cost benchmark (bench_select, bench_softcap): `--out DIR --shapes ... --rounds R`;
+    runs checks() once, then cost(shape_name, n, h, v, rounds) per shape, writing DIR/name after each."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--shapes", default=default)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    result = {"meta": run_meta(), "checks": checks(), "cost": {}}
+    log(f"checks: {result['checks']}")
+    write_json(args.out, name, result)
+    for shape, (n, h, v) in parse_shapes(args.shapes, shapes):
+        result["cost"][shape] = cost(shape, n, h, v, args.rounds)
+        write_json(args.out, name, result)
+    return result
