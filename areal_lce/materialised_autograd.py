@@ -1,6 +1,6 @@
 """The materialised route as it was before `materialised_lean`: torch autograd over fp32 copies of the logits.
 
-Kept as the "before" row of benchmark/bench_materialised.py and as a second oracle in the tests (it is
+Kept as the "before" row of benchmark/op/bench_materialised.py and as a second oracle in the tests (it is
 differentiated by torch autograd, so memory holds the fp32 logits and softmax of every token); nothing in
 the package calls it. Same signature and outputs as `materialised.logprobs_entropy_from_logits`.
 """

@@ -26,11 +26,11 @@ run() {  # name timeout_s command...
 }
 for job in "$@"; do
   case $job in
-    gpu_check) run gpu_check 240 python3 -m benchmark.gpu_check --out "$W" ;;
-    gpu_attention_check) run gpu_attention_check 150 python3 -m benchmark.gpu_attention_check --out "$W" ;;
-    bench_packing) run bench_packing 300 python3 -m benchmark.bench_packing --preset qwen2.5-0.5b --seqs 32 --micro-batch 4 \
+    gpu_check) run gpu_check 240 python3 -m benchmark.op.gpu_check --out "$W" ;;
+    gpu_attention_check) run gpu_attention_check 150 python3 -m benchmark.engine.gpu_attention_check --out "$W" ;;
+    bench_packing) run bench_packing 300 python3 -m benchmark.engine.bench_packing --preset qwen2.5-0.5b --seqs 32 --micro-batch 4 \
           ${STEPS:+--steps $STEPS} --out "$W" ;;
-    bench_packing_mem) run bench_packing_mem 420 python3 -m benchmark.bench_packing --preset qwen2.5-0.5b --seqs 32 \
+    bench_packing_mem) run bench_packing_mem 420 python3 -m benchmark.engine.bench_packing --preset qwen2.5-0.5b --seqs 32 \
           --micro-batch 16 --micro-batch-padded 8 --routes fused ${STEPS:+--steps $STEPS} --out "$W" ;;
     bench_rollout) run bench_rollout 300 torchrun --nproc_per_node=1 -m benchmark.bench_rollout --preset qwen2.5-0.5b --out "$W" ;;
     bench_lce) run bench_lce 480 python3 -m benchmark.bench_lce --shapes small,qwen7b,llama8b,wide_n --out "$W" ;;
@@ -40,10 +40,10 @@ for job in "$@"; do
           --prompt-len 256 --new-tokens 16 --steps ${STEPS:-3} ${LOGPROB_TOKENS:+--logprob-max-tokens $LOGPROB_TOKENS} \
           ${ROUTES:+--routes $ROUTES} ${ROPE:+--rope-fusion $ROPE} ${GRAPHS:+--model-graphs $GRAPHS} \
           ${COMPACT:+--compact-ignored $COMPACT} --out "$W" ;;
-    bench_invariant) run bench_invariant 480 python3 -m benchmark.bench_invariant --rounds ${ROUNDS:-5} --out "$W" ;;
-    bench_materialised) run bench_materialised 420 python3 -m benchmark.bench_materialised --rounds ${ROUNDS:-3} \
+    bench_invariant) run bench_invariant 480 python3 -m benchmark.op.bench_invariant --rounds ${ROUNDS:-5} --out "$W" ;;
+    bench_materialised) run bench_materialised 420 python3 -m benchmark.op.bench_materialised --rounds ${ROUNDS:-3} \
           --lean-blocks ${LEAN_BLOCKS:-4194304,8388608,67108864} --out "$W" ;;
-    bench_select) run bench_select 500 python3 -m benchmark.bench_select --rounds ${ROUNDS:-3} --out "$W" ;;
+    bench_select) run bench_select 500 python3 -m benchmark.op.bench_select --rounds ${ROUNDS:-3} --out "$W" ;;
     gpu_tests) run gpu_tests 400 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_capture.py \
           tests/test_checkpoint_integrity.py tests/test_gpu_generate.py -x ;;
     bench_ignored) run bench_ignored 240 python3 -m benchmark.bench_ignored --out "$W" ;;
@@ -57,7 +57,7 @@ for job in "$@"; do
               ${GRAPHS:+engine.model_cuda_graphs=$([ "$GRAPHS" = on ] && echo true || echo false)}
           cp "$dir/metrics.jsonl" "$W/$name.metrics.jsonl" ;;
     cp_*) set -- ${job//_/ }; seq=$3; route=$2
-          run "cp_${route}_${seq}" 200 torchrun --nproc_per_node=2 -m benchmark.bench_cp --seq "$seq" --route "$route" \
+          run "cp_${route}_${seq}" 200 torchrun --nproc_per_node=2 -m benchmark.engine.bench_cp --seq "$seq" --route "$route" \
               ${RECOMPUTE:+--recompute} ${STEPS:+--steps $STEPS} --out "$W" ;;
     *) echo "unknown job $job" ;;
   esac

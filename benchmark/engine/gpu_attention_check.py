@@ -1,7 +1,7 @@
 """GPU check of the engine's core attention (areal_lce/engine/model/attention.py) on one CUDA device.
 
     pip install --no-deps megatron-core==0.19.2     # the GPU image has none (a cp312 wheel will do)
-    python -m benchmark.gpu_attention_check --out DIR
+    python -m benchmark.engine.gpu_attention_check --out DIR
 
 1. Correctness: `pytest -m gpu tests/test_gpu_attention.py` in this process (cases and pass rule there):
    `causal_varlen_attention` through torch's `varlen_attn` (flash varlen) against one SDPA call per
@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from benchmark.gpu_check import run_gpu_tests
+from benchmark.op.gpu_check import run_gpu_tests
 from benchmark.harness import run_meta, write_json
 
 TESTS = ("tests/test_gpu_attention.py",)

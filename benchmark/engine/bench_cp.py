@@ -1,7 +1,7 @@
 """Long-context SFT step under context parallelism: fused vs materialised LM head, per-rank time and memory.
 
-    torchrun --nproc_per_node=2 -m benchmark.bench_cp --seq 32768 --route fused --out DIR
-    torchrun --nproc_per_node=2 -m benchmark.bench_cp --seq 131072 --route materialised --out DIR
+    torchrun --nproc_per_node=2 -m benchmark.engine.bench_cp --seq 32768 --route fused --out DIR
+    torchrun --nproc_per_node=2 -m benchmark.engine.bench_cp --seq 131072 --route materialised --out DIR
 
 One configuration per process group (a rank that runs out of memory would leave the other waiting in a
 collective: run each configuration in its own launch, under `timeout`). The model is the
@@ -24,7 +24,7 @@ import torch
 
 from areal_lce.engine.microbatch import MicroBatch
 
-from .harness import run_meta, sync, write_json
+from ..harness import run_meta, sync, write_json
 
 
 def main():

@@ -1,6 +1,6 @@
 """The RL jobs' materialised route against megatron-core's CE plus an RL-framework entropy, on one GPU.
 
-    python -m benchmark.bench_materialised --out DIR [--shapes qwen0.5b,qwen7b] [--rounds 3]
+    python -m benchmark.op.bench_materialised --out DIR [--shapes qwen0.5b,qwen7b] [--rounds 3]
 
 Every row runs forward + backward of (logprob + entropy) per token from logits that a bf16 GEMM builds
 (hidden [N, H] @ weight[V, H]ᵀ, the GEMM and its backward included), labels all valid, T = 1:
@@ -29,7 +29,7 @@ from areal_lce.materialised import logprobs_entropy_from_logits
 from areal_lce.materialised_autograd import logprobs_entropy_autograd
 
 from .bench_invariant import timed
-from .harness import log, parse_shapes, run_meta, write_json
+from ..harness import log, parse_shapes, run_meta, write_json
 
 SHAPES = {"qwen0.5b": (8192, 896, 151936), "qwen7b": (8192, 3584, 152064), "tiny": (64, 32, 1000)}
 ROWS = ("autograd", "lean", "megatron")

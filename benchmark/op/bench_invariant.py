@@ -1,6 +1,6 @@
 """Invariant mode on a GPU: the bitwise checks of the consistency contract, and its cost.
 
-    python -m benchmark.bench_invariant --out DIR [--shapes small,qwen7b,llama8b,wide_n] [--rounds 7]
+    python -m benchmark.op.bench_invariant --out DIR [--shapes small,qwen7b,llama8b,wide_n] [--rounds 7]
 
 Checks (public op, Triton backend, default options but the one compared): the same rows computed in
 different calls must be torch.equal -- rows alone / 7 / a 357-row slice / the first 6000 of the call,
@@ -27,7 +27,7 @@ from areal_lce import exact, linear_logprobs_entropy
 from areal_lce.backends import get_backend
 from areal_lce.types import LCEParams
 
-from .harness import log, parse_shapes, run_meta, write_json
+from ..harness import log, parse_shapes, run_meta, write_json
 
 SHAPES = {"small": (4096, 896, 151936), "qwen7b": (8192, 4096, 151936), "llama8b": (16384, 4096, 128256),
           "wide_n": (32768, 2048, 151936)}

@@ -1,13 +1,13 @@
 """GPU correctness run of the Triton backend and the public op on CUDA: the `gpu` tests, with a summary.
 
-    python -m benchmark.gpu_check [--out DIR]
+    python -m benchmark.op.gpu_check [--out DIR]
 
 Runs `pytest -m gpu` on tests/test_gpu.py, test_gpu_capture.py, test_gpu_generate.py, test_gpu_rope.py,
 test_gpu_graphs.py and test_checkpoint_integrity.py (megatron's mixed-precision optimizer state saved and
 reloaded with weights_only=True) in this process (the cases, the oracles and the pass rules are written there), then prints one PASS/FAIL line per test with the errors it
 measured (kernel next to torch's own), writes gpu_check.json (run stamp, one row per test) and ends with
 `gpu_check: P/T passed on DEVICE`; exit status 1 on any failure or when nothing ran. Without a CUDA device
-it says so and exits 0. `run_gpu_tests` is shared with benchmark/gpu_attention_check.py.
+it says so and exits 0. `run_gpu_tests` is shared with benchmark/engine/gpu_attention_check.py.
 """
 from __future__ import annotations
 

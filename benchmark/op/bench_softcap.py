@@ -1,7 +1,7 @@
 """softcap on a GPU: its values against the fp64 oracle and its cost, with Liger's fused linear CE (the peer
 that has soft-capping) in the same run.
 
-    PYTHONPATH=<liger_kernel>:. python -m benchmark.bench_softcap --out DIR [--shapes ...] [--rounds 3]
+    PYTHONPATH=<liger_kernel>:. python -m benchmark.op.bench_softcap --out DIR [--shapes ...] [--rounds 3]
 
 Cost: forward+backward of the default call (loss = Σ logprobs) with softcap=30 against the same call
 without it, paired rounds (median of each round's median); Liger's LigerFusedLinearCrossEntropyLoss
@@ -18,7 +18,7 @@ import torch
 from areal_lce import linear_logprobs_entropy
 
 from .bench_invariant import SHAPES, inputs, timed
-from .harness import checks_then_costs, log
+from ..harness import checks_then_costs, log
 
 CAP = 30.0
 

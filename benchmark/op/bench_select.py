@@ -1,6 +1,6 @@
 """selected_ids / top_k on a GPU: their values against the fp64 oracle, their batch invariance, and their cost.
 
-    python -m benchmark.bench_select --out DIR [--shapes small,qwen7b,llama8b,wide_n] [--rounds 3]
+    python -m benchmark.op.bench_select --out DIR [--shapes small,qwen7b,llama8b,wide_n] [--rounds 3]
 
 Checks (public op, default options = Triton backend, invariant mode, bf16): on 256 rows of a 1024-row call,
 selected logprobs (K = 16: the label, segment edges, a repeat, random ids) and top-8 logprobs against the fp64
@@ -21,7 +21,7 @@ import torch
 from areal_lce import linear_logprobs_entropy
 
 from .bench_invariant import SHAPES, inputs, timed
-from .harness import checks_then_costs, log
+from ..harness import checks_then_costs, log
 
 
 def _sel(y, v, k, seed=1):

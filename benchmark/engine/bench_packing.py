@@ -1,7 +1,7 @@
 """Packed (THD) vs right-padded (BSHD) micro-batches, the fused LM head vs the flag-off route, RL-like lengths.
 
-    python -m benchmark.bench_packing --preset qwen2.5-0.5b --out DIR          # one GPU
-    python -m benchmark.bench_packing --preset tiny --seqs 8 --max-response 64  # CPU smoke run
+    python -m benchmark.engine.bench_packing --preset qwen2.5-0.5b --out DIR          # one GPU
+    python -m benchmark.engine.bench_packing --preset tiny --seqs 8 --max-response 64  # CPU smoke run
 
 Every step trains on `--seqs` sequences of prompt `--prompt-len` tokens plus a response of uniform
 random length in [--min-response, --max-response] (what a GRPO batch looks like), split into
@@ -31,7 +31,7 @@ import torch
 
 from areal_lce.engine.microbatch import MicroBatch
 
-from .harness import run_meta, sync, write_json
+from ..harness import run_meta, sync, write_json
 
 
 def make_steps(args, vocab: int, micro_batch: int):
