@@ -7,9 +7,9 @@ import math
 
 import torch
 
-from .. import checks
+from .. import checks, patching
 
-_ORIGINALS: dict = {}  # (module name, attribute) -> the framework's own function, kept for remove()
+_HANDLES: dict = {}  # (module name, attribute) -> the areal_lce.patching handle that remove() restores
 _RESERVED = ("vocab_parallel", "tp_group", "sequence_parallel", "reduce_d_hidden", "temperature",
              "return_stats", "return_logit_sums", "vocab_size", "ignore_index")
 # The op's ignore_index under the frameworks' contracts, which have none: a value no label takes (int64's
@@ -88,38 +88,46 @@ def positive_float(value, name: str, adapter: str) -> float:
     return value
 
 
-def patch(module_name: str, attr: str, new) -> str:
-    """Set module.attr = new, remembering the framework's original once. Raises if the attribute is not
-    there (the framework moved it: the patch would silently do nothing)."""
+def _module_with(module_name: str, attr: str):
     mod = importlib.import_module(module_name)
     if not hasattr(mod, attr):
         raise RuntimeError(f"{module_name} has no attribute {attr!r}: this version of the framework does not "
                            "look its LM-head function up there; see docs/integrations.md")
-    _ORIGINALS.setdefault((module_name, attr), getattr(mod, attr))
-    setattr(mod, attr, new)
-    return f"{module_name}.{attr}"
+    return mod
+
+
+def patch(module_name: str, attr: str, new) -> str:
+    """Set module.attr = new (areal_lce.patching), remembering the framework's original once: patching
+    again replaces the replacement, and `restore` puts the original back. Raises if the attribute is not
+    there (the framework moved it: the patch would silently do nothing)."""
+    return patch_all([module_name], attr, new)[0]
 
 
 def restore(module_name: str, attr: str) -> bool:
-    """Put the framework's original back; False if it was never patched here."""
-    original = _ORIGINALS.pop((module_name, attr), None)
-    if original is None:
-        return False
-    setattr(importlib.import_module(module_name), attr, original)
-    return True
+    """Put the framework's original back; False if it is not patched here."""
+    handle = _HANDLES.pop((module_name, attr), None)
+    return handle is not None and handle.restore()
 
 
 def patch_all(module_names, attr: str, new) -> list:
-    """`patch` in every module of `module_names`, none or all: on a failure the ones done are restored."""
-    done = []
+    """`patch` in every module of `module_names`, none or all: every module is imported and checked before
+    any is patched, and on a failure the patches of this call are undone (earlier ones stay)."""
+    names = list(module_names)
+    targets = [_module_with(name, attr) for name in names]
+    handles = []
     try:
-        for name in module_names:
-            done.append(patch(name, attr, new))
-    except Exception:
-        for name in module_names:
-            restore(name, attr)
+        for mod in targets:
+            handles.append(patching.apply(patching.Patch(mod, attr, new)))
+    except BaseException:
+        for handle in reversed(handles):
+            handle.restore()
         raise
-    return done
+    for name, handle in zip(names, handles):
+        previous = _HANDLES.pop((name, attr), None)
+        if previous is not None:  # this call's patch is on top: dropping the older one keeps it in place
+            previous.restore()
+        _HANDLES[(name, attr)] = handle
+    return [f"{name}.{attr}" for name in names]
 
 
 def restore_all(module_names, attr: str) -> list:

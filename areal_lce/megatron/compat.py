@@ -7,10 +7,12 @@ given one), `language_model_classes()` names the models the seam accepts (GPTMod
 0.19), `quiet_gpt_deprecation()` drops 0.19's GPTModel deprecation notice where the engine builds its
 GPTModel, `megatron_version()` gives the installed version, `check_linear_cross_entropy` refuses the one seam that megatron-core's own fused
 linear cross entropy (an output layer of another class) would break. `use_device_grad_norm()` replaces megatron's host-syncing fallback L2 norm
-(no Apex / Transformer Engine) in its gradient clipping with a device-side one. `cpu_shims()` is a
+(no Apex / Transformer Engine) in its gradient clipping with a device-side one, until
+`restore_device_grad_norm()`. `cpu_shims()` is a
 context manager that makes the CUDA-only calls megatron-core makes while building, running and
 training a model harmless on a CPU-only host, and restores everything on exit; it is a no-op when CUDA is available. The engine enters it around its own
 megatron calls; code that drives a megatron model itself on CPU (tests, examples) enters it too.
+Every replacement goes through `areal_lce.patching` (reversible, refused when the target moved).
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import logging
 from typing import List, Tuple
 
 import torch
+
+from .. import patching
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,16 +125,30 @@ def _l2_norm_on_device(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     return torch.nn.utils.get_total_norm(tensors, 2.0).float().reshape(1), None
 
 
+_grad_norm_patch = None  # the areal_lce.patching handle of use_device_grad_norm, None when not applied
+
+
 def use_device_grad_norm() -> bool:
     """Point megatron-core's gradient clipping at `_l2_norm_on_device` when it fell back to its local L2
-    norm (Apex's or Transformer Engine's kernel, when installed, is left alone). Idempotent; True when the
-    device-side norm is in use."""
+    norm (Apex's or Transformer Engine's kernel, when installed, is left alone), until
+    `restore_device_grad_norm()`. Idempotent; True when the device-side norm is in use."""
+    global _grad_norm_patch
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads
 
     if clip_grads.l2_norm_impl is getattr(utils, "local_multi_tensor_l2_norm", None):
-        clip_grads.l2_norm_impl = _l2_norm_on_device
+        previous, _grad_norm_patch = _grad_norm_patch, patching.apply(
+            patching.Patch(clip_grads, "l2_norm_impl", _l2_norm_on_device))
+        if previous is not None:  # the fallback was put back by something else since: the new patch replaces it
+            previous.restore()
     return clip_grads.l2_norm_impl is _l2_norm_on_device
+
+
+def restore_device_grad_norm() -> bool:
+    """Undo `use_device_grad_norm`: megatron's own fallback norm is back. False when it was not in use."""
+    global _grad_norm_patch
+    handle, _grad_norm_patch = _grad_norm_patch, None
+    return handle is not None and handle.restore()
 
 
 class _NullStream:
@@ -208,7 +226,7 @@ def _shim_targets() -> List[Tuple[object, str, object]]:
 
 
 _depth = 0  # nesting depth of cpu_shims() (the engine's train_step calls its token_stats, ...)
-_saved: List[Tuple[object, str, object]] = []
+_shims = None  # the areal_lce.patching handle of the outermost cpu_shims()
 
 
 def shims_active() -> bool:
@@ -219,22 +237,19 @@ def shims_active() -> bool:
 @contextlib.contextmanager
 def cpu_shims():
     """Within the block, megatron-core runs on a host without CUDA (`_shim_targets` lists what is replaced
-    and why); the originals are back on exit, also on error. Re-entrant; a no-op when CUDA is available.
-    Usable as a decorator (`@cpu_shims()`)."""
-    global _depth
+    and why); the originals are back on exit, also on error (areal_lce.patching). Re-entrant; a no-op
+    when CUDA is available. Usable as a decorator (`@cpu_shims()`)."""
+    global _depth, _shims
     if torch.cuda.is_available():
         yield
         return
     if _depth == 0:
-        for owner, name, stand_in in _shim_targets():
-            _saved.append((owner, name, getattr(owner, name)))
-            setattr(owner, name, stand_in)
+        _shims = patching.apply(*(patching.Patch(*target) for target in _shim_targets()))
     _depth += 1
     try:
         yield
     finally:
         _depth -= 1
         if _depth == 0:
-            while _saved:
-                owner, name, original = _saved.pop()
-                setattr(owner, name, original)
+            handle, _shims = _shims, None
+            handle.restore()

@@ -7,10 +7,10 @@ and megatron runs its unfused torch RoPE: about eleven kernels and autograd node
 for k in every layer -- on a 0.5B model at 8k tokens per micro-batch that is about a fifth of the
 training step's kernel launches, on a step the host already limits (docs/benchmarks.md).
 
-`install_rope_fusion()` fills the empty slots with `fused_rope_sbhd` / `fused_rope_thd`: one Triton
-launch per call (backends/triton/rope.py: cos and sin once per row for all heads, fp32 math rounded
-once, as Transformer Engine's fused kernel computes) and one for the backward (the transposed
-rotation). Megatron's unfused path instead rounds cos / sin and each product to the activation dtype,
+`install_rope_fusion()` fills the empty slots with `fused_rope_sbhd` / `fused_rope_thd` until
+`remove_rope_fusion()` empties them again (areal_lce.patching): one Triton launch per call
+(backends/triton/rope.py: cos and sin once per row for all heads, fp32 math rounded once, as
+Transformer Engine's fused kernel computes) and one for the backward (the transposed rotation). Megatron's unfused path instead rounds cos / sin and each product to the activation dtype,
 so bf16 outputs differ from it by bf16 rounding (tests/test_rope.py bounds it; fp32 agrees to 1e-6).
 
 THD semantics are megatron's `_apply_rotary_pos_emb_thd`: `freqs` with cu_seqlens[-1] rows holds the
@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from ... import patching
 from ...megatron.context_parallel import sequence_lengths, zigzag_positions
 from ...megatron.packing import host_to_device
 
@@ -148,12 +149,29 @@ def fusion_usable() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
 
+_installed = None  # the areal_lce.patching handle of install_rope_fusion, None when not installed
+
+
 def install_rope_fusion() -> bool:
-    """Fill megatron-core's empty fused-RoPE slots with this module's functions. True when the slots hold
-    them afterwards; False when something else (Transformer Engine) filled them first, left as it is."""
+    """Fill megatron-core's empty fused-RoPE slots with this module's functions, until
+    `remove_rope_fusion()`. True when the slots hold them afterwards; False when something else
+    (Transformer Engine) filled them first, left as it is. Idempotent."""
+    global _installed
     from megatron.core.models.common.embeddings import rope_utils
 
     if rope_utils.fused_apply_rotary_pos_emb is None and rope_utils.fused_apply_rotary_pos_emb_thd is None:
-        rope_utils.fused_apply_rotary_pos_emb = fused_rope_sbhd
-        rope_utils.fused_apply_rotary_pos_emb_thd = fused_rope_thd
+        previous, _installed = _installed, patching.apply(
+            patching.Patch(rope_utils, "fused_apply_rotary_pos_emb", fused_rope_sbhd),
+            patching.Patch(rope_utils, "fused_apply_rotary_pos_emb_thd", fused_rope_thd))
+        if previous is not None:  # the slots were emptied by something else since: the new patch replaces it
+            previous.restore()
     return rope_utils.fused_apply_rotary_pos_emb is fused_rope_sbhd
+
+
+def remove_rope_fusion() -> bool:
+    """Empty the slots `install_rope_fusion` filled (megatron's unfused RoPE runs again for models built
+    with apply_rope_fusion=False; a model built with it set needs the slots filled). False when they were
+    not filled here."""
+    global _installed
+    handle, _installed = _installed, None
+    return handle is not None and handle.restore()
