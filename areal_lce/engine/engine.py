@@ -51,6 +51,7 @@ from .graphs import ModelCallGraphs, why_not_graphed
 from .batch import prepare as prepare_batch
 from ..megatron.compat import cpu_shims
 from .config import EngineConfig
+from .metrics import StepShare, reduce_step
 from .microbatch import MicroBatch, check_microbatches
 from .model.builder import build_gpt_model, load_hf_checkpoint, resolve_arch, use_te_spec
 from .optim import build_optimizer, lr_at, optimizer_step
@@ -229,15 +230,21 @@ class MegatronEngine:
         return stats_with_extras(self._call_model(mb, temperature, sel, top_k), mb)
 
     # ------------------------------------------------------------------------------ training
-    @cpu_shims()
     def train_step(self, microbatches: List[MicroBatch], loss_fn: Callable) -> Dict[str, float]:
+        """`train_step_local`, its share reduced (metrics.reduce_step): the data-parallel mean of loss and
+        metrics, the tokens summed, grad_norm, lr, peak_mem_gib and peak_reserved_gib (the same on every
+        rank but the peaks)."""
+        return reduce_step(self.train_step_local(microbatches, loss_fn), self.dist)
+
+    @cpu_shims()
+    def train_step_local(self, microbatches: List[MicroBatch], loss_fn: Callable) -> StepShare:
         """One optimizer step over `microbatches`: `loss_fn(stats, mb)` -> (loss, metrics) per micro-batch
         (the engine sums the losses: normalise them in loss_fn), backward, gradient reduction, clipping
         and the step. On the materialised route a `loss_fn` whose `logprobs_only` attribute is true (the
         SFT loss) runs on megatron-core's own loss path instead (own_loss.py: GPTModel's `labels=` loss,
         never graphed): its stats hold the logprobs, and None for entropy, max_logit and min_logit. `loss_fn` receives each micro-batch with its tensor fields on the engine's device
-        (`MicroBatch.to`). Returns the data-parallel mean of loss and metrics, grad_norm, lr, tokens,
-        peak_mem_gib and peak_reserved_gib (the same on every rank)."""
+        (`MicroBatch.to`). Returns this rank's share (metrics.StepShare: sums over its micro-batches,
+        nothing reduced), which the caller reduces once with its own metrics (metrics.reduce_metrics)."""
         from megatron.core.distributed import finalize_model_grads
 
         self._require_trainable("train_step")
@@ -288,28 +295,10 @@ class MegatronEngine:
         grad_norm = optimizer_step(self.model, self.optimizer, self.megatron_optimizer, lr, self.mp_group,
                                    self.device, self.cfg.optim.clip_grad)
         self.step_count += 1
-        out = self._reduce_metrics(sums.pop("loss", 0.0), tokens, sums, len(microbatches))
-        out.update(grad_norm=grad_norm, lr=lr, peak_mem_gib=self.peak_mem_gib(),
-                   peak_reserved_gib=self.peak_reserved_gib())
-        return out
-
-    def _reduce_metrics(self, loss_sum, tokens: int, sums: Dict[str, Any], n: int) -> Dict[str, float]:
-        """The data-parallel mean of the per-rank loss and metric means, and the tokens summed over the
-        data-parallel ranks: the same numbers on every rank (under PP the last stage's). Sums are floats
-        or 0-d device tensors; they reach the host once, after the reduction."""
         keys = object_from_last_stage(sorted(sums), self.dist)  # under PP only the last stage ran loss_fn
-        # on the engine's device: NCCL groups reduce CUDA tensors only
-        vec = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(())
-                           for v in [loss_sum, float(tokens)] + [sums.get(k, 0.0) / n for k in keys]])
-        if self.dist.pp_size > 1:
-            if not self.dist.is_last_stage:
-                vec.zero_()  # every stage counted the same tokens; the last one alone ran loss_fn
-            comms.all_reduce_sum_(vec, self.pp_group)  # SUM over stages: values live on the last one
-        comms.all_reduce_sum_(vec, self.dp_group)  # SUM over data-parallel ranks
-        dp, host = self.dist.dp_size, vec.tolist()
-        out = {k: host[2 + i] / dp for i, k in enumerate(keys)}
-        out.update(loss=host[0] / dp, tokens=host[1])
-        return out
+        return StepShare({k: sums.get(k, 0.0) for k in ["loss"] + [k for k in keys if k != "loss"]},
+                         len(microbatches), tokens, dict(grad_norm=grad_norm, lr=lr, peak_mem_gib=self.peak_mem_gib(),
+                                                         peak_reserved_gib=self.peak_reserved_gib()))
 
     @staticmethod
     def peak_mem_gib() -> float:

@@ -33,7 +33,7 @@ from . import checkpoint as ckpt
 from . import loop
 from .distill_config import teacher_engine_config
 from .distill_loss import DistillMicroBatch, distill_loss
-from .job import reduce_metrics, run_banner
+from .job import last_stage_share, reduce_metrics, run_banner
 from .rl import RLJob, _seed, logprob_ranges, minibatch_plan
 
 DISTILL_LOG_KEYS = ("step", "kl_fwd", "score", "teacher_score", "entropy", "reverse_kl", "response_len",
@@ -135,15 +135,18 @@ class DistillJob(RLJob):
 
         gen = torch.Generator().manual_seed(_seed(self.cfg.trainer.seed, step, 3, self.dist.dp_rank))
         order = torch.randperm(batch.rows, generator=gen)
-        outs = [self.policy.train_step(mbs, loss_fn) for mbs in minibatch_plan(full, order, rl.minibatches, self.micro)]
-        upd = {k: sum(float(o[k]) for o in outs) / len(outs) for k in outs[0]}  # means over the optimizer steps
+        shares = [self.policy.train_step_local(mbs, loss_fn)  # this rank's values, reduced once below
+                  for mbs in minibatch_plan(full, order, rl.minibatches, self.micro)]
+        outs = [{**s.values(self.dist), **s.extra} for s in shares]
+        upd = {k: sum(o[k] for o in outs) / len(outs) for k in outs[0]}  # this rank's means over the optimizer steps
         mask = batch.labels != -100
         local = {"kl_fwd": upd["kl_fwd"], "reverse_kl": upd["reverse_kl"], "entropy": upd["entropy"],
                  "score": float(ro["rewards"].mean()), "response_len": ro["response_len"], "loss": upd["loss"],
                  "grad_norm": upd["grad_norm"], "tokens": float(mask.sum())}
         if self.distill.teacher_score:  # else absent from the record (and the plot)
             local["teacher_score"] = self.teacher_score(step, ro["items"])
-        rec = reduce_metrics(local, _REDUCE, self.dist)
+        # the update's values live on the last pipeline stage, the rollout's on every stage: counted once
+        rec = reduce_metrics(last_stage_share(local, _REDUCE, self.dist), _REDUCE, self.dist, over_pipeline=True)
         rec.update(tokens=int(round(rec["tokens"])), lr=upd["lr"], peak_mem_gib=upd.get("peak_mem_gib", 0.0),
                    gen_time_s=t_gen, step_time_s=time.perf_counter() - t0,
                    sample=repr(ro["items"][0].text + ro["texts"][0]))

@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Dict, Mapping, Protocol, Sequence, Tuple
+from typing import Any, Dict, Protocol, Sequence, Tuple
 
-import torch
-
-from .. import comms
+# the one metric reduction (the engine's step share and the jobs' own metrics), re-exported for the jobs
+from ..engine.metrics import REDUCE_OPS, last_stage_share, reduce_metrics  # noqa: F401
 from .data import check_special_ids
-
-REDUCE_OPS = ("sum", "mean", "max", "min")
-
 
 class Job(Protocol):
     """One kind of training run (SFT, GRPO/PPO), as the run loop sees it."""
@@ -73,38 +69,3 @@ def run_banner(engine, tok) -> str:
     dist, route = engine.dist, engine.route.description
     return (f"tokenizer {tok.name} ({tok.vocab_size} ids), world {dist.world_size} = TP {dist.tp_size} x "
             f"PP {dist.pp_size} x CP {dist.cp_size} x DP {dist.dp_size}, LM-head route: {route}")
-
-
-def reduce_metrics(values: Mapping[str, float], ops: Mapping[str, str], dist, *,
-                   over_pipeline: bool = False) -> Dict[str, float]:
-    """Step metrics of the whole job from every rank's share: `values[k]` reduced by `ops[k]` (default
-    mean) over the data-parallel group of `dist` (a DistInfo: each DP rank holds a slice of the batch).
-
-    sum   partial sums (tokens, NLL sums) -> their total
-    mean  per-rank means -> their average over the data-parallel ranks
-    max / min  per-rank extremes -> the global extreme
-    With `over_pipeline`, the values are first reduced over the pipeline group: only the last stage ran
-    the loss, so the other stages must hold each op's identity (0 for sum/mean, -inf / +inf for max /
-    min). Tensor- and context-parallel ranks hold identical values and are not reduced over. Every rank
-    passes the same keys; one SUM and one MAX collective per group carry all of them.
-    """
-    kind = {k: ops.get(k, "mean") for k in values}
-    unknown = sorted(set(kind.values()) - set(REDUCE_OPS))
-    if unknown:
-        raise ValueError(f"reduce_metrics: unknown op(s) {unknown}; expected one of {REDUCE_OPS}")
-    added = sorted(k for k in values if kind[k] in ("sum", "mean"))
-    extreme = sorted(k for k in values if kind[k] in ("max", "min"))
-    sums = torch.tensor([float(values[k]) for k in added], dtype=torch.float64)
-    # MIN as MAX of the negated value (exact): one MAX collective carries both kinds of extremes
-    maxes = torch.tensor([float(values[k]) if kind[k] == "max" else -float(values[k]) for k in extreme],
-                         dtype=torch.float64)
-    groups = ([(dist.pp_group, dist.pp_size)] if over_pipeline else []) + [(dist.dp_group, dist.dp_size)]
-    for group, size in groups:
-        if size > 1:
-            if added:
-                comms.all_reduce_sum_(sums, group)  # stage / DP-slice shares -> job totals (metrics only)
-            if extreme:
-                comms.all_reduce_max_(maxes, group)  # per-rank extremes -> job extremes (metrics only)
-    out = {k: v / dist.dp_size if kind[k] == "mean" else v for k, v in zip(added, sums.tolist())}
-    out.update({k: v if kind[k] == "max" else -v for k, v in zip(extreme, maxes.tolist())})
-    return {k: out[k] for k in values}  # the caller's key order

@@ -43,7 +43,7 @@ from ..engine.microbatch import MicroBatch, token_budget_ranges
 from . import loop
 from .config import RL_JOBS
 from .data import Example, check_token_ids, collate
-from .job import model_vocab_size, reduce_metrics, run_banner, sequence_multiple
+from .job import last_stage_share, model_vocab_size, reduce_metrics, run_banner, sequence_multiple
 from .rewards import load_reward
 from .rl_losses import PolicyMicroBatch, batch_advantages, group_advantages, rl_loss, rollout_mismatch
 from .tasks import build_task
@@ -52,8 +52,10 @@ from .tokenizer import load_tokenizer
 RL_LOG_KEYS = ("step", "reward", "entropy", "kl", "clip_frac", "approx_kl", "response_len", "max_logit",
                "min_logit", "grad_norm", "lr", "step_time_s")
 RL_PLOT_KEYS = ("reward", "entropy", "kl", "clip_frac", "response_len", "max_logit", "min_logit", "grad_norm")
-# how the step's per-rank metrics become the job's (job.reduce_metrics); the others are data-parallel means
-_REDUCE = {"ratio_max": "max", "max_logit": "max", "ratio_min": "min", "min_logit": "min", "tokens": "sum"}
+# how the step's per-rank metrics become the job's (job.reduce_metrics); the others are data-parallel means,
+# ratio_max / ratio_min included: like every loss metric, each micro-batch's value averaged over the
+# micro-batches, the updates and the data-parallel ranks (the max / min of the whole step is not logged)
+_REDUCE = {"max_logit": "max", "min_logit": "min", "tokens": "sum"}
 # the train-vs-rollout metrics' parts, reduced over pipeline stages (only the last one runs the loss) and ranks
 _MISMATCH_REDUCE = {"abs_diff_max": "max", "abs_diff_sum": "sum", "tokens": "sum", "ratio_dev_max": "max"}
 
@@ -228,12 +230,11 @@ class RLJob:
         for _ in range(rl.ppo_epochs):
             order = torch.randperm(rewards.numel(), generator=gen)
             for mbs in minibatch_plan(full, order, rl.minibatches, self.micro):
-                out = self.policy.train_step(mbs, loss_fn)
-                for k, v in out.items():
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
-                        sums[k] = sums.get(k, 0.0) + float(v)
+                share = self.policy.train_step_local(mbs, loss_fn)  # this rank's values, reduced once below
+                for k, v in {**share.values(self.dist), **share.extra}.items():
+                    sums[k] = sums[k] + v if k in sums else v
                 count += 1
-        upd = {k: v / count for k, v in sums.items()}
+        upd = {k: v / count for k, v in sums.items()}  # this rank's means over the optimizer steps
 
         mask = batch.labels != -100
         n_tok = mask.sum().clamp_min(1)
@@ -256,7 +257,8 @@ class RLJob:
             "min_logit": float(behav["min_logit"][mask].min()),
             "tokens": float(mask.sum()),  # response tokens
         }
-        rec = reduce_metrics(local, _REDUCE, self.dist)  # the rest: means over data-parallel ranks
+        # the update's values live on the last pipeline stage, the rollout's on every stage: counted once
+        rec = reduce_metrics(last_stage_share(local, _REDUCE, self.dist), _REDUCE, self.dist, over_pipeline=True)
         tokens = int(round(rec.pop("tokens")))
         rec.update(self.mismatch_metrics(first_update))
         rec.update(lr=upd.get("lr", 0.0), peak_mem_gib=upd.get("peak_mem_gib", 0.0), tokens=tokens,

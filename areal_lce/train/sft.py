@@ -75,7 +75,7 @@ class SFTJob:
         input_tokens = data.global_batch_input_tokens(data_step, tr.global_batch_size)
         loss_fn = SFTLoss(data.global_batch_targets(data_step, tr.global_batch_size) / d.dp_size)
         t0 = time.perf_counter()
-        result = self.engine.train_step(mbs, loss_fn)
+        result = self.engine.train_step_local(mbs, loss_fn).extra  # the loss's own sums are reduced below
         dt = time.perf_counter() - t0
         # under PP only the last stage ran the loss (the others hold 0 and -inf/+inf): reduced over both
         keep = ("nll", "tokens") + (() if self.megatron_loss else STATS_KEYS)  # the same keys on every stage
