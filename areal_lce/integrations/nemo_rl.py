@@ -26,7 +26,7 @@ in the input dtype (bf16 for a bf16 model) before the fp32 softmax: `logits_prec
 inputs, "fp32" for fp32 inputs. fp16 inputs are refused unless logits_precision is given (the op has no
 fp16 rounding). Exact mode: `vocab_size=` the true vocabulary (padding rows out of the softmax) and
 `logits_precision="fp32"`.
-Tolerance against NeMo-RL's own function (tests/zero_mismatch_worker.py `bounds`, relative to max(1, |ref|)):
+Tolerance against NeMo-RL's own function (tests/integrations/zero_mismatch_worker.py `bounds`, relative to max(1, |ref|)):
 logprobs 1e-5 for fp32 inputs (fp32 reductions in another order) and 2⁻⁷ for bf16 (both round the same
 logits, and may round one differently at a tie); gradients 1e-4 (fp32), and for bf16 2⁻⁸ per rounding on
 either side (NeMo-RL rounds d_weight to the weight's dtype once per chunk, the op once). Exact mode against
@@ -53,7 +53,7 @@ from typing import Optional
 import torch
 
 from .. import comms
-from ..api import linear_logprobs_entropy
+from ..api import check_temperature, linear_logprobs_entropy
 from ..types import VocabParallel
 from ._common import NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, patch, restore
 
@@ -86,7 +86,7 @@ def check_vocab_range(weight, vocab_start_index: int, vocab_end_index: int, tp_g
 
 
 def _run(hidden, weight, target, vocab_start_index, vocab_end_index, tp_group, inference_only, cp_group,
-         vocab_size, logits_precision, invariant, check_labels, op_options):
+         vocab_size, logits_precision, invariant, check_labels, op_options, temperature=1.0):
     """The op's LCEOutput for NeMo-RL's arguments, [S, B] per output (positions in the sequence order)."""
     check_op_options(op_options, _NAME)
     cp = comms.checked_group_size(cp_group, f"{_NAME}: cp_group")
@@ -106,12 +106,13 @@ def _run(hidden, weight, target, vocab_start_index, vocab_end_index, tp_group, i
                          f"{hidden.shape[0]} × tp {tp}] for hidden {tuple(hidden.shape)} (the sequence-parallel "
                          "shard [S/tp, B, H] at tp > 1)")
     check_vocab_range(weight, vocab_start_index, vocab_end_index, tp_group, _NAME)
+    t = check_temperature(temperature, f"{_NAME}: temperature", allow_tensor=False)
     consistency = consistency_options(invariant, default_precision(hidden.dtype, logits_precision), _NAME)
     labels = target.roll(shifts=-1, dims=-1).t().contiguous()  # [S, B]: hidden's row order
     check_no_negative_labels(labels, check_labels, tp, _NAME)
     vp = VocabParallel(tp_group, d_hidden="reduce_scatter" if tp > 1 else "all_reduce")
     with torch.no_grad() if inference_only else contextlib.nullcontext():
-        return linear_logprobs_entropy(hidden, weight, labels, vocab_parallel=vp, vocab_size=vocab_size,
+        return linear_logprobs_entropy(hidden, weight, labels, temperature=t, vocab_parallel=vp, vocab_size=vocab_size,
                                        ignore_index=NO_IGNORE_INDEX, check_labels=check_labels,
                                        **consistency, **op_options)
 
@@ -152,6 +153,20 @@ def from_parallel_hidden_states_to_logprobs_and_entropy(
     out = _run(tensor_parallel_hidden_states, output_weight_layer, target, vocab_start_index, vocab_end_index,
                tp_group, inference_only, cp_group, vocab_size, logits_precision, invariant, check_labels, op_options)
     return out.logprobs.t()[:, :-1], out.entropy.t()[:, :-1]
+
+
+def from_parallel_hidden_states_to_logprobs_at_temperature(
+    temperature: float, tensor_parallel_hidden_states, output_weight_layer, runtime_gather_output, target,
+    vocab_start_index, vocab_end_index, tp_group, inference_only=False, cp_group=None, chunk_size=None, *,
+    vocab_size=None, logits_precision=None, invariant=None, check_labels=True, **op_options,
+) -> torch.Tensor:
+    """The same call with the logits divided by `temperature` before the softmax, as NeMo-RL's
+    `apply_temperature_scaling` divides them on its logits route (its signature has no temperature: its own
+    fused route divides the returned logprobs instead; areal_lce.integrations.nemo_rl_worker calls this)."""
+    out = _run(tensor_parallel_hidden_states, output_weight_layer, target, vocab_start_index, vocab_end_index,
+               tp_group, inference_only, cp_group, vocab_size, logits_precision, invariant, check_labels, op_options,
+               temperature)
+    return out.logprobs.t()[:, :-1]
 
 
 def apply(*, vocab_size: Optional[int] = None, logits_precision: Optional[str] = None,

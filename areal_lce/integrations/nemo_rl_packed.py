@@ -64,9 +64,26 @@ class AllGatherRowsSummedGrad(torch.autograd.Function):
         return comms.reduce_scatter_rows(g, ctx.group), None
 
 
+def check_sampling(sampling_params, where: str) -> float:
+    """The temperature of NeMo-RL's TrainingSamplingParams (1 for None). Top-k / top-p filtering (NeMo-RL's
+    rule: top_k > 0 or top_p != 1) is refused: it masks the [T, V/tp] logits the op never builds."""
+    if sampling_params is None:
+        return 1.0
+    top_k, top_p = getattr(sampling_params, "top_k", None), getattr(sampling_params, "top_p", 1.0)
+    if (top_k is not None and top_k > 0) or (top_p is not None and top_p != 1.0):
+        raise NotImplementedError(f"{where}: top-k / top-p sampling (top_k={top_k}, top_p={top_p}) masks the "
+                                  "[T, V/tp] logits (NeMo-RL's *WithSampling), the tensor the fused op never builds; "
+                                  "set policy.generation.top_k=null and top_p=1.0, or "
+                                  "policy.megatron_cfg.use_fused_linear_logprobs=false")
+    return float(getattr(sampling_params, "temperature", 1.0))
+
+
 def zigzag_index(lengths: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
     """Packed positions of CP rank `cp_rank`'s tokens in its local order: per sequence chunks r, 2cp-1-r of 2cp
-    (megatron's and NeMo-RL's load-balanced split; lengths multiples of 2cp)."""
+    (megatron's and NeMo-RL's load-balanced split; lengths multiples of 2cp). cp = 1: every position, in order
+    (lengths of any parity: no split)."""
+    if cp == 1:
+        return torch.arange(int(lengths.sum()))
     seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
     offset = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths)[seg]
     chunk = offset // (lengths // (2 * cp)).clamp(min=1)[seg]
@@ -125,10 +142,7 @@ def _packed(hidden, weight, target, cu_seqlens_padded, unpacked_seqlen, vocab_st
             tp_group, inference_only, cp_group, chunk_size, sampling_params, target_is_pre_rolled, temperature,
             vocab_size, logits_precision, invariant, check_labels, op_options, entropy: bool):
     check_op_options(op_options, _NAME)
-    if sampling_params is not None and (getattr(sampling_params, "top_k", None) not in (None, -1, 0)
-                                        or getattr(sampling_params, "top_p", 1.0) not in (None, 1.0)):
-        raise NotImplementedError(f"{_NAME}: top-k / top-p sampling_params mask the [T, V/tp] logits (NeMo-RL's "
-                                  "*WithSampling), the tensor the fused op never builds; use NeMo-RL's own path")
+    check_sampling(sampling_params, _NAME)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)):
         raise TypeError(f"{_NAME}: chunk_size must be an int or None, got {chunk_size!r}")
     if isinstance(unpacked_seqlen, bool) or not isinstance(unpacked_seqlen, int) or unpacked_seqlen < 1:
