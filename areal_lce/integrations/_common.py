@@ -3,7 +3,6 @@ ignore_index, the options forwarded to the op, and reversible module patches."""
 from __future__ import annotations
 
 import importlib
-import math
 
 import torch
 
@@ -77,15 +76,6 @@ def check_no_negative_labels(y: torch.Tensor, check_labels, tp: int, adapter: st
         raise ValueError(f"{adapter}: labels hold {n} negative value(s) (first: {int(y[negative][0])}); the "
                          "framework's contract has no ignore_index (-100 is not skipped): pass token ids in "
                          "[0, vocab) and mask the tokens you do not want in the loss instead")
-
-
-def positive_float(value, name: str, adapter: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{adapter}: {name} must be a float, got {type(value).__name__}")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{adapter}: {name} must be finite and > 0, got {value}")
-    return value
 
 
 def _module_with(module_name: str, attr: str):

@@ -58,12 +58,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import comms
 from ..api import check_temperature, linear_logprobs_entropy
 from ..main_grad import fuses_wgrad, linear_logprobs_entropy_into_main_grad
-from ..types import VocabParallel
+from ..megatron.head import head_of
 from ._common import (NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, patch,
-                      positive_float, restore, token_rows)
+                      restore, token_rows)
 
 _NAME = "areal_lce.integrations.areal.chunked_lm_head_logprobs_entropy"
 PATCH_TARGET = ("areal.engine.megatron_engine", "chunked_lm_head_logprobs_entropy")
@@ -180,14 +179,13 @@ def chunked_lm_head_logprobs_entropy(output_layer, hidden_states: torch.Tensor, 
     check_op_options(op_options, _NAME)
     consistency = consistency_options(invariant, logits_precision, _NAME)
     t = check_temperature(temperature, f"{_NAME}: temperature", allow_tensor=False)
-    scale = positive_float(logit_scale, "logit_scale", _NAME)
+    # the layer's TP group, sequence parallelism and d_hidden reduction (the op's: no megatron mapping here)
+    vp, scale, sp = head_of(output_layer, logit_scale=logit_scale, mappings=False, caller=_NAME)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"{_NAME}: chunk_size must be a positive int, got {chunk_size!r}")
     _check_layer(output_layer)
     softcap = _layer_softcap(output_layer, scale)
-    tp_group = getattr(output_layer, "tp_group", None)
-    tp = comms.group_size(tp_group)
-    sp = tp > 1 and bool(getattr(output_layer, "sequence_parallel", False))
+    tp = vp.size
     h2, y = token_rows(hidden_states, labels, _NAME, seq_factor=tp if sp else 1)
     check_no_negative_labels(y, check_labels, tp, _NAME)
     # the layer's gradient_accumulation_fusion: d_weight added in fp32 into weight.main_grad (main_grad.py);
@@ -199,11 +197,6 @@ def chunked_lm_head_logprobs_entropy(output_layer, hidden_states: torch.Tensor, 
         h2, weight = h2.float(), weight.float()
     elif h2.dtype != weight.dtype:
         raise ValueError(f"{_NAME}: hidden ({h2.dtype}) and weight ({weight.dtype}) dtypes must match")
-    if sp:  # this rank's sequence shard: gathered in the op, d_hidden reduce-scattered back
-        d_hidden = "reduce_scatter"
-    else:  # the layer's allreduce_dgrad (its input-gradient all-reduce, which this call replaces) or not
-        d_hidden = "all_reduce" if getattr(output_layer, "allreduce_dgrad", tp > 1) else "caller"
-    vp = VocabParallel(tp_group if tp > 1 else None, d_hidden)
     out = op(h2, weight, y, temperature=t / scale, vocab_parallel=vp, return_stats=True, return_logit_sums=True,
              ignore_index=NO_IGNORE_INDEX, check_labels=check_labels, softcap=softcap, **consistency, **op_options)
     vocab = weight.shape[0] * tp

@@ -44,7 +44,7 @@ from ..main_grad import fuses_wgrad, linear_logprobs_entropy_into_main_grad
 from ..materialised import logprobs_entropy_from_logits
 from ..types import VocabParallel
 from .compat import has_output_processor
-from .head import fp32_logits, head_input, output_layer_gives
+from .head import HeadOf, fp32_logits, head_input, head_of, output_layer_gives
 from .head import head_weight as _head_weight
 from .head import tp_of as _tp
 
@@ -150,20 +150,6 @@ def check_capture_supported(gpt_model, seam: str) -> None:
     check_seam_config(gpt_model.config, seam, fused=True)
 
 
-def mup_multiplier(config, scale_logits) -> float:
-    """MuP's logit multiplier m (GPTModel's logits are m·h·Wᵀ; 1 without MuP), checked to be a plain
-    positive scale so that the fused route can fold it into the op's temperature (`_fused_packed`)."""
-    if not getattr(config, "use_mup", False) or scale_logits is None:
-        return 1.0
-    probe = torch.tensor([1.0, 2.0])
-    out = scale_logits(probe)
-    mult = float(out[0])
-    if not torch.allclose(out, probe * mult) or not mult > 0:
-        raise ValueError("scale_logits is not a positive constant multiplier; it cannot be folded into "
-                         "the temperature. Set use_fused_linear_ce=false.")
-    return mult
-
-
 def _seq_first(ctx: CaptureContext, s: int, b: int):
     """Labels and temperature of ctx in Megatron's sequence-first [s, b] layout (views, no copy)."""
     if tuple(ctx.labels.shape) != (b, s):
@@ -174,13 +160,14 @@ def _seq_first(ctx: CaptureContext, s: int, b: int):
 
 
 def _fused_packed(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx: CaptureContext,
-                  mult: float = 1.0) -> torch.Tensor:
+                  head: HeadOf) -> torch.Tensor:
     """[s_local, b, H] hidden + this rank's [V/tp, H] weight -> packed [s, b, 4] fp32 stats of the model's
-    logits m·h·Wᵀ (m = `mult`, MuP's multiplier). m is folded in here and nowhere else: the op runs at
+    logits m·h·Wᵀ (m = head.logit_scale, MuP's multiplier). m is folded in here and nowhere else: the op runs at
     temperature T/m (its softmax is that of m·h·Wᵀ / T) and returns the extremes of the raw h·Wᵀ, which
     one multiply by m puts on the model's logit scale. With ctx.selected_ids / ctx.top_k the selected and
     top-k outputs go to ctx.extras, batch-first like labels, as their own tensors (the ids stay int64)."""
-    hidden, tp_group = head_input(hidden, weight, output_layer)
+    hidden, _ = head_input(hidden, weight, output_layer)
+    mult = head.logit_scale
     s, b, h = hidden.shape
     labels, temperature = _seq_first(ctx, s, b)
     if torch.is_tensor(temperature):
@@ -191,7 +178,7 @@ def _fused_packed(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx:
         hidden.reshape(s * b, h), weight, labels.reshape(-1).to(hidden.device),
         temperature=temperature / mult, ignore_index=ctx.ignore_index, vocab_size=ctx.vocab_size,
         return_stats=True, backend=ctx.backend, cache_bytes=ctx.cache_bytes, compact_ignored=ctx.compact_ignored,
-        vocab_parallel=VocabParallel(tp_group, d_hidden="caller"),  # Megatron's own mapping reduces d_hidden
+        vocab_parallel=head.vocab_parallel,  # d_hidden="caller": Megatron's own mapping (head_input) reduces it
         selected_ids=None if ctx.selected_ids is None else ctx.selected_ids.transpose(0, 1).reshape(s * b, -1),
         top_k=ctx.top_k or None, **ctx.head_options(),
     )
@@ -249,7 +236,8 @@ def stats_output_processor(*, hidden_states, output_layer, output_weight, contex
     if runtime_gather_output:
         raise ValueError("runtime_gather_output=True asks for gathered logits; the fused route returns "
                          "token statistics only")
-    packed = _fused_packed(hidden_states, weight, output_layer, context, mup_multiplier(config, scale_logits))
+    packed = _fused_packed(hidden_states, weight, output_layer, context,
+                           head_of(output_layer, config, scale_logits=scale_logits))
     return packed.transpose(0, 1).contiguous()
 
 

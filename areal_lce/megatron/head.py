@@ -1,5 +1,7 @@
 """The LM head on this rank, as the capture seam's processors see it (capture.py): its weight, its tensor-
 parallel group, the hidden states its shard multiplies, and the materialised route's fp32 logits.
+`head_of` is the one reading of an output layer's tensor parallelism (as a `VocabParallel`) and logit scale,
+shared by the capture seam and the AReaL adapter.
 
 Logits precision on the materialised route: Megatron's output layer returns its GEMM in the weight's dtype,
 so a bf16 model's logits arrive rounded to bf16 -- the op's logits_precision="bf16", not its default
@@ -8,11 +10,13 @@ so a bf16 model's logits arrive rounded to bf16 -- the op's logits_precision="bf
 """
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import NamedTuple, Optional
 
 import torch
 
 from ..main_grad import check_main_grad, fuses_wgrad, placeholder_grad
+from ..types import VocabParallel
 
 
 def tp_of(output_layer):
@@ -27,6 +31,61 @@ def tp_of(output_layer):
         group = mpu.get_tensor_model_parallel_group()
     tp = group.size()
     return (group if tp > 1 else None), tp
+
+
+class HeadOf(NamedTuple):
+    """What the op needs to know of an output layer (`head_of`)."""
+
+    vocab_parallel: VocabParallel  # the layer's TP group and who reduces d_hidden
+    logit_scale: float  # m of the layer's logits m·h·Wᵀ (folded into the op's temperature as T / m)
+    sequence_parallel: bool  # hidden arrives as this rank's sequence shard (TP > 1 with the layer's flag)
+
+
+def mup_multiplier(config, scale_logits) -> float:
+    """MuP's logit multiplier m (GPTModel's logits are m·h·Wᵀ; 1 without MuP), checked to be a plain
+    positive scale so that the fused route can fold it into the op's temperature."""
+    if not getattr(config, "use_mup", False) or scale_logits is None:
+        return 1.0
+    probe = torch.tensor([1.0, 2.0])
+    out = scale_logits(probe)
+    mult = float(out[0])
+    if not torch.allclose(out, probe * mult) or not mult > 0:
+        raise ValueError("scale_logits is not a positive constant multiplier; it cannot be folded into "
+                         "the temperature. Set use_fused_linear_ce=false.")
+    return mult
+
+
+def head_of(output_layer, config=None, *, scale_logits=None, logit_scale=None, mappings: bool = True,
+            caller: str = "head_of") -> HeadOf:
+    """The output layer as the op sees it: its tensor parallelism as a `VocabParallel`, the scale of its
+    logits, and whether hidden arrives sequence-sharded. Every caller that runs the op in an output
+    layer's place (the capture seam, the AReaL adapter) asks here.
+
+    TP group: the layer's own `tp_group`, else parallel_state's (`tp_of`); sequence parallel: the layer's
+    `sequence_parallel` flag under TP > 1. d_hidden: with `mappings`, megatron's own input mappings
+    (`head_input`) gather the sequence and reduce d_hidden, so the op leaves it to the caller; without,
+    the op does: "reduce_scatter" of a sequence shard, else "all_reduce" where the layer all-reduces its
+    input gradient (`allreduce_dgrad`, on by default under TP), else "caller".
+    Logit scale: `logit_scale` where the framework passes it (a finite float > 0), else MuP's multiplier
+    of `config` (the layer's when None) read through `scale_logits` (`mup_multiplier`), else 1."""
+    group, tp = tp_of(output_layer)
+    sp = tp > 1 and bool(getattr(output_layer, "sequence_parallel", False))
+    if mappings:
+        d_hidden = "caller"
+    elif sp:
+        d_hidden = "reduce_scatter"
+    else:
+        d_hidden = "all_reduce" if getattr(output_layer, "allreduce_dgrad", tp > 1) else "caller"
+    if logit_scale is not None:
+        if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)):
+            raise TypeError(f"{caller}: logit_scale must be a float, got {type(logit_scale).__name__}")
+        if not (math.isfinite(logit_scale) and logit_scale > 0):
+            raise ValueError(f"{caller}: logit_scale must be finite and > 0, got {logit_scale}")
+        scale = float(logit_scale)
+    else:
+        config = config if config is not None else getattr(output_layer, "config", None)
+        scale = mup_multiplier(config, scale_logits)
+    return HeadOf(VocabParallel(group, d_hidden), scale, sp)
 
 
 def head_weight(output_layer, output_weight) -> torch.Tensor:
