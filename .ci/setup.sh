@@ -18,7 +18,7 @@ if ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q "$TORCH" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
 python -m pip install -q "numpy<2.5" "triton==3.7.1" transformers safetensors pyyaml packaging tqdm matplotlib pytest "import-linter>=2.1" \
-  "setuptools>=77"  # tests/test_install.py builds the wheel with this venv's setuptools (no build isolation)
+  "setuptools>=77"  # tests/train/test_install.py builds the wheel with this venv's setuptools (no build isolation)
 # trainer.loggers=tensorboard's tests: the event writer and reader need tensorboard, protobuf and absl only
 # (its server's grpcio, data server, werkzeug, markdown: 40 MB more, left out; `pip install .[tensorboard]` has them)
 python -m pip install -q --no-deps "tensorboard==2.21.0" "protobuf>=3.19.6,!=4.24.0" "absl-py>=0.4"

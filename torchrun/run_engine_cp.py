@@ -5,7 +5,7 @@
 World = tp x cp x dp. Runs 3 training steps of the tiny preset with CP=2 (x TP) and again with CP=1
 (the two CP ranks become data-parallel replicas fed the same micro-batches), fused and materialised,
 packed (THD) and padded (BSHD), and prints / writes the largest relative per-step loss difference
-(fp32, gloo on CPU or NCCL on GPU). CI runs CP=2 at TP=1 (tests/test_megatron_capture.py); this script
+(fp32, gloo on CPU or NCCL on GPU). CI runs CP=2 at TP=1 (tests/megatron/test_megatron_capture.py); this script
 covers the 4-rank CP=2 x TP=2 layout.
 """
 from __future__ import annotations

@@ -39,8 +39,8 @@ from ..api import check_temperature
 from .head import fused_head
 
 # Families whose causal-LM forward is exactly `lm_head(base_model(...).last_hidden_state)` (gemma2: then
-# soft-capped by config.final_logit_softcapping, which the op applies) and that tests/test_hf.py
-# (tests/test_softcap_hf.py for gemma2) checks against the unpatched model. Others need `allow_unverified=True`.
+# soft-capped by config.final_logit_softcapping, which the op applies) and that tests/hf/test_hf.py
+# (tests/hf/test_softcap_hf.py for gemma2) checks against the unpatched model. Others need `allow_unverified=True`.
 VERIFIED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma2"})
 
 # Soft-capping (Gemma2/3, ...): logits -> c · tanh(logits / c), the op's softcap=c. Verified families whose

@@ -24,7 +24,7 @@ true_on_policy=True (miles' `--true-on-policy-mode`, which all-gathers the bf16 
 to vocab_size and takes a bf16 `log_softmax`): here the op with logits_precision="bf16" and invariant=True
 (each row's result independent of the TP split and the batch, no all-gather of [R, V] logits), the softmax
 over the first vocab_size ids, outputs rounded to the logits' dtype (bf16) as miles returns them. Tolerance
-against miles (tests/zero_mismatch_miles_cases.py): one bf16 rounding of the outputs on each side (2⁻⁷
+against miles (tests/integrations/zero_mismatch_miles_cases.py): one bf16 rounding of the outputs on each side (2⁻⁷
 relative; the entropy 2⁻⁶, miles' bf16 exp, products and sum), plus, at a temperature other than 1, one
 bf16 rounding of the largest |logit / temperature| (miles rounds the scaled logits to bf16, the op the
 unscaled ones); gradients: the op's own bf16 bound plus 2⁻⁸ per bf16 rounding in miles' backward (its

@@ -8,7 +8,7 @@ a permutation, more ignored neighbours, compact_ignored on and off, the logits c
 garbage padding rows past vocab_size, a per-token temperature equal to the scalar one, CUDA-graph
 replay, torch.compile, and the tensor-parallel degrees 2, 4, 8 emulated on one GPU (each shard's
 backend forward with megatron's padded vocabulary, the shards merged by the same max / int64 sum a
-process group does; tests/test_invariance.py runs the real collectives on gloo, torchrun/run_lce_tp2.py
+process group does; tests/op/test_invariance.py runs the real collectives on gloo, torchrun/run_lce_tp2.py
 on NCCL). The same checks with invariant=False show what the online-softmax merge gives. Accuracy of
 both against the fp64 reference on 256 rows.
 

@@ -2,9 +2,8 @@
 
     python -m benchmark.op.gpu_check [--out DIR]
 
-Runs `pytest -m gpu` on tests/test_gpu.py, test_gpu_capture.py, test_gpu_generate.py, test_gpu_rope.py,
-test_gpu_graphs.py and test_checkpoint_integrity.py (megatron's mixed-precision optimizer state saved and
-reloaded with weights_only=True) in this process (the cases, the oracles and the pass rules are written there), then prints one PASS/FAIL line per test with the errors it
+Runs `pytest -m gpu` on the files in TESTS (the op's and the engine's GPU cases, and the checkpoint
+integrity tests: megatron's mixed-precision optimizer state saved and reloaded with weights_only=True) in this process (the cases, the oracles and the pass rules are written there), then prints one PASS/FAIL line per test with the errors it
 measured (kernel next to torch's own), writes gpu_check.json (run stamp, one row per test) and ends with
 `gpu_check: P/T passed on DEVICE`; exit status 1 on any failure or when nothing ran. Without a CUDA device
 it says so and exits 0. `run_gpu_tests` is shared with benchmark/engine/gpu_attention_check.py.
@@ -20,8 +19,8 @@ import torch
 
 from benchmark.harness import ROOT, run_meta, write_json
 
-TESTS = ("tests/test_gpu.py", "tests/test_gpu_capture.py", "tests/test_gpu_generate.py", "tests/test_gpu_rope.py",
-         "tests/test_gpu_graphs.py", "tests/test_checkpoint_integrity.py")
+TESTS = ("tests/op/test_gpu.py", "tests/op/test_gpu_capture.py", "tests/engine/test_gpu_generate.py", "tests/engine/test_gpu_rope.py",
+         "tests/engine/test_gpu_graphs.py", "tests/train/test_checkpoint_integrity.py")
 
 
 class _Rows:

@@ -1,6 +1,17 @@
-"""Shared test helpers (importable as `helpers.<module>`: pytest puts tests/ on sys.path).
+"""Shared test helpers (importable as `helpers.<module>`: tests/conftest.py's folder, tests/, is on sys.path
+under pytest, and helpers.launch puts it on the PYTHONPATH of every rank it launches).
 
-    inputs    the op's case list and input builders, with the one peaked-logits builder
-    backends  the backend harness: shard-level cases and the one pass rule for every backend
-    launch    the torchrun launch of the multi-rank workers and jobs (result JSON, failure tails)
+    paths           REPO and TESTS, the one definition of where the checkout and the tests are
+    inputs          the op's case list and input builders, with the one peaked-logits builder
+    backends        the backend harness: shard-level cases and the one pass rule for every backend
+    bounds          the fp32 rounding bounds of order-only comparisons (softcap_bounds: with a soft-cap)
+    groups          `fake_group`: a recording 2-rank TP group on one process
+    launch          the torchrun launch of the multi-rank workers and jobs (result JSON, failure tails)
+    gpt_builder     a user's own megatron-core GPTModel and megatron's own oracle (seam, integrations, engine)
+    megatron_worker the shared 2-rank engine/seam cases, launched once per pytest process (`results()`)
+    adapter_oracles the framework adapters' oracles (verl's own function loaded by path, AReaL's semantics)
+    spies           spies on the capture seam's heads (which options reach them)
+
+Tests live in folders that mirror the package (op/, backends/, megatron/, engine/, train/, integrations/,
+hf/, benchmark/); a worker a folder's tests launch sits next to them, what several folders share sits here.
 """

@@ -1,11 +1,11 @@
 """The one torchrun launch of the tests' multi-rank workers and jobs.
 
-    torchrun("tests/megatron_worker.py", out, result=out)          -> the worker's JSON result (a dict)
+    torchrun(TESTS / "helpers" / "megatron_worker.py", out, result=out) -> the worker's JSON result (a dict)
     torchrun("areal_lce.train", cfg, "x=1", module=True, cwd=REPO)   -> the finished CompletedProcess
 
 `python -m torch.distributed.run --standalone --nproc_per_node=N` on this interpreter, gloo ranks on CPU
-(OMP_NUM_THREADS=1: 2 cores shared by the ranks), PYTHONPATH = the extra paths, this checkout, then the
-caller's PYTHONPATH, so every rank imports this checkout (and, with `pythonpath=`, e.g. another
+(OMP_NUM_THREADS=1: 2 cores shared by the ranks), PYTHONPATH = the extra paths, this checkout, tests/, then
+the caller's PYTHONPATH, so every rank imports this checkout and `helpers` (and, with `pythonpath=`, e.g. another
 megatron-core installed aside). A failed launch -- a non-zero exit, no result file, a timeout -- raises
 AssertionError with the tail of stdout and stderr. On timeout torchrun gets SIGTERM, which it passes on
 to its ranks, and SIGKILL if it has not stopped 30 s later.
@@ -20,10 +20,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Mapping, Optional, Sequence, Union
 
-REPO = Path(__file__).resolve().parents[2]
+from helpers.paths import REPO, TESTS
+
 TAIL = 6000  # characters of stdout and of stderr shown when a launch fails
 TEST_MARKERS: Optional[frozenset] = None  # the running pytest item's marker names (None outside pytest)
 
@@ -47,7 +47,7 @@ def torchrun(target: Union[str, os.PathLike], *args, nproc: int = 2, module: boo
     full_env = dict(os.environ, OMP_NUM_THREADS="1")
     full_env.update(env or {})
     full_env["PYTHONPATH"] = os.pathsep.join(
-        str(p) for p in (*extra, REPO, full_env.get("PYTHONPATH", "")) if str(p))
+        str(p) for p in (*extra, REPO, TESTS, full_env.get("PYTHONPATH", "")) if str(p))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            *(["-m", str(target)] if module else [str(target)]), *map(str, args)]
     proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -11,7 +11,7 @@ training step's kernel launches, on a step the host already limits (docs/benchma
 `remove_rope_fusion()` empties them again (areal_lce.patching): one Triton launch per call
 (backends/triton/rope.py: cos and sin once per row for all heads, fp32 math rounded once, as
 Transformer Engine's fused kernel computes) and one for the backward (the transposed rotation). Megatron's unfused path instead rounds cos / sin and each product to the activation dtype,
-so bf16 outputs differ from it by bf16 rounding (tests/test_rope.py bounds it; fp32 agrees to 1e-6).
+so bf16 outputs differ from it by bf16 rounding (tests/engine/test_rope.py bounds it; fp32 agrees to 1e-6).
 
 THD semantics are megatron's `_apply_rotary_pos_emb_thd`: `freqs` with cu_seqlens[-1] rows holds the
 angles of every packed token (what the engine's `per_token_rope` hands it; a whole row is then one

@@ -1,0 +1,129 @@
+"""CPU side of the engine's CUDA graphs (graphs.py): when they apply, the bookkeeping of keys, the
+fallback when a capture fails, and the host-read-free paths the capture relies on (attention's captured
+plan, RoPE's per-token angles). The graphs themselves run in tests/engine/test_gpu_graphs.py."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from areal_lce.engine import graphs as G  # noqa: E402
+from areal_lce.engine.model.attention import captured_plan  # noqa: E402
+from areal_lce.engine.batch import prepare  # noqa: E402
+from areal_lce.engine.config import EngineConfig  # noqa: E402
+from areal_lce.engine.microbatch import MicroBatch  # noqa: E402
+from areal_lce.engine.model.rope import thd_rows  # noqa: E402
+from areal_lce.train.rl_losses import PolicyMicroBatch  # noqa: E402
+
+CUDA = torch.device("cuda", 0)
+OK = dict(device=CUDA, dtype=torch.bfloat16, tp=1, pp=1, cp=1, packed=True, te=False,
+          config=types.SimpleNamespace(attention_dropout=0.0, hidden_dropout=0.0, num_moe_experts=None,
+                                       mtp_num_layers=None))
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({}, ""),
+    ({"device": torch.device("cpu")}, "CUDA graphs need CUDA"),
+    ({"dtype": torch.float32}, "bf16 / fp16"),
+    ({"tp": 2}, "tensor/pipeline/context parallel = 2/1/1"),
+    ({"cp": 2}, "tensor/pipeline/context parallel = 1/1/2"),
+    ({"packed": False}, "pack_sequences"),
+    ({"te": True}, "Transformer Engine"),
+    ({"config": types.SimpleNamespace(attention_dropout=0.1)}, "dropout"),
+    ({"config": types.SimpleNamespace(mtp_num_layers=1)}, "MTP"),
+], ids=["usable", "cpu", "fp32", "tp", "cp", "unpacked", "te", "dropout", "mtp"])
+def test_why_not_graphed(change, reason):
+    why = G.why_not_graphed(**{**OK, **change})
+    assert (why == "") if not reason else (reason in why), why
+
+
+def test_config_options():
+    assert EngineConfig().model_cuda_graphs == "auto" and EngineConfig().cuda_graph_token_multiple == 512
+    for ok in (True, False, "auto"):
+        assert EngineConfig(model_cuda_graphs=ok).model_cuda_graphs == ok
+    with pytest.raises(ValueError, match="model_cuda_graphs"):
+        EngineConfig(model_cuda_graphs="on")
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="cuda_graph_token_multiple"):
+            EngineConfig(cuda_graph_token_multiple=bad)
+
+
+def test_cpu_engine_has_no_graphs():
+    from areal_lce.engine.config import ModelConfig
+    from areal_lce.engine.engine import MegatronEngine
+
+    e = MegatronEngine(EngineConfig(model=ModelConfig(preset="tiny", dtype="fp32", max_seq_len=32)), vocab_size=100)
+    assert e.graphs is None
+
+
+def test_microbatch_to_keeps_type_and_values():
+    ids = torch.randint(0, 50, (2, 6))
+    mb = PolicyMicroBatch(ids, ids.clone(), 0.7, old_logprobs=torch.randn(2, 6), advantages=torch.randn(2),
+                          num_tokens=9)
+    moved = mb.to("cpu")
+    assert type(moved) is PolicyMicroBatch and moved.temperature == 0.7 and moved.num_tokens == 9
+    for f in ("input_ids", "labels", "old_logprobs", "advantages"):
+        assert torch.equal(getattr(moved, f), getattr(mb, f))
+    assert moved.ref_logprobs is None
+
+
+def _packed(lengths, multiple=16):
+    ids = torch.randint(0, 50, (len(lengths), 12))
+    labels = torch.full_like(ids, -100)
+    for r, n in enumerate(lengths):
+        labels[r, : n - 1] = ids[r, 1:n]
+    return prepare(ids, labels, device=torch.device("cpu"), max_seq_len=32, pack=True, seq_multiple=multiple)
+
+
+def test_graph_keys_eager_first_then_capture_and_failure(monkeypatch):
+    """First sighting of a key runs eagerly, the second captures; a capture that fails raises naming the
+    option that turns graphs off; keys beyond MAX_GRAPHS drop the least recently used."""
+    calls = []
+    graphs = G.ModelCallGraphs(lambda mb, t: calls.append(mb) or torch.zeros(1, mb.input_ids.shape[1], 4),
+                               [torch.nn.Parameter(torch.zeros(2))], torch.device("cpu"))
+
+    class NoCapture:
+        def __init__(self):
+            raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", NoCapture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    a, b = _packed([5, 7]), _packed([9, 3])  # same packed length (16) and sequence count: one key
+    graphs(a, 1.0, grad=False)
+    assert calls == [a] and list(graphs.entries.values()) == [G._SEEN]
+    with pytest.raises(RuntimeError, match=r"packed length 16 \(3 sequences.*capture refused.*"
+                                           r"engine.model_cuda_graphs: false"):
+        graphs(b, 1.0, grad=False)
+    assert calls == [a] and graphs.replays == 0
+    graphs(a, 0.5, grad=False)  # another temperature: another key, eager at first sight
+    assert len(graphs.entries) == 2 and len(calls) == 2
+    monkeypatch.setattr(G, "MAX_GRAPHS", 2)
+    graphs(_packed([5, 7], multiple=32), 1.0, grad=False)
+    assert len(graphs.entries) == 2 and (16, 4, 1.0, False, None) not in graphs.entries
+    assert (32, 4, 1.0, False, None) in graphs.entries and (16, 4, 0.5, False, None) in graphs.entries
+
+
+def test_captured_plan_reads_nothing_on_host_and_refuses_what_it_cannot_take():
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    psp = types.SimpleNamespace(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=None,
+                                cu_seqlens_kv_padded=None, max_seqlen_q=16, max_seqlen_kv=16)
+    with pytest.raises(ValueError, match="one CP rank"):
+        captured_plan(psp, 16, cp_size=2)
+    with pytest.raises(ValueError, match="1-D int32 CUDA tensor"):
+        captured_plan(psp, 16, cp_size=1)  # a host tensor: a graph would freeze its values
+
+
+def test_thd_rows_per_token_angles_read_no_cu_seqlens():
+    class Unreadable:
+        def __getattr__(self, name):
+            raise AssertionError(f"cu_seqlens was read ({name})")
+
+        def __array__(self, *a, **k):
+            raise AssertionError("cu_seqlens was read")
+
+    assert thd_rows(Unreadable(), 24, 1, 0, 24, torch.device("cpu")) is None
+    with pytest.raises((AssertionError, RuntimeError)):  # a table (fewer rows than tokens) reads them
+        thd_rows(Unreadable(), 8, 1, 0, 24, torch.device("cpu"))
