@@ -9,14 +9,19 @@ Every folder in benchmark/results/ and benchmark/results/archive/ holds a manife
     device         the machine, in words
     versions       {package: version}: torch, triton, python, and megatron_core or the peers where used
     date           YYYY-MM-DD of the run
-    status         cited: docs/ or a code comment quotes its numbers as they stand;
-                   superseded: a later run replaces it, or it is older than the code it measures;
-                   trial: a sweep or an experiment that was not kept
+    status         current: the latest run of its question and the code as it stands;
+                   historical: a later run replaces it, it measured older code, or it was a trial not kept
     what           one line: what it measured
     superseded_by  (optional) the folder, relative to results/, that replaces it
     note           (optional) anything a reader of the numbers must know
-A superseded run names superseded_by or says why in a note. Trials live in archive/, cited runs do not;
-superseded runs move there once no doc quotes them.
+    formerly       (optional) the folder's earlier names, relative to results/: `resolve` maps them
+                   (and any path under them) to the folder, so notes and comments that cite them still work
+A historical run names superseded_by or says why in a note. Current runs live at the top level;
+historical ones move to archive/ once no doc quotes them.
+
+Folder names follow one scheme, `<device>_<question>_<what>`: the device (h100, h200x2: card and count),
+the question the run answers (one of QUESTIONS, the rows of benchmark/README.md) and a few words on what
+was run, all lower case with underscores (`h100_op_peers`, `h200x2_cp_megatron_own`).
 """
 from __future__ import annotations
 
@@ -27,9 +32,18 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-STATUSES = ("cited", "superseded", "trial")
+STATUSES = ("current", "historical")
 REQUIRED = ("command", "commit", "device", "versions", "date", "status", "what")
-OPTIONAL = ("superseded_by", "note")
+OPTIONAL = ("superseded_by", "note", "formerly")
+# the questions of benchmark/README.md: op vs peers, tensor parallel, ignored rows, invariant logprobs, selected
+# ids / top-k, soft-capping, the materialised route, engine step, packing, rollout, context parallel, GPU
+# correctness checks, profiles
+QUESTIONS = ("op", "tp", "ignored", "invariant", "select", "softcap", "materialised", "train", "packing", "rollout",
+             "cp", "check", "profile")
+# the cards of the runs so far; a run on another card adds it here
+CARDS = ("h100", "h200", "h800", "h20", "a100", "b200", "gb200", "mi300x", "ascend910b")
+DEVICE = re.compile(r"(?P<card>[a-z0-9]+?)(?:x(?P<count>[2-9]|[1-9][0-9]+))?")
+WHAT = re.compile(r"[a-z0-9]+(?:_[a-z0-9]+)*")
 
 
 def folders(root: Path) -> list:
@@ -67,24 +81,66 @@ def check_manifest(root: Path, folder: str, m) -> list:
     archived = folder.startswith("archive/")
     if "status" in m and status not in STATUSES:
         bad.append(f"{where}: 'status' must be one of {STATUSES}, got {status!r}")
-    elif status == "trial" and not archived:
-        bad.append(f"{where}: a trial belongs in results/archive/")
-    elif status == "cited" and archived:
-        bad.append(f"{where}: a cited run does not belong in results/archive/")
-    elif status == "superseded" and not (m.get("superseded_by") or m.get("note")):
-        bad.append(f"{where}: a superseded run names 'superseded_by' or says why in 'note'")
+    elif status == "current" and archived:
+        bad.append(f"{where}: a current run does not belong in results/archive/")
+    elif status == "historical" and not (m.get("superseded_by") or m.get("note")):
+        bad.append(f"{where}: a historical run names 'superseded_by' or says why in 'note'")
     sup = m.get("superseded_by")
     if isinstance(sup, str) and sup:
-        if status != "superseded":
+        if status != "historical":
             bad.append(f"{where}: 'superseded_by' with status {status!r}")
         if not (root / sup / "manifest.json").is_file():
             bad.append(f"{where}: superseded_by {sup!r} is not a result folder with a manifest")
+    old = m.get("formerly", [])
+    if not (isinstance(old, list) and all(isinstance(o, str) and re.fullmatch(r"(archive/)?[\w.\-]+", o) for o in old)):
+        bad.append(f"{where}: 'formerly' must be a list of folder names relative to results/")
     return bad
+
+
+def check_name(folder: str) -> list:
+    """Problems of a folder's name against the `<device>_<question>_<what>` scheme."""
+    name = folder.removeprefix("archive/")
+    parts = name.split("_", 2)
+    if len(parts) < 3 or not WHAT.fullmatch(parts[2]):
+        return [f"{folder}/: name does not follow <device>_<question>_<what> (lower case, e.g. h100_op_peers)"]
+    device, question = parts[0], parts[1]
+    hit = DEVICE.fullmatch(device)
+    if hit is None or hit["card"] not in CARDS:
+        return [f"{folder}/: device {device!r} is not a card of {CARDS} with an optional x<count> (h200x2); "
+                "a new card goes into results_index.CARDS"]
+    if question not in QUESTIONS:
+        return [f"{folder}/: question {question!r} is not one of {QUESTIONS}"]
+    return []
+
+
+def aliases(root: Path = RESULTS) -> dict:
+    """{former name: [folders that claim it]}, relative to root, from every manifest's `formerly`."""
+    out = {}
+    for folder in folders(root):
+        try:
+            old = load(root, folder).get("formerly", [])
+        except (OSError, ValueError):
+            continue  # problems() reports the manifest
+        for o in old if isinstance(old, list) else []:
+            out.setdefault(o, []).append(folder)
+    return out
+
+
+def resolve(path: str, root: Path = RESULTS) -> Path:
+    """A path relative to results/ as notes, docs or comments cite it, under a folder's current or former name
+    (`run8_final_small_qwen7b/bench_lce.json` -> root/h100_op_run8_final_small_qwen7b/bench_lce.json)."""
+    parts = path.strip("/").split("/")
+    n = 2 if parts[0] == "archive" and len(parts) > 1 else 1
+    head, rest = "/".join(parts[:n]), parts[n:]
+    new = aliases(root).get(head)
+    return root.joinpath(new[0] if new else head, *rest)
 
 
 def problems(root: Path = RESULTS) -> list:
     out = []
-    for folder in folders(root):
+    names = folders(root)
+    for folder in names:
+        out += check_name(folder)
         if not (root / folder / "manifest.json").is_file():
             out.append(f"{folder}/: no manifest.json")
             continue
@@ -94,6 +150,11 @@ def problems(root: Path = RESULTS) -> list:
             out.append(f"{folder}/manifest.json: unreadable: {e}")
             continue
         out += check_manifest(root, folder, m)
+    for old, new in sorted(aliases(root).items()):
+        if len(new) > 1:
+            out.append(f"former name {old!r} claimed by {len(new)} folders: {', '.join(new)}")
+        if old in names:
+            out.append(f"former name {old!r} of {new[0]} is also a folder's current name")
     return out
 
 
@@ -115,11 +176,13 @@ def render(root: Path = RESULTS) -> str:
         "     manifests, then rerun it (`--check` fails while this file is stale) -->",
         "",
         "One folder per device run, each with the files that came back and a `manifest.json` (command,",
-        "commit, device, versions, date, status, what). Status: **cited**, docs/ or a code comment quotes",
-        "its numbers as they stand; **superseded**, a later run replaces it or it is older than the code",
-        "it measures; **trial**, a sweep or an experiment that was not kept. Trials and superseded runs",
-        "that no doc quotes are in `archive/`. `docs/benchmarks.md` presents the cited numbers and",
-        "`benchmark/notes.md` tells what each run was for. The manifest format: `benchmark/results_index.py`.",
+        "commit, device, versions, date, status, what). Names follow `<device>_<question>_<what>` (the questions",
+        "are the rows of `benchmark/README.md`). Status: **current**, the latest run of its question on the code",
+        "as it stands; **historical**, a later run replaces it (`superseded_by`), it measured older code, or it",
+        "was a trial not kept (its note says which). Historical runs that no doc quotes are in `archive/`.",
+        "A folder's earlier names are in its manifest (`formerly`) and in the last table: `results_index.resolve`",
+        "finds a folder by either. `docs/benchmarks.md` presents the numbers and `benchmark/notes.md` tells what",
+        "each run was for. The manifest format: `benchmark/results_index.py`.",
     ]
     for title, group in (("Runs", [f for f in ms if not f.startswith("archive/")]),
                          ("Archive", [f for f in ms if f.startswith("archive/")])):
@@ -128,15 +191,21 @@ def render(root: Path = RESULTS) -> str:
                   "|---|---|---|---|---|---|"]
         for f in group:
             m = ms[f]
-            status = m["status"] + (f" by [{m['superseded_by']}]({m['superseded_by']}/)" if m.get("superseded_by")
+            status = m["status"] + (f", superseded by [{m['superseded_by']}]({m['superseded_by']}/)" if m.get("superseded_by")
                                     else "")
             lines.append(f"| [{f}]({f}/) | {status} | {m['date']} | {m['commit']} | {_cell(m['device'])} | "
                          f"{_cell(m['what'])} |")
+    old = aliases(root)
+    if old:
+        lines += ["", "## Former names", "", "| former name | folder |", "|---|---|"]
+        lines += [f"| {o} | [{new[0]}]({new[0]}/) |" for o, new in sorted(old.items(), key=lambda kv: _natural(kv[0]))]
     lines += ["", "## Commands, versions and notes"]
     for f in ms:
         m = ms[f]
         lines += ["", f"### {f}", "", f"- command: `{m['command']}`",
                   "- versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items())]
+        if m.get("formerly"):
+            lines.append("- formerly: " + ", ".join(f"`{o}`" for o in m["formerly"]))
         if m.get("note"):
             lines.append(f"- note: {m['note']}")
     return "\n".join(lines) + "\n"

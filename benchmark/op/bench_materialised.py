@@ -28,8 +28,8 @@ from areal_lce import materialised_lean
 from areal_lce.materialised import logprobs_entropy_from_logits
 from areal_lce.materialised_autograd import logprobs_entropy_autograd
 
-from .bench_invariant import timed
 from ..harness import log, parse_shapes, run_meta, write_json
+from .bench_invariant import timed
 
 SHAPES = {"qwen0.5b": (8192, 896, 151936), "qwen7b": (8192, 3584, 152064), "tiny": (64, 32, 1000)}
 ROWS = ("autograd", "lean", "megatron")

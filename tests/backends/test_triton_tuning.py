@@ -1,4 +1,4 @@
-"""The Triton launcher's tuning and profiling knobs that `benchmark.bench_lce` uses instead of patching
+"""The Triton launcher's tuning and profiling knobs that `benchmark.op.bench_lce` uses instead of patching
 launcher internals: `configs.tuning(...)` (tiles, TMA loads, backward tiles per program for a block of
 calls) and `TritonBackend(backward_gemms=False)` (the backward's Triton kernels without its cuBLAS
 GEMMs). Without CUDA the kernels run in the Triton interpreter on CPU tensors.

@@ -1,13 +1,13 @@
-"""benchmark.bench_lce on a tiny shape: its exact fp32 reference against fp64, and one run of the
+"""benchmark.op.bench_lce on a tiny shape: its exact fp32 reference against fp64, and one run of the
 measurement path and of the tile sweep (on CPU: host-timed, the Triton providers in the interpreter).
-The GPU run is `python -m benchmark.bench_lce`; this checks the script, not its times.
+The GPU run is `python -m benchmark.op.bench_lce`; this checks the script, not its times.
 """
 import json
 
 import pytest
 import torch
 
-from benchmark import bench_lce
+from benchmark.op import bench_lce
 from benchmark.harness import exact_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -80,8 +80,8 @@ def test_sweep_runs_every_candidate(tmp_path):
 
 @pytest.mark.slow
 def test_bench_ignored_layouts_and_run(tmp_path):
-    """benchmark.bench_ignored: its label layouts mask what they say, and one CPU run of every layout."""
-    from benchmark import bench_ignored
+    """benchmark.op.bench_ignored: its label layouts mask what they say, and one CPU run of every layout."""
+    from benchmark.op import bench_ignored
 
     y = torch.arange(544)
     rl = bench_ignored.layout_labels(y, "rl_256_16")  # two sequences of 272: 16 targets each, at their ends

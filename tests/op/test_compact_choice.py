@@ -5,7 +5,7 @@ without a host sync, but the engine builds its batches on the host and can. Chec
 (`batch.compact_choice`, its threshold at both sides), that `prepare` records it for packed and padded
 batches, that the engine hands it to `linear_logprobs_entropy` on every call (token_stats and
 train_step), that it is part of a CUDA graph's key, that it changes no statistic or gradient, and the
-config's validation. The speed of either choice: benchmark/bench_ignored.py (GPU)."""
+config's validation. The speed of either choice: benchmark/op/bench_ignored.py (GPU)."""
 from __future__ import annotations
 
 import pytest
