@@ -7,7 +7,7 @@ c·tanh(h·w_j / c) is off by at most γ_(H+1)·Σ|h||w_j| (the GEMM; tanh is 1-
 division and the product by c, each within an ulp or two of |value| <= c). With Δ = twice that (two
 evaluations), logprob = z_y - lse moves by <= 2Δ and the entropy by <= Δ·Σ_j p_j |log p_j + H|
 (its first-order sensitivity), plus the V-term sums' own rounding, γ_(V+8)·(1 + |values|).
-Gradients of every parameter: test_hf's rule (fp32 GEMMs summed in another order, 2e-5 of each gradient's
+Gradients of every parameter: hf_models.assert_grads_close (fp32 GEMMs summed in another order, 2e-5 of each gradient's
 largest entry)."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM
 
 import areal_lce.hf as hf
 from helpers.bounds import U32, gamma
-from test_hf import assert_grads_close, batch, manual_shift
+from hf_models import assert_grads_close, batch, manual_shift
 
 V, H, CAP = 1000, 64, 2.0  # CAP small against the logits' spread: most rows have saturated logits
 
@@ -87,7 +87,7 @@ def test_gemma2_softcap_matches_unpatched():
 
 
 def test_softcap_options_refused_where_the_forward_ignores_them():
-    from test_hf import build
+    from hf_models import build
 
     model = build("qwen2", tied=True)  # qwen2's forward never reads final_logit_softcapping
     model.config.final_logit_softcapping = 30.0
