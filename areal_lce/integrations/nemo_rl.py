@@ -39,7 +39,8 @@ Differences, refused or stated:
     its signature has no cu_seqlens or CP layout to undo. Packed sequences: NeMo-RL's config refuses them with
     the fused path; this drop-in would treat a packed [1, T] row as one sequence (targets rolled across
     sequence boundaries, as NeMo-RL's own function does). Both go through the second seam,
-    `areal_lce.integrations.nemo_rl_packed` (NeMo-RL's packed signature with cu_seqlens and cp_group).
+    `areal_lce.integrations.nemo_rl_packed` (NeMo-RL's packed signature with cu_seqlens and cp_group), which
+    `areal_lce.integrations.nemo_rl_worker.apply()` wires into NeMo-RL's Megatron worker.
   - a target outside [0, tp·V/tp): NeMo-RL silently scores 0; here it is a bad label (`check_labels`).
   - tp_group=None: unsharded weight (NeMo-RL would use the default world group).
 Entropy: `from_parallel_hidden_states_to_logprobs_and_entropy` (same arguments) returns (logprobs, entropy),

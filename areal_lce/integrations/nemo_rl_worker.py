@@ -26,7 +26,7 @@ carries neither the packed layout nor the temperature. `apply()` replaces, by na
 `LogprobsPostProcessor` (its fused branch slices [:, :S-1]) and `prepare_loss_input` need no change.
 `lift_config_checks()` (called by `apply()`) lifts NeMo-RL's fused + CP assert in the worker
 (`nemo_rl/models/megatron/setup.py` l.883, by running `_apply_parallelism_config` on a config that hides the
-fused flag from it); the driver's GRPO check (`nemo_rl/algorithms/grpo.py` l.672-678, fused + packing) is
+fused flag from it); the driver's GRPO check (`nemo_rl/algorithms/grpo.py` l.672-677, fused + packing) is
 inline in `setup()` and must be deleted in NeMo-RL's source (docs/integrations.md).
 
 Refused, with the reason: top-k / top-p sampling (NeMo-RL's `*WithSampling` masks [T, V/tp] logits the op
