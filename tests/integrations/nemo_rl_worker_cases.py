@@ -12,8 +12,9 @@ path and the logits functions), data.py's `_pack_sequences_for_megatron` and set
 `_apply_parallelism_config` (both taken out of their files by name: the rest of those files needs
 megatron-bridge). Stubbed: megatron's parallel_state getters (the case's TP / CP gloo groups), NeMo-RL modules
 off this path (STUBS: data/multimodal/packing, collectives, x_token, dtensor, chat templates, logger, router
-replay, draft capture, model config), and, without CUDA, `Tensor.cuda` and `pin_memory` in model_utils
-(AllGatherCPTensor's backward moves a 2-element index with them). The model is megatron's GPTModel class
+replay, draft capture, model config), and, without CUDA, areal_lce.megatron.compat.cpu_shims() (`Tensor.cuda`,
+megatron's `current_device`) and `pin_memory` in model_utils (AllGatherCPTensor's backward moves a 2-element
+index with them, so NeMo-RL's CP backward runs here as it is). The model is megatron's GPTModel class
 with a stand-in body: the decoder's output is a leaf [T/(cp·tp), B', H] (this rank's share), the logits route
 all-gathers it over TP (megatron's sequence-parallel gather) and multiplies by the weight shard in the model
 dtype, as megatron's output layer does.
