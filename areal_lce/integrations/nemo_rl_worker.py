@@ -165,7 +165,7 @@ def _loss_wrapper(base):
                 return super().__call__(packed, data, global_valid_seqs, global_valid_toks)
             finally:
                 self.context_parallel_group = cp_group
-    SequencePackingLossWrapper.__qualname__ = f"{_NAME}.SequencePackingLossWrapper"
+    SequencePackingLossWrapper.__qualname__ = "SequencePackingLossWrapper"  # module: this one
     return SequencePackingLossWrapper
 
 
