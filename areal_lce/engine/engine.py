@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .. import checks, comms
+from .. import checks
 from .generation import generate as generation
 from . import schedule
 from . import state as engine_state

@@ -1,18 +1,15 @@
-"""The run loop (areal_lce.train.loop) on a job without a model, and the jobs' metric reduction
-(areal_lce.train.job.reduce_metrics) on recorded collectives. One process, no Megatron: fast."""
+"""The run loop (areal_lce.train.loop) on a job without a model (the metric reduction the jobs use is
+tests/engine/test_metrics.py's). One process, no Megatron: fast."""
 from __future__ import annotations
 
 import types
 from pathlib import Path
 
-import pytest
 import torch
 
-from areal_lce import comms
 from areal_lce.train import checkpoint as ckpt
 from areal_lce.train import loop
 from areal_lce.train.config import load_config
-from areal_lce.train.job import reduce_metrics
 from areal_lce.train.logging_utils import read_metrics
 
 ONE_RANK = types.SimpleNamespace(is_main=True)
@@ -80,47 +77,3 @@ def test_loop_resumes_a_stopped_run_exactly(tmp_path, capsys):
     assert (run / "config.yaml").is_file()
     out = capsys.readouterr().out
     assert "[count] counting, resumed from" in out and "step=5  value=" in out
-
-
-class _RecordedGroup:
-    """A 2-rank group whose other rank holds `sum_other(t)` for SUM and `max_other(t)` for MAX."""
-
-    def __init__(self, name, sum_other, max_other):
-        self.name, self.sum_other, self.max_other = name, sum_other, max_other
-
-
-def test_reduce_metrics_sum_mean_max_min_over_pipeline_then_data_parallel(monkeypatch):
-    calls = []
-
-    def all_reduce_sum_(t, group):
-        calls.append((group.name, "sum", t.numel()))
-        return t.add_(group.sum_other(t))
-
-    def all_reduce_max_(t, group):
-        calls.append((group.name, "max", t.numel()))
-        return torch.maximum(t, group.max_other(t), out=t)
-
-    monkeypatch.setattr(comms, "all_reduce_sum_", all_reduce_sum_)
-    monkeypatch.setattr(comms, "all_reduce_max_", all_reduce_max_)
-    # the other pipeline stage did not run the loss: zeros and -inf / +inf (MAX of the negated min: -inf)
-    pp = _RecordedGroup("pp", torch.zeros_like, lambda t: torch.full_like(t, -float("inf")))
-    # the other data-parallel rank: the same sums and means, extremes one further out
-    dp = _RecordedGroup("dp", lambda t: t.clone(), lambda t: t + 1)
-    dist = types.SimpleNamespace(pp_group=pp, pp_size=2, dp_group=dp, dp_size=2)
-    values = {"nll": 3.0, "ent": 1.5, "max_logit": 2.0, "min_logit": -1.0, "tokens": 5.0}
-    ops = {"nll": "sum", "tokens": "sum", "max_logit": "max", "min_logit": "min"}  # ent: mean by default
-
-    out = reduce_metrics(values, ops, dist, over_pipeline=True)
-    assert out == {"nll": 6.0, "ent": 1.5, "max_logit": 3.0, "min_logit": -2.0, "tokens": 10.0}
-    assert list(out) == list(values)  # the caller's key order
-    # one SUM and one MAX per group, the pipeline first: 3 summed and 2 extreme values each
-    assert calls == [("pp", "sum", 3), ("pp", "max", 2), ("dp", "sum", 3), ("dp", "max", 2)]
-
-    calls.clear()
-    assert reduce_metrics(values, ops, dist) == out  # without the pipeline group: the same here
-    assert [c[0] for c in calls] == ["dp", "dp"]
-    calls.clear()
-    one = types.SimpleNamespace(pp_group=pp, pp_size=1, dp_group=dp, dp_size=1)
-    assert reduce_metrics(values, ops, one, over_pipeline=True) == values and not calls
-    with pytest.raises(ValueError, match="unknown op"):
-        reduce_metrics(values, {"nll": "median"}, dist)
