@@ -18,6 +18,8 @@ import warnings
 import torch
 from helpers.paths import REPO
 
+from areal_lce import reference
+
 _SETUP_ASIDE = str(REPO / ".venv" / "verl-aside")
 VERL_ASIDE = os.environ.get("AREAL_LCE_VERL_ASIDE", "") or _SETUP_ASIDE
 VERL_TORCH_FILE = os.path.join(VERL_ASIDE, "verl", "utils", "experimental", "torch_functional.py")
@@ -56,9 +58,7 @@ def areal_oracle(hidden, weight, labels, temperature, logit_scale, g_lp):
     h = hidden.detach().reshape(-1, hidden.shape[-1]).double().requires_grad_()
     w = weight.detach().double().requires_grad_()
     r = (h @ w.t()) * logit_scale
-    logp = torch.log_softmax(r / temperature, dim=-1)
-    lp = logp.gather(1, labels.reshape(-1, 1)).squeeze(1)
-    ent = -(logp.exp() * logp).sum(-1)
+    lp, ent = reference.from_logits(r, labels.reshape(-1), temperature=temperature)[:2]  # the op's torch math
     (lp * g_lp.double()).sum().backward()
     rd = r.detach()
     outs = (lp.detach(), ent.detach(), rd.min(-1).values, rd.max(-1).values, rd.mean(-1), rd.norm(dim=-1))

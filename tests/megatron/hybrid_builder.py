@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from areal_lce import reference
 from helpers import gpt_builder as G
 from helpers.bounds import U32, gamma, op_bounds
 
@@ -116,14 +117,8 @@ def _reference(model, ids, labels, temperature, position_ids, packed_seq_params)
     from megatron.core import tensor_parallel
 
     logits = model(ids, position_ids, None, packed_seq_params=packed_seq_params)  # [b, s, V_pad/tp] fp32
-    full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)[..., :G.VOCAB].double()
-    logp = torch.log_softmax(full / temperature.double()[..., None], -1)
-    valid = labels != -100
-    zero = torch.zeros(labels.shape, dtype=torch.float64)
-    lp = torch.where(valid, logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0], zero)
-    ent = torch.where(valid, -(logp.exp() * logp).sum(-1), zero)
-    raw = full.detach()
-    return lp, ent, torch.where(valid, raw.max(-1).values, zero), torch.where(valid, raw.min(-1).values, zero)
+    full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)[..., :G.VOCAB]
+    return reference.from_logits(full, labels, temperature=temperature)[:4]  # areal_lce.reference: fp64, differentiable
 
 
 def _coefficients(labels, seed: int = 5):
