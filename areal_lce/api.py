@@ -53,8 +53,8 @@ def _check_tensors(hidden, weight, labels, sequence_parallel: bool, tp: int):
     rows = hidden.numel() // hidden.shape[-1] if hidden.shape[-1] else 0
     if sequence_parallel:
         if labels.numel() != rows * tp:
-            raise ValueError(f"with sequence parallelism (VocabParallel(d_hidden='reduce_scatter'), formerly "
-                             f"sequence_parallel=True), labels must hold the full sequence: expected "
+            raise ValueError(f"with sequence parallelism (VocabParallel(d_hidden='reduce_scatter')), labels "
+                             f"must hold the full sequence: expected "
                              f"{rows} hidden rows × tp {tp} = {rows * tp} labels, got {labels.numel()}")
     elif tuple(labels.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"labels shape {tuple(labels.shape)} must equal hidden's leading shape "
@@ -94,29 +94,23 @@ def _check_options(ignore_index, vocab_size) -> None:
         raise TypeError(f"vocab_size must be an int or None, got {vocab_size!r}")
 
 
-def legacy_vocab_parallel(tp_group, sequence_parallel, reduce_d_hidden) -> Optional[VocabParallel]:
-    """The deprecated keywords `tp_group`, `sequence_parallel`, `reduce_d_hidden` (kept for one release)
-    as the VocabParallel they mean. Without a tp_group the other two change nothing (as before)."""
-    if tp_group is None:
-        return None
-    comms.checked_group_size(tp_group, "tp_group")
-    sp = bool(sequence_parallel)
-    reduce = True if reduce_d_hidden is None else bool(reduce_d_hidden)
-    if sp and not reduce:
-        raise ValueError("sequence_parallel=True reduce-scatters d_hidden inside the op; reduce_d_hidden=False "
-                         "is only for callers that gather hidden themselves (pass sequence_parallel=False), "
-                         "i.e. VocabParallel(group, d_hidden='caller')")
-    return VocabParallel(tp_group, "reduce_scatter" if sp else "all_reduce" if reduce else "caller")
+REMOVED_TP_KEYWORDS = ("tp_group", "sequence_parallel", "reduce_d_hidden")
 
 
-def _vocab_parallel(vocab_parallel, tp_group, sequence_parallel, reduce_d_hidden) -> Optional[VocabParallel]:
-    legacy = {k: v for k, v in (("tp_group", tp_group), ("sequence_parallel", sequence_parallel),
-                                ("reduce_d_hidden", reduce_d_hidden)) if v is not None}
-    if vocab_parallel is None:
-        return legacy_vocab_parallel(tp_group, sequence_parallel, reduce_d_hidden)
-    if legacy:
-        raise TypeError(f"pass vocab_parallel=VocabParallel(...) or the deprecated {sorted(legacy)}, not both")
-    if not isinstance(vocab_parallel, VocabParallel):
+def check_vocab_parallel(vocab_parallel, removed: dict, what: str = "linear_logprobs_entropy"):
+    """The one tensor-parallel option, `vocab_parallel=VocabParallel(...)` or None. `removed`: the call's
+    other keyword arguments; the former TP keywords (tp_group=, sequence_parallel=, reduce_d_hidden=)
+    raise a TypeError naming VocabParallel, any other name the usual unexpected-keyword TypeError."""
+    if removed:
+        old = sorted(k for k in removed if k in REMOVED_TP_KEYWORDS)
+        if old:
+            names = ", ".join(f"{k}=" for k in old)
+            raise TypeError(f"{what}: {names} {'was' if len(old) == 1 else 'were'} removed; pass "
+                            "vocab_parallel=areal_lce.VocabParallel(group, "
+                            "d_hidden=...) instead: tp_group=g is VocabParallel(g), with sequence_parallel=True "
+                            "d_hidden='reduce_scatter', with reduce_d_hidden=False d_hidden='caller'")
+        raise TypeError(f"{what}() got an unexpected keyword argument {sorted(removed)[0]!r}")
+    if vocab_parallel is not None and not isinstance(vocab_parallel, VocabParallel):
         raise TypeError(f"vocab_parallel must be an areal_lce.VocabParallel or None, got {vocab_parallel!r}")
     return vocab_parallel
 
@@ -208,9 +202,7 @@ def linear_logprobs_entropy(
     selected_ids: Optional[torch.Tensor] = None,
     top_k: Optional[int] = None,
     softcap: Optional[float] = None,
-    tp_group=None,
-    sequence_parallel: Optional[bool] = None,
-    reduce_d_hidden: Optional[bool] = None,
+    **removed,
 ) -> LCEOutput:
     """Per-token logprobs and entropy of softmax(hidden · weightᵀ / temperature), never materialising logits.
 
@@ -242,10 +234,9 @@ def linear_logprobs_entropy(
     vocab_parallel: `VocabParallel(group, d_hidden=...)` when `weight` is this rank's vocab shard
         [V/tp, H]: how hidden arrives, who reduces d_hidden and how global ids map to shards are stated
         in VocabParallel's docstring (types.py). Forward: two O(N) collectives (one MAX, one packed SUM).
-    tp_group, sequence_parallel, reduce_d_hidden: deprecated (removed in the next release), the former
-        spelling of vocab_parallel: tp_group=g means VocabParallel(g), with sequence_parallel=True
-        d_hidden="reduce_scatter", with reduce_d_hidden=False d_hidden="caller" (legacy_vocab_parallel).
-        Passing them together with vocab_parallel is an error.
+    The former keywords tp_group=, sequence_parallel=, reduce_d_hidden= were removed: passing one raises a
+        TypeError naming VocabParallel (tp_group=g is VocabParallel(g), with sequence_parallel=True
+        d_hidden="reduce_scatter", with reduce_d_hidden=False d_hidden="caller").
     check_labels: validate label values (outside [0, vocab_size) and not ignore_index) and temperature
         values (not finite and > 0). True (default): "sync" on CPU tensors, "deferred" on accelerators.
         "sync": raise here (one reduction and a host sync). "deferred": no host sync; bad rows get
@@ -284,12 +275,12 @@ def linear_logprobs_entropy(
     Host syncs: none with the defaults on accelerators (CUDA-graph capturable), apart from one-time checks
     per group (the shard size agrees; with vocab_size <= V_shard, weight is not the full weight).
     """
+    check_vocab_parallel(vocab_parallel, removed)
     call = prepare_call(hidden, weight, labels, temperature=temperature, ignore_index=ignore_index,
                         vocab_size=vocab_size, return_stats=return_stats, return_logit_sums=return_logit_sums,
                         backend=backend, cache_bytes=cache_bytes, vocab_parallel=vocab_parallel,
                         check_labels=check_labels, compact_ignored=compact_ignored, invariant=invariant,
-                        logits_precision=logits_precision, d_weight_fp32=d_weight_fp32, tp_group=tp_group,
-                        sequence_parallel=sequence_parallel, reduce_d_hidden=reduce_d_hidden,
+                        logits_precision=logits_precision, d_weight_fp32=d_weight_fp32,
                         selected_ids=selected_ids, top_k=top_k, softcap=softcap)
     if call.tp == 1:
         outs = library.lce(call.hidden, call.weight, call.labels, call.inv_t, library.encode(**call.options),
@@ -301,14 +292,13 @@ def linear_logprobs_entropy(
 
 def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_size, return_stats, return_logit_sums,
                  backend, cache_bytes, vocab_parallel, check_labels, compact_ignored, invariant, logits_precision,
-                 d_weight_fp32, tp_group, sequence_parallel, reduce_d_hidden, selected_ids=None, top_k=None,
-                 softcap=None) -> PreparedCall:
+                 d_weight_fp32, selected_ids=None, top_k=None, softcap=None) -> PreparedCall:
     """Validate the arguments of `linear_logprobs_entropy` (same meaning) and resolve the backend and the
     options once: the call as the op runs it."""
     if not isinstance(d_weight_fp32, bool):
         raise TypeError(f"d_weight_fp32 must be True or False, got {d_weight_fp32!r}")
     _check_options(ignore_index, vocab_size)
-    vp = _vocab_parallel(vocab_parallel, tp_group, sequence_parallel, reduce_d_hidden)
+    vp = check_vocab_parallel(vocab_parallel, {})
     tp = 1 if vp is None else vp.size
     group = None if tp == 1 else vp.group
     _check_tensors(hidden, weight, labels, vp is not None and vp.sequence_parallel, tp)

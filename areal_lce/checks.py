@@ -181,16 +181,26 @@ def check_deferred() -> None:
                          f"linear_logprobs_entropy on {device} since the last check")
 
 
-def check_temperature(temperature, what: str = "temperature", allow_tensor: bool = True):
-    """The one validation of a temperature's type and range (its per-token *values* on the device are
-    checked by the deferred checks below): a finite float > 0 whose inverse fits fp32, or (allow_tensor) a
-    floating-point tensor. Returns it, a Python number as a float. Errors name `what`."""
+def check_temperature(temperature, what: str = "temperature", allow_tensor: bool = True, shape=None):
+    """The one temperature rule, called by every entry point (the op, the materialised route, `token_stats`
+    and the capture seam, the engine's batches, the RL config, the sampler, the HF patch, the adapters):
+    a Python number (not a bool) that is finite and > 0 and whose inverse fits fp32, or (allow_tensor) a
+    floating-point tensor, broadcast to `shape` (the labels') when given; a tensor's *values* (finite,
+    > 0) are checked on the device with the labels (`check_now` / `record`: one sync or deferred).
+    Returns the float, or the tensor (a broadcast view when `shape` is given). Errors name `what`: a
+    TypeError for a wrong type, a ValueError for a value out of range or a shape that does not broadcast."""
     if torch.is_tensor(temperature):
         if not allow_tensor:
             raise TypeError(f"{what} must be a float, got a tensor")
         if temperature.is_complex() or not temperature.is_floating_point():
             raise TypeError(f"{what} tensor must be floating point, got {temperature.dtype}")
-        return temperature
+        if shape is None:
+            return temperature
+        try:
+            return torch.broadcast_to(temperature, tuple(shape))
+        except RuntimeError as e:
+            raise ValueError(f"{what} of shape {tuple(temperature.shape)} does not broadcast to labels "
+                             f"{tuple(shape)} (per token, per row [b, 1], or a float)") from e
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"{what} must be a float{' or a tensor' if allow_tensor else ''}, got {temperature!r}")
     t = float(temperature)
@@ -202,17 +212,21 @@ def check_temperature(temperature, what: str = "temperature", allow_tensor: bool
     return t
 
 
+def check_sampling_temperature(temperature, what: str = "temperature") -> float:
+    """A sampler's temperature: exactly 0 means greedy (argmax), the one extension of `check_temperature`'s
+    rule, which every other value must pass (a float, finite and > 0). Returns a float."""
+    if not isinstance(temperature, bool) and isinstance(temperature, numbers.Real) and temperature == 0:
+        return 0.0
+    return check_temperature(temperature, f"{what} (0: greedy)", allow_tensor=False)
+
+
 def inv_temperature(temperature, labels: torch.Tensor) -> tuple[Optional[float], Optional[torch.Tensor]]:
     """(inv_t float, None) for a scalar temperature, (None, inv_t [N] fp32) for a tensor broadcastable to
     `labels` (N = labels.numel()). The op and the materialised route scale logits by inv_t = 1/T."""
-    temperature = check_temperature(temperature)
-    if not torch.is_tensor(temperature):
-        return 1.0 / temperature, None
-    try:
-        t = torch.broadcast_to(temperature.detach().to(labels.device, torch.float32), labels.shape)
-    except RuntimeError as e:
-        raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not broadcast to labels "
-                         f"{tuple(labels.shape)}") from e
+    checked = check_temperature(temperature, shape=labels.shape)
+    if not torch.is_tensor(checked):
+        return 1.0 / checked, None
+    t = torch.broadcast_to(temperature.detach().to(labels.device, torch.float32), labels.shape)
     return None, (1.0 / t).reshape(-1).contiguous()
 
 

@@ -11,16 +11,17 @@ from typing import Optional, Union
 import torch
 
 from . import comms
-from .materialised import _exact_values, checked_call
-from .types import LCEOutput
+from .materialised import _exact_values, checked_call, vocab_parallel_group
+from .types import LCEOutput, VocabParallel
 
 
 def logprobs_entropy_autograd(logits: torch.Tensor, labels: torch.Tensor, *,
                               temperature: Union[float, torch.Tensor] = 1.0, ignore_index: int = -100,
-                              vocab_size: Optional[int] = None, tp_group=None, invariant: Optional[bool] = None,
-                              logits_precision: str = "fp32",
-                              check_labels: Union[bool, str] = True) -> LCEOutput:
-    """logits [..., V_shard] (this rank's vocab shard under tp_group), labels [...] global ids.
+                              vocab_size: Optional[int] = None, vocab_parallel: Optional[VocabParallel] = None,
+                              invariant: Optional[bool] = None, logits_precision: str = "fp32",
+                              check_labels: Union[bool, str] = True, tp_group=None) -> LCEOutput:
+    """logits [..., V_shard] (this rank's vocab shard under vocab_parallel = VocabParallel(group), as
+    `logprobs_entropy_from_logits` takes it; tp_group= deprecated), labels [...] global ids.
 
     logits_precision: "fp32" takes the logits as given (upcast to fp32); "bf16" rounds each to bf16 first,
     as the fused op's option does (the rounding's gradient is identity). invariant=True: each row's values
@@ -31,9 +32,10 @@ def logprobs_entropy_autograd(logits: torch.Tensor, labels: torch.Tensor, *,
     ignore_index raises, or with "deferred" gives NaN and check_deferred() raises).
 
     Returns fp32 logprobs, entropy (differentiable w.r.t. logits) and max_logit, min_logit (raw), lse
-    (tempered), all 0 at ignore_index rows. Collectives under tp_group: MAX of the per-token max/min
+    (tempered), all 0 at ignore_index rows. Collectives over the group: MAX of the per-token max/min
     (no gradient), SUM of exp-sums, weighted logit sums and the label logit (identity backward).
     """
+    tp_group = vocab_parallel_group(vocab_parallel, tp_group, "logprobs_entropy_autograd")
     c = checked_call(logits, labels, temperature, ignore_index, vocab_size, tp_group, invariant, logits_precision,
                      check_labels)
     invariant, start, valid_cols, inv_t_scalar, inv_t, bad = (c.invariant, c.start, c.valid_cols, c.inv_t_scalar,

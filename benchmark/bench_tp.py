@@ -50,7 +50,7 @@ except ImportError:  # run as `benchmark/bench_tp.py` from a checkout: the repos
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import areal_lce  # noqa: E402
-from areal_lce import comms, linear_logprobs_entropy  # noqa: E402
+from areal_lce import VocabParallel, comms, linear_logprobs_entropy  # noqa: E402
 from benchmark.harness import PeakMemory, percentiles, run_meta, sync, write_json  # noqa: E402
 
 SHAPES = {  # name -> list of global (N, H, V)
@@ -107,8 +107,8 @@ class Step:
         self.i += 1
         h.grad = None
         self.weight.grad = None
-        out = linear_logprobs_entropy(h, self.weight, self.labels, backend=self.backend, tp_group=self.group,
-                                      sequence_parallel=self.sp)
+        vp = VocabParallel(self.group, "reduce_scatter" if self.sp else "all_reduce")
+        out = linear_logprobs_entropy(h, self.weight, self.labels, backend=self.backend, vocab_parallel=vp)
         (out.logprobs * self.g_lp + out.entropy * self.g_ent).sum().backward()
 
 

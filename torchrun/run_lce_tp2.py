@@ -196,7 +196,7 @@ def run_sharded(case: Case, backend: str, hidden, weight, labels, temperature, v
         h_full = GatherFromSP.apply(h, group) if case.sp else CopyToTP.apply(h, group)
         logits = h_full.float() @ w.float().t()
         out = logprobs_entropy_from_logits(logits, labels, temperature=temperature, ignore_index=IGNORE,
-                                           vocab_size=vocab, tp_group=group)
+                                           vocab_size=vocab, vocab_parallel=VocabParallel(group))
     else:
         h_in = CopyToTP.apply(h, group) if case.route == "no_reduce" else h
         cache = 1 << 30 if case.cache else 0
@@ -295,9 +295,8 @@ def run_bad_input(group, device, backend: str) -> bool:
         expect_error("sp_local_labels", lambda: call(hidden=hidden[: n // tp], labels=labels[: n // tp],
                                                      vocab_parallel=VocabParallel(group, "reduce_scatter")),
                      "full sequence", rank),
-        expect_error("deprecated_kw_sp_without_reduce", lambda: call(  # the shim refuses their one bad combination
-            hidden=hidden[: n // tp], vocab_parallel=None, tp_group=group, sequence_parallel=True,
-            reduce_d_hidden=False), "reduce_d_hidden", rank),
+        # the removed keywords of earlier releases: a TypeError naming their replacement
+        expect_error("removed_tp_keyword", lambda: call(vocab_parallel=None, tp_group=group), "VocabParallel", rank),
     ]
     return reduce_max([float(not all(ok))], group, device)[0] == 0.0  # every rank must have seen every error
 
@@ -325,7 +324,8 @@ def main() -> int:
     ap.add_argument("--dtypes", default="fp32,bf16", help=f"comma list of {sorted(DTYPES)}")
     ap.add_argument("--cases", default="", help="comma list of case ids to run (default: all; 'none': no case)")
     ap.add_argument("--bad-input", action="store_true", help="also check that bad input (uneven vocab shards, bad "
-                    "labels, labels differing across ranks, a full weight with tp_group, ...) errors on every rank")
+                    "labels, labels differing across ranks, a full weight with a vocab-parallel group, ...) errors on "
+                    "every rank")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                     help="auto: one GPU per rank over NCCL when CUDA is available, else CPU over gloo")
     ap.add_argument("--shape", help="N,H,V_SHARD overriding the default shapes (N is rounded up to a multiple of tp)")

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from ..checks import check_temperature
 from ..megatron.packing import host_to_device, row_lengths
 
 
@@ -21,7 +22,8 @@ from ..megatron.packing import host_to_device, row_lengths
 class MicroBatch:
     """Right-padded rows: `input_ids` [b, s] token ids, `labels` [b, s] next-token targets aligned with
     input positions (-100 where there is no target: padding, prompts, the last token), and the softmax
-    temperature the token statistics are taken at (a float > 0; validated by the op). Optional
+    temperature the token statistics are taken at (a finite float > 0, checked here by
+    `checks.check_temperature`). Optional
     `selected_ids` [b, s, K]: per position, K global vocabulary ids whose logprobs the stats also carry
     (`TokenStats.selected_logprobs`; -100 entries give 0), laid out and padded like labels."""
 
@@ -39,6 +41,8 @@ class MicroBatch:
         if self.input_ids.shape != self.labels.shape:
             raise ValueError(f"MicroBatch.labels {tuple(self.labels.shape)} must match input_ids "
                              f"{tuple(self.input_ids.shape)}")
+        object.__setattr__(self, "temperature",
+                           check_temperature(self.temperature, "MicroBatch.temperature", allow_tensor=False))
         sel = self.selected_ids
         if sel is not None and (not torch.is_tensor(sel) or sel.dim() != 3 or sel.dtype != torch.int64
                                 or tuple(sel.shape[:2]) != tuple(self.labels.shape) or sel.shape[2] < 1):

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import check_temperature
 from ..megatron.stats import TokenStats
 
 
 def check_temperature_one(temperature) -> None:
-    """megatron's loss has no temperature: refuse any other than 1, naming the path."""
-    if torch.is_tensor(temperature) or float(temperature) != 1.0:
+    """megatron's loss has no temperature: refuse any other than 1 (a valid one, checks.check_temperature's
+    rule, that is not 1), naming the path."""
+    if torch.is_tensor(temperature) or check_temperature(temperature, "temperature") != 1.0:
         raise ValueError(f"temperature={temperature!r}: megatron-core's own loss (use_fused_linear_ce=false with a "
                          "logprobs-only loss) has no temperature; use 1.0, or use_fused_linear_ce=true")
 

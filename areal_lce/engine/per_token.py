@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import comms
 from .batch import ModelBatch
 from ..megatron.context_parallel import pad_packed, split_for_context_parallel
 from ..megatron.packing import host_to_device
@@ -36,13 +35,12 @@ def to_model_layout(x: torch.Tensor, mb: ModelBatch, fill) -> torch.Tensor:
         if mb.cp_padding is None:
             return out
         cu = mb.cp_padding.cu_seqlens_padded
-        return split_for_context_parallel(pad_packed(out, mb.cp_padding, fill), mb.cp_group, cu)
-    cp = comms.group_size(mb.cp_group) if mb.cp_group is not None else 1
-    width = mb.labels.shape[1] * cp  # the padded sequence before the CP split
+        return split_for_context_parallel(pad_packed(out, mb.cp_padding, fill), mb.cp, cu)
+    width = mb.labels.shape[1] * mb.cp.size  # the padded sequence before the CP split
     out = x.new_full((b, width) + tail, fill)
     out[:, :s] = x
     out = host_to_device(out, device)
-    return split_for_context_parallel(out, mb.cp_group) if mb.cp_group is not None else out
+    return split_for_context_parallel(out, mb.cp) if mb.cp.active else out
 
 
 def from_model_layout(out: torch.Tensor, mb: ModelBatch, fill) -> torch.Tensor:

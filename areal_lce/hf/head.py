@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..api import linear_logprobs_entropy
+from ..api import check_temperature, linear_logprobs_entropy
 from ..types import VocabParallel
 
 _MISSING = object()
@@ -29,11 +29,7 @@ def fused_head(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, *, i
     lead = labels.shape
     temperature = op_options.get("temperature")
     if torch.is_tensor(temperature):  # per sample / per token: flatten along with the labels
-        try:
-            temperature = torch.broadcast_to(temperature.to(labels.device), lead)
-        except RuntimeError as e:
-            raise ValueError(f"areal_lce.hf: temperature of shape {tuple(temperature.shape)} does not broadcast "
-                             f"to the labels' {tuple(lead)}") from e
+        temperature = check_temperature(temperature.to(labels.device), "areal_lce.hf: temperature", shape=lead)
         op_options = dict(op_options, temperature=temperature.reshape(-1))
 
     def head_forward(h):

@@ -17,14 +17,49 @@ split per packed sequence (the layout megatron's THD RoPE and Transformer Engine
 `gather_from_context_parallel` is differentiable with the replicated-loss convention: when every CP
 rank computes the same loss from the gathered tensor, each rank's local slice receives exactly
 d(loss)/d(slice) (its own block of the gradient, no sum over ranks and no factor cp).
+
+The group travels as one value, `CPGroup(group, size, rank)` (`CPGroup.none()`: no context
+parallelism), built once where it enters by `CPGroup.of(...)` from whatever the caller holds: a
+`CPGroup`, None, a process group, or megatron's `pg_collection` (its `.cp`).
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, List, NamedTuple, Optional, Sequence
 
 import torch
 
 from .. import checks, comms
+
+
+@dataclass(frozen=True)
+class CPGroup:
+    """The context-parallel group as one value: the process group (None without CP), its size and this
+    rank's index in it. A group of one rank is `CPGroup.none()`: nothing is split or gathered."""
+
+    group: Any = None
+    size: int = 1
+    rank: int = 0
+
+    @classmethod
+    def none(cls) -> "CPGroup":
+        return cls()
+
+    @classmethod
+    def of(cls, cp) -> "CPGroup":
+        """The one conversion: a CPGroup (as is), None (no CP), megatron's pg_collection (its `.cp`, None
+        when it has none) or a torch.distributed process group."""
+        if isinstance(cp, CPGroup):
+            return cp
+        if cp is not None and not hasattr(cp, "size") and hasattr(cp, "cp"):  # ProcessGroupCollection
+            cp = cp.cp
+        size = comms.checked_group_size(cp, "the context-parallel group")
+        return cls.none() if size == 1 else cls(cp, size, comms.group_rank(cp))
+
+    @property
+    def active(self) -> bool:
+        """More than one rank: tokens are split over the group."""
+        return self.size > 1
 
 
 def sequence_lengths(cu_seqlens, what: str = "cu_seqlens") -> List[int]:
@@ -89,12 +124,13 @@ def _cp_lengths(x: torch.Tensor, cu_seqlens, what: str, local: bool, cp: int) ->
 
 def split_for_context_parallel(x: torch.Tensor, cp_group, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This CP rank's tokens of `x` ([b, s, ...] split per row along dim 1, or packed THD [1, T, ...]
-    split per sequence of `cu_seqlens`, lengths multiples of 2·cp). Identity when the group has one rank."""
-    cp = comms.group_size(cp_group)
-    if cp == 1:
+    split per sequence of `cu_seqlens`, lengths multiples of 2·cp). Identity when the group has one rank.
+    `cp_group`: a CPGroup, None, a process group or megatron's pg_collection (`CPGroup.of`)."""
+    cp = CPGroup.of(cp_group)
+    if not cp.active:
         return x
-    lengths = _cp_lengths(x, cu_seqlens, "split_for_context_parallel(x)", local=False, cp=cp)
-    index = zigzag_positions(lengths, cp, comms.group_rank(cp_group)).to(x.device)
+    lengths = _cp_lengths(x, cu_seqlens, "split_for_context_parallel(x)", local=False, cp=cp.size)
+    index = zigzag_positions(lengths, cp.size, cp.rank).to(x.device)
     return x.index_select(1, index)
 
 
@@ -104,16 +140,16 @@ def gather_from_context_parallel(local: torch.Tensor, cp_group, cu_seqlens: Opti
     Forward all-gathers the local tokens; backward gives each rank its own slice of the gradient (the
     gathered tensor is replicated, so every rank holds the same full gradient: no reduction).
     The CP ranks must pass the same layout (local shape, cu_seqlens): `check_same_layout` checks it the
-    first time this rank gathers a layout."""
-    cp = comms.group_size(cp_group)
-    if cp == 1:
+    first time this rank gathers a layout. `cp_group`: as `split_for_context_parallel` takes it."""
+    cp = CPGroup.of(cp_group)
+    if not cp.active:
         return local
-    lengths = _cp_lengths(local, cu_seqlens, "gather_from_context_parallel(local)", local=True, cp=cp)
-    disagree = check_same_layout(local, None if cu_seqlens is None else lengths, cp_group)
-    rows = comms.all_gather_rows_replicated_grad(local.transpose(0, 1), cp_group)  # [cp*s_local, b, ...]
+    lengths = _cp_lengths(local, cu_seqlens, "gather_from_context_parallel(local)", local=True, cp=cp.size)
+    disagree = check_same_layout(local, None if cu_seqlens is None else lengths, cp)
+    rows = comms.all_gather_rows_replicated_grad(local.transpose(0, 1), cp.group)  # [cp*s_local, b, ...]
     if disagree is not None and rows.is_floating_point():  # deferred check: the call's output shows it
         rows = torch.where(disagree, torch.full_like(rows, float("nan")), rows)
-    return rows.index_select(0, gathered_to_packed(lengths, cp).to(rows.device)).transpose(0, 1)
+    return rows.index_select(0, gathered_to_packed(lengths, cp.size).to(rows.device)).transpose(0, 1)
 
 
 _LAYOUT_ITEMS = ("local.dim()", "local.shape[0] (rows)", "local.shape[1] (tokens on this rank)",
@@ -148,13 +184,14 @@ def check_same_layout(local: torch.Tensor, lengths: Optional[List[int]], cp_grou
     returned 0-d bool makes this call's output NaN. None when no check ran.
     A rank that has checked its layout before while another's is new does not join the check's
     all-reduce: the collectives then meet out of order, which gloo reports as an error."""
+    cp = CPGroup.of(cp_group)
     layout = _layout(local, lengths)
-    key = (id(cp_group), layout)
+    key = (id(cp.group), layout)
     if key in _LAYOUTS_AGREED:
         return None
     # filled on the device (no host-to-device copy: capturable in a CUDA graph)
     v = torch.stack([torch.full((), x, dtype=torch.int64, device=local.device) for x in layout])
-    votes = comms.agreement_votes(v, cp_group)  # [max, -min] of every item over the CP group
+    votes = comms.agreement_votes(v, cp.group)  # [max, -min] of every item over the CP group
     if not _reads_votes_now(local.device):
         _LAYOUTS_AGREED.add(key)
         return checks.record_disagreement(
@@ -165,7 +202,7 @@ def check_same_layout(local: torch.Tensor, lengths: Optional[List[int]], cp_grou
               for name, mine, a, b in zip(_LAYOUT_ITEMS, layout, lo, hi) if a != b]
     if differ:
         raise ValueError(f"gather_from_context_parallel: {'; '.join(differ)} differ(s) across the context-parallel "
-                         f"group [rank {comms.group_rank(cp_group)} of {comms.group_size(cp_group)}]: {_LAYOUT_HINT}")
+                         f"group [rank {cp.rank} of {cp.size}]: {_LAYOUT_HINT}")
     _LAYOUTS_AGREED.add(key)
     return None
 

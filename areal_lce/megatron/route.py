@@ -23,6 +23,7 @@ import torch
 
 from ..checks import check_temperature
 from . import capture, compat
+from .context_parallel import CPGroup
 
 
 def find_gpt_model(model):
@@ -103,15 +104,11 @@ def _check_inputs(gpt, input_ids, labels, position_ids, packed_seq_params, vocab
 
 
 def _temperature(temperature, labels: torch.Tensor) -> Union[float, torch.Tensor]:
-    """A float, or a per-token fp32 tensor broadcast to labels' shape (type and range: the op's own check)."""
-    temperature = check_temperature(temperature)
-    if not torch.is_tensor(temperature):
-        return temperature
-    try:
-        return torch.broadcast_to(temperature.to(labels.device, torch.float32), labels.shape).contiguous()
-    except RuntimeError as e:
-        raise ValueError(f"temperature of shape {tuple(temperature.shape)} does not broadcast to labels "
-                         f"{tuple(labels.shape)} (use [b, s], [b, 1] or [1, T])") from e
+    """A float, or a per-token fp32 tensor broadcast to labels' shape (checks.check_temperature's rule)."""
+    checked = check_temperature(temperature, "temperature", shape=labels.shape)
+    if not torch.is_tensor(checked):
+        return checked
+    return torch.broadcast_to(temperature.to(labels.device, torch.float32), labels.shape).contiguous()
 
 
 @dataclass(frozen=True)
@@ -199,9 +196,9 @@ class Route:
                           *, cp_group=None, **model_kwargs):
         """One model call: [b, V_pad] fp32 logits of position `positions[i]` of each row i on the last
         stage (only those rows are built, on either route), hidden states on the others. `cp_group`: the
-        context-parallel group when the batch is this CP rank's share; `model_kwargs` go to GPTModel
-        (e.g. inference_context= for the KV cache)."""
+        context-parallel group when the batch is this CP rank's share (anything `CPGroup.of` takes);
+        `model_kwargs` go to GPTModel (e.g. inference_context= for the KV cache)."""
         seam = self.seam_for(gpt_model, **model_kwargs)
-        ctx = capture.LastTokenContext(positions=positions, cp_group=cp_group)
+        ctx = capture.LastTokenContext(positions=positions, cp=CPGroup.of(cp_group))
         return capture.run_last_token(model, gpt_model, seam, ctx, input_ids, position_ids, attention_mask,
                                       **model_kwargs)

@@ -5,9 +5,10 @@ the offending option. The train package's YAML loader nests it into `JobConfig.r
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple, Union
+
+from ..checks import check_temperature
 
 LOSS_AGG_MODES = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum")
 KL_ESTIMATORS = ("k1", "k3")
@@ -45,8 +46,8 @@ class RLConfig:
     max_new_tokens: int = field(default=8, metadata={"help": "response length limit in tokens"})
     temperature: float = field(
         default=1.0,
-        metadata={"help": "sampling temperature; behaviour, reference and trained logprobs are all "
-                  "taken at this temperature (logits / T), matching the sampler"},
+        metadata={"help": "sampling temperature, a finite float > 0; behaviour, reference and trained "
+                  "logprobs are all taken at this temperature (logits / T), matching the sampler"},
     )
     top_p: float = field(default=1.0, metadata={"help": "nucleus-sampling mass in (0, 1]"})
     stop_at_eos: bool = field(
@@ -109,8 +110,7 @@ class RLConfig:
                 raise ValueError(f"rl.{name}={getattr(self, name)} must be >= 1")
         if not isinstance(self.task_options, dict):
             raise ValueError(f"rl.task_options={self.task_options!r} must be a mapping")
-        if not 0 < self.temperature < math.inf:
-            raise ValueError(f"rl.temperature={self.temperature} must be a finite number > 0")
+        self.temperature = check_temperature(self.temperature, "rl.temperature", allow_tensor=False)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"rl.top_p={self.top_p} must be in (0, 1]")
         if self.advantage not in ADVANTAGES:

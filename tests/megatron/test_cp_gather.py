@@ -7,11 +7,13 @@ gloo abort before) raise ValueError on both ranks, naming what differs; the acce
 no host read of the votes) poisons the call's output with NaN and `check_deferred()` raises.
 """
 import os
+import types
 
 import pytest
 import torch
 
 from areal_lce import checks
+from helpers.groups import fake_group  # noqa: F401  (fixture: a recording 2-rank group)
 
 
 def test_record_disagreement_is_raised_once_by_check_deferred():
@@ -23,6 +25,30 @@ def test_record_disagreement_is_raised_once_by_check_deferred():
     with pytest.raises(ValueError, match=r"layouts differ \(1 call\(s\) on cpu since the last check\)"):
         checks.check_deferred()
     checks.check_deferred()  # the record was reset
+
+
+def test_one_cp_group_value(fake_group):
+    """`CPGroup.of` is the one conversion of the spellings of "which context-parallel group" (None, a process
+    group, megatron's pg_collection, a CPGroup); the split takes any of them and keeps the same tokens.
+    (A namespace with `cp` stands for megatron's ProcessGroupCollection, whose import takes seconds.)"""
+    from areal_lce.megatron.context_parallel import CPGroup, split_for_context_parallel
+
+    none = CPGroup.none()
+    assert not none.active and (none.group, none.size, none.rank) == (None, 1, 0)
+    assert CPGroup.of(None) == none and CPGroup.of(types.SimpleNamespace(cp=None)) == none  # collection, no cp
+    cp = CPGroup.of(fake_group)
+    assert (cp.group, cp.size, cp.rank, cp.active) == (fake_group, 2, 0, True)
+    pgc = types.SimpleNamespace(cp=fake_group, tp=None)
+    assert CPGroup.of(pgc) == cp and CPGroup.of(cp) is cp
+    with pytest.raises(TypeError, match="the context-parallel group must be a torch.distributed ProcessGroup"):
+        CPGroup.of(2)
+    x, cu = torch.arange(16).view(1, 16), torch.tensor([0, 8, 16])
+    # rank 0 of 2: chunks 0 and 3 (of 4, two tokens each) of every packed sequence
+    assert split_for_context_parallel(x, fake_group, cu).tolist() == [[0, 1, 6, 7, 8, 9, 14, 15]]
+    for spelling in (cp, pgc):
+        assert torch.equal(split_for_context_parallel(x, spelling, cu), split_for_context_parallel(x, fake_group, cu))
+    assert split_for_context_parallel(x, none, cu) is x
+    assert fake_group.calls == []  # splitting needs no collective
 
 
 @pytest.mark.distributed

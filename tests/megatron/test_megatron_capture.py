@@ -147,17 +147,17 @@ def _fake_model(**cfg):
 ])
 def test_refusals(cfg, seam, match):
     with pytest.raises(ValueError, match=match):
-        capture.check_capture_supported(_fake_model(**cfg), seam)
-    capture.check_capture_supported(_fake_model(), seam)  # the same model without the feature passes
+        capture.check_seam_config(_fake_model(**cfg).config, seam)
+    capture.check_seam_config(_fake_model().config, seam)  # the same model without the feature passes
 
 
 def test_mtp_and_parallel_output_false_pass_the_output_processor_checks():
     """MTP runs as Megatron runs it before the processor; parallel_output=False changes no statistic
     (the fused route never gathers logits): both are supported on the output_processor seam."""
-    capture.check_capture_supported(_fake_model(mtp_num_layers=1), "output_processor")
+    capture.check_seam_config(_fake_model(mtp_num_layers=1).config, "output_processor")
     m = _fake_model()
     m.parallel_output = False
-    capture.check_capture_supported(m, "output_processor")
+    capture.check_seam_config(m.config, "output_processor")
 
 
 def test_config_refusals():
@@ -182,13 +182,13 @@ def test_mup_folds_into_temperature():
                                   config=types.SimpleNamespace(use_mup=True))
     ctx = capture.CaptureContext(labels=labels, temperature=0.8, vocab_size=40, backend="torch")
     cfg = types.SimpleNamespace(use_mup=True)
-    packed = capture.fused_output_processor(hidden_states=h, output_layer=layer, output_weight=None, context=ctx,
+    packed = capture.stats_output_processor(hidden_states=h, output_layer=layer, output_weight=None, context=ctx,
                                             scale_logits=lambda z: z * 0.25, config=cfg)
     ref = logprobs_entropy_from_logits((h[:, 0] @ w.t() * 0.25)[None], labels, temperature=0.8)
     for got, want in zip(capture.unpack(packed), ref[:4]):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="scale_logits"):
-        capture.fused_output_processor(hidden_states=h, output_layer=layer, output_weight=None, context=ctx,
+        capture.stats_output_processor(hidden_states=h, output_layer=layer, output_weight=None, context=ctx,
                                        scale_logits=lambda z: z * z, config=cfg)
 
 

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten
 import areal_lce.materialised_lean as lean
 from areal_lce.materialised import logprobs_entropy_from_logits
 from areal_lce.materialised_autograd import logprobs_entropy_autograd
+from areal_lce.types import VocabParallel
 from helpers.bounds import EXP_ULPS, U32, assert_within, op_bounds
 from helpers.inputs import peak_logits
 
@@ -232,8 +233,8 @@ def test_tp2_matches_unsharded(thread_group, monkeypatch):
         try:
             thread_group.local.rank = r
             xr = shards[r].clone().requires_grad_()
-            out = logprobs_entropy_from_logits(xr, y, temperature=t, vocab_size=c.vocab_size, tp_group=thread_group,
-                                               return_logit_sums=True)
+            out = logprobs_entropy_from_logits(xr, y, temperature=t, vocab_size=c.vocab_size,
+                                               vocab_parallel=VocabParallel(thread_group), return_logit_sums=True)
             ((out.logprobs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
             res[r] = (out, xr.grad)
         except BaseException as e:  # noqa: BLE001 -- re-raised in the main thread

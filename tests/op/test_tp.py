@@ -5,8 +5,8 @@
   promised size — forward one MAX and one packed SUM of O(N) elements (plus the API's 2-integer
   shard-size agreement check; the logit sums ride in the same SUM), backward one all-reduce of d_hidden
   (VocabParallel d_hidden="all_reduce"), none with d_hidden="caller", one reduce-scatter under sequence
-  parallel ("reduce_scatter", whose forward all-gathers hidden once). The deprecated keywords tp_group /
-  sequence_parallel / reduce_d_hidden map to the same calls.
+  parallel ("reduce_scatter", whose forward all-gathers hidden once). The removed keywords tp_group /
+  sequence_parallel / reduce_d_hidden raise a TypeError naming VocabParallel.
 * The real thing: `torchrun/run_lce_tp2.py --quick --bad-input` on 2 gloo ranks (CPU), which compares
   every sharded result with the unsharded fp64 oracle and checks the clear errors on bad input.
 """
@@ -96,39 +96,32 @@ def test_fake_group_collectives_sequence_parallel(fake_group):
     assert hidden.grad.shape == (N // 2, H)
 
 
-@pytest.mark.parametrize("legacy, mode", [
-    (dict(), "all_reduce"),
-    (dict(reduce_d_hidden=False), "caller"),
-    (dict(sequence_parallel=True), "reduce_scatter"),
-], ids=["tp_group", "reduce_d_hidden=False", "sequence_parallel=True"])
-def test_deprecated_keywords_are_the_same_call(fake_group, legacy, mode):
-    """tp_group / sequence_parallel / reduce_d_hidden (kept for one release) give the collectives and the
-    bits of the VocabParallel they stand for."""
-    runs = []
-    for kw in (dict(legacy, tp_group=fake_group), dict(vocab_parallel=VocabParallel(fake_group, mode))):
-        hidden, weight, labels = _inputs(sp=mode == "reduce_scatter")
-        out = linear_logprobs_entropy(hidden, weight, labels, backend="torch", temperature=0.9, **kw)
-        (out.logprobs.sum() - 0.5 * out.entropy.sum()).backward()
-        runs.append(([(c["kind"], c.get("op"), c["shape"]) for c in fake_group.calls], out, hidden.grad, weight.grad))
-        fake_group.calls.clear()
-    (calls_a, out_a, dh_a, dw_a), (calls_b, out_b, dh_b, dw_b) = runs
-    assert calls_a == calls_b
-    assert torch.equal(out_a.logprobs, out_b.logprobs) and torch.equal(dh_a, dh_b) and torch.equal(dw_a, dw_b)
+# The keywords of earlier releases, each alone, with a group or None, and next to vocab_parallel. Before
+# their removal tp_group=None and sequence_parallel=True (without a group) were silently accepted.
+@pytest.mark.parametrize("removed", [
+    dict(tp_group=None), dict(tp_group="group"), dict(sequence_parallel=True), dict(reduce_d_hidden=False),
+    dict(tp_group="group", sequence_parallel=True, reduce_d_hidden=False),
+], ids=["tp_group=None", "tp_group", "sequence_parallel", "reduce_d_hidden", "all-three"])
+def test_removed_tp_keywords_name_vocab_parallel(fake_group, removed):
+    hidden, weight, labels = _inputs(sp=False)
+    removed = {k: fake_group if v == "group" else v for k, v in removed.items()}
+    with pytest.raises(TypeError, match=r"removed; pass vocab_parallel=areal_lce\.VocabParallel\(group"):
+        linear_logprobs_entropy(hidden, weight, labels, **removed)
+    with pytest.raises(TypeError, match="removed"):
+        linear_logprobs_entropy(hidden, weight, labels, vocab_parallel=VocabParallel(fake_group), **removed)
+    assert fake_group.calls == []  # refused before any collective
 
 
 def test_vocab_parallel_bad_input(fake_group):
     hidden, weight, labels = _inputs(sp=False)
-    with pytest.raises(TypeError, match="not both"):
-        linear_logprobs_entropy(hidden, weight, labels, vocab_parallel=VocabParallel(fake_group), tp_group=fake_group)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tp_groups'"):  # a typo stays a TypeError
+        linear_logprobs_entropy(hidden, weight, labels, tp_groups=fake_group)
     with pytest.raises(ValueError, match="d_hidden"):
         VocabParallel(fake_group, "sum")
     with pytest.raises(TypeError, match="VocabParallel.group"):
         VocabParallel(2)
     with pytest.raises(TypeError, match="vocab_parallel"):
         linear_logprobs_entropy(hidden, weight, labels, vocab_parallel=fake_group)
-    with pytest.raises(ValueError, match="reduce_d_hidden"):  # the one combination the old keywords allowed
-        linear_logprobs_entropy(hidden[: N // 2], weight, labels, tp_group=fake_group, sequence_parallel=True,
-                                reduce_d_hidden=False)
 
 
 def test_fake_group_logit_sums_ride_the_packed_sum(fake_group):
@@ -149,7 +142,7 @@ def test_fake_group_logit_sums_ride_the_packed_sum(fake_group):
 def test_fake_group_collectives_materialised(fake_group):
     _, _, labels = _inputs(sp=False)
     logits = torch.randn(N, V_SHARD, generator=torch.Generator().manual_seed(1)).requires_grad_()
-    out = logprobs_entropy_from_logits(logits, labels, tp_group=fake_group)
+    out = logprobs_entropy_from_logits(logits, labels, vocab_parallel=VocabParallel(fake_group))
     fwd = list(fake_group.calls)
     # MAX of [max, -min] (no grad); one SUM of the packed exp-sum, Σ e·(z−m) and label logit
     assert [(c["op"], c["numel"]) for c in fwd] == [(dist.ReduceOp.MAX, 2 * N), (dist.ReduceOp.SUM, 3 * N)], fwd
@@ -157,6 +150,32 @@ def test_fake_group_collectives_materialised(fake_group):
     (out.logprobs.sum() + out.entropy.sum()).backward()
     # backward needs no collective: d_logits follows from the replicated per-row lse and entropy
     assert fake_group.calls == []
+
+
+def test_materialised_route_takes_the_ops_vocab_parallel(fake_group):
+    """logprobs_entropy_from_logits takes the VocabParallel value the fused op takes (whatever its d_hidden:
+    only the group matters for logits); tp_group= is still read, with a DeprecationWarning, as the same call."""
+    _, _, labels = _inputs(sp=False)
+    logits = torch.randn(N, V_SHARD, generator=torch.Generator().manual_seed(1))
+    runs = []
+    for kw in (dict(vocab_parallel=VocabParallel(fake_group, "caller")), dict(tp_group=fake_group)):
+        x = logits.clone().requires_grad_()
+        if "tp_group" in kw:
+            with pytest.warns(DeprecationWarning, match=r"tp_group=.*vocab_parallel=areal_lce\.VocabParallel"):
+                out = logprobs_entropy_from_logits(x, labels, temperature=0.9, **kw)
+        else:
+            out = logprobs_entropy_from_logits(x, labels, temperature=0.9, **kw)
+        (out.logprobs.sum() + out.entropy.sum()).backward()
+        runs.append(([(c["op"], c["numel"]) for c in fake_group.calls], out, x.grad))
+        fake_group.calls.clear()
+    (calls_a, out_a, g_a), (calls_b, out_b, g_b) = runs
+    assert calls_a == calls_b and len(calls_a) == 2
+    assert torch.equal(out_a.logprobs, out_b.logprobs) and torch.equal(out_a.entropy, out_b.entropy)
+    assert torch.equal(g_a, g_b)
+    with pytest.raises(TypeError, match="not also the deprecated tp_group"):
+        logprobs_entropy_from_logits(logits, labels, vocab_parallel=VocabParallel(fake_group), tp_group=fake_group)
+    with pytest.raises(TypeError, match="vocab_parallel must be an areal_lce.VocabParallel"):
+        logprobs_entropy_from_logits(logits, labels, vocab_parallel=fake_group)
 
 
 def test_no_group_no_collectives(fake_group):

@@ -33,7 +33,7 @@ import torch.distributed as dist
 warnings.filterwarnings("ignore")
 
 from helpers.paths import REPO
-from areal_lce import linear_logprobs_entropy, logprobs_entropy_from_logits  # noqa: E402
+from areal_lce import VocabParallel, linear_logprobs_entropy, logprobs_entropy_from_logits  # noqa: E402
 
 N, H, V_SHARD, VOCAB = 12, 16, 32, 20  # rank 1 holds global ids [32, 64): padding only
 STALL_TIMEOUT_S = 6.0  # short, yet room for Megatron's ~30 group creations on a loaded 2-core machine
@@ -59,9 +59,10 @@ def _grads(route: str, hidden, weight, labels, group, with_entropy: bool):
     h = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
     if route == "materialised":
-        out = logprobs_entropy_from_logits(h @ w.t(), labels, vocab_size=VOCAB, tp_group=group)
+        out = logprobs_entropy_from_logits(h @ w.t(), labels, vocab_size=VOCAB, vocab_parallel=VocabParallel(group))
     else:
-        out = linear_logprobs_entropy(h, w, labels, vocab_size=VOCAB, tp_group=group, backend=route)
+        out = linear_logprobs_entropy(h, w, labels, vocab_size=VOCAB, vocab_parallel=VocabParallel(group),
+                                      backend=route)
     _loss(out.logprobs.double(), out.entropy.double(), labels, with_entropy).backward()
     dh = h.grad.clone()
     if route == "materialised" and group is not None:
@@ -101,10 +102,12 @@ def full_weight() -> dict:
     hidden, full_w, labels = _inputs()
     h, w = hidden.float(), full_w[:2 * VOCAB].float()
     refused = _error_of(lambda: linear_logprobs_entropy(h, w, labels, vocab_size=2 * VOCAB,
-                                                        tp_group=dist.group.WORLD, backend="torch"))
+                                                        vocab_parallel=VocabParallel(dist.group.WORLD),
+                                                        backend="torch"))
     zeros = torch.zeros(V_SHARD, H)
     zero_ok = _error_of(lambda: linear_logprobs_entropy(h, zeros, labels, vocab_size=VOCAB + 1,
-                                                        tp_group=dist.group.WORLD, backend="torch"))
+                                                        vocab_parallel=VocabParallel(dist.group.WORLD),
+                                                        backend="torch"))
     return {"refused": refused, "zero_shard_error": zero_ok}
 
 
@@ -113,7 +116,7 @@ def label_mismatch() -> dict:
     hidden, full_w, labels = _inputs()
     shard = full_w[rank * V_SHARD:(rank + 1) * V_SHARD].float()
     call = lambda y: linear_logprobs_entropy(hidden.float(), shard, y, vocab_size=VOCAB,  # noqa: E731
-                                             tp_group=dist.group.WORLD, backend="torch")
+                                             vocab_parallel=VocabParallel(dist.group.WORLD), backend="torch")
     more_ignored = labels.clone()
     if rank == 1:
         more_ignored[7] = -100  # rank 1 ignores one more row: the compacted row counts would differ
@@ -188,7 +191,7 @@ def stall() -> dict:
     barrier.start()
     tp_group = mpu.get_tensor_model_parallel_group()
     out["op_tp_all_reduce"] = _timed(lambda: linear_logprobs_entropy(
-        hidden.float(), full_w[:V_SHARD].float(), labels, tp_group=tp_group, backend="torch"))
+        hidden.float(), full_w[:V_SHARD].float(), labels, vocab_parallel=VocabParallel(tp_group), backend="torch"))
     barrier.join()
     return out
 

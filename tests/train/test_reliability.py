@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from helpers.paths import REPO
-from areal_lce import linear_logprobs_entropy
+from areal_lce import VocabParallel, linear_logprobs_entropy
 from areal_lce.train import checkpoint as ckpt
 from areal_lce.train import sft
 from areal_lce.train.config import ConfigError, load_config
@@ -64,11 +64,11 @@ def test_second_order_gradient_is_refused(n_ignored, weight_grad):
 
 
 def test_second_order_gradient_is_refused_on_the_tensor_parallel_path(fake_group):  # noqa: F811
-    """With a tp_group the op runs the autograd.Function (function.py), not the torch.library ops: the
+    """With a VocabParallel group the op runs the autograd.Function (function.py), not the torch.library ops: the
     same refusal there, dense and with ignored rows."""
     for n_ignored in (0, 2):
         h, w, y = _op_inputs(n_ignored, True)
-        out = linear_logprobs_entropy(h, w, y, tp_group=fake_group, backend="torch")
+        out = linear_logprobs_entropy(h, w, y, vocab_parallel=VocabParallel(fake_group), backend="torch")
         first, = torch.autograd.grad(out.logprobs.sum(), h, retain_graph=True)
         g, = torch.autograd.grad(out.logprobs.sum(), h, create_graph=True)
         assert torch.equal(g, first)
@@ -104,7 +104,7 @@ BAD_OPTIONS = [
     pytest.param(dict(hidden=torch.randn(4, 8, device="meta"), weight=torch.randn(10, 8, device="meta"),
                       labels=torch.zeros(4, dtype=torch.long, device="meta")), ValueError, "meta device",
                  id="meta tensors"),
-    pytest.param(dict(tp_group=1), TypeError, "tp_group", id="tp_group=1"),
+    pytest.param(dict(tp_group=1), TypeError, "tp_group= was removed.*VocabParallel", id="tp_group=1"),
 ]
 
 

@@ -30,6 +30,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 
+from ...checks import check_sampling_temperature
 from .decode import CachedSteps, GenerationModel, recompute_next_logits, sampled_logprobs
 from .sampling import sample_tokens, sampling_logits
 
@@ -44,11 +45,9 @@ def check_request(prompts: List[List[int]], max_new_tokens: int, temperature: fl
     """The request's types and ranges, each error naming the argument (the model's limits: `check_prompts`)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 0:
         raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    for name, value in (("temperature", temperature), ("top_p", top_p)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise ValueError(f"generate: {name} must be a finite number, got {value!r}")
-    if temperature < 0:
-        raise ValueError(f"generate: temperature must be >= 0 (0: greedy), got {temperature!r}")
+    check_sampling_temperature(temperature, "generate: temperature")
+    if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not math.isfinite(top_p):
+        raise ValueError(f"generate: top_p must be a finite number, got {top_p!r}")
     if not 0 < top_p <= 1:
         raise ValueError(f"generate: top_p must be in (0, 1], got {top_p!r}")
     if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, Sequence) or not prompts:
