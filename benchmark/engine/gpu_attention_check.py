@@ -3,7 +3,7 @@
     pip install --no-deps megatron-core==0.19.2     # the GPU image has none (a cp312 wheel will do)
     python -m benchmark.engine.gpu_attention_check --out DIR
 
-1. Correctness: `pytest -m gpu tests/engine/test_gpu_attention.py` in this process (cases and pass rule there):
+1. Correctness: `pytest -m gpu tests/engine/test_attention.py` in this process (cases and pass rule there):
    `causal_varlen_attention` through torch's `varlen_attn` (flash varlen) against one SDPA call per
    segment, both judged against fp32 SDPA (packed RL-like lengths, context-parallel segments, GQA 14/2
    d=64 and 28/4 d=128, bf16 and fp16, output and dq/dk/dv), and the tiny GPTModel THD (varlen) vs one
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from benchmark.op.gpu_check import run_gpu_tests
 from benchmark.harness import run_meta, write_json
 
-TESTS = ("tests/engine/test_gpu_attention.py",)
+TESTS = ("tests/engine/test_attention.py",)
 
 
 def _time(fn, iters=10):

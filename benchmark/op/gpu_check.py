@@ -19,8 +19,8 @@ import torch
 
 from benchmark.harness import ROOT, run_meta, write_json
 
-TESTS = ("tests/op/test_gpu.py", "tests/op/test_gpu_capture.py", "tests/engine/test_gpu_generate.py", "tests/engine/test_gpu_rope.py",
-         "tests/engine/test_gpu_graphs.py", "tests/train/test_checkpoint_integrity.py")
+TESTS = ("tests/backends/test_backends.py", "tests/op/test_compile.py", "tests/engine/test_gpu_generate.py",
+         "tests/engine/test_rope.py", "tests/engine/test_graphs.py", "tests/train/test_checkpoint_integrity.py")
 
 
 class _Rows:

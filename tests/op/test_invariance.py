@@ -1,6 +1,6 @@
 """The consistency contract (docs/op.md "Consistency"): with invariant=True a token's outputs are bitwise
 (torch.equal) the same whatever else is in the call, on the torch backend and on the Triton kernels
-(under the interpreter on CPU; tests/op/test_gpu.py runs them on CUDA), and the logits-precision modes.
+(under the interpreter on CPU; the `gpu` cases of tests/backends/test_backends.py run them on CUDA), and the logits-precision modes.
 
 Each check compares the same rows computed in two different calls. Run with invariant=False (the
 online-softmax merge, what the op did before the option) the row-subset, padding, compaction and TP
