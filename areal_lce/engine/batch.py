@@ -19,8 +19,8 @@ from typing import Any, Optional
 import torch
 
 from .. import patching
-from ..megatron.context_parallel import (gather_from_context_parallel, pad_for_context_parallel, pad_packed,
-                               split_for_context_parallel)
+from ..megatron.context_parallel import (CPGroup, gather_from_context_parallel, pad_for_context_parallel,
+                                         pad_packed, split_for_context_parallel)
 from ..megatron.packing import PackedRows, pack_rows
 from ..megatron.stats import TokenStats
 
@@ -33,7 +33,7 @@ class ModelBatch:
     attention_mask: Optional[torch.Tensor]
     packed: Optional[PackedRows]  # None: BSHD
     shape: tuple  # (b, s) of the caller's padded batch
-    cp_group: Any = None  # context-parallel group when cp > 1
+    cp: CPGroup = CPGroup.none()  # the context-parallel group (CPGroup.none(): no CP)
     cp_padding: Any = None  # THD under CP: ContextParallelPadding of the packed sequences
     compact_ignored: Optional[bool] = None  # the fused LM head's choice for this batch (compact_choice)
 
@@ -63,9 +63,9 @@ class ModelBatch:
         """Per-token model output laid out like `self.labels` ([b, s', ...] or [1, T, ...], CP-local under
         CP) -> the caller's [b, s, ...] (`fill` where no token was computed); differentiable (under CP through
         the all-gather whose backward returns each rank its own slice)."""
-        if self.cp_group is not None:
+        if self.cp.active:
             cu = None if self.cp_padding is None else self.cp_padding.cu_seqlens_padded
-            out = gather_from_context_parallel(out, self.cp_group, cu)
+            out = gather_from_context_parallel(out, self.cp, cu)
             if self.cp_padding is not None:
                 out = out.index_select(1, self.cp_padding.index.to(out.device))
         if self.packed is not None:
@@ -107,7 +107,8 @@ def prepare(input_ids: torch.Tensor, labels: torch.Tensor, *, device, max_seq_le
     b, s = input_ids.shape
     if s > max_seq_len:
         raise ValueError(f"sequence length {s} exceeds model.max_seq_len={max_seq_len}")
-    group = cp_group if cp_size > 1 else None
+    cp = CPGroup.of(cp_group if cp_size > 1 else None)  # the one conversion of the engine's CP group
+    group = cp if cp.active else None
     if pack:  # packed on the host (the jobs' batches live there), then moved: no device syncs
         host = pack_rows(input_ids.cpu().long(), labels.cpu().long(), pad_to_multiple=1 if group else seq_multiple,
                          min_length=min_packed_length, ignore_index=ignore_index)
@@ -118,12 +119,12 @@ def prepare(input_ids: torch.Tensor, labels: torch.Tensor, *, device, max_seq_le
                               compact_ignored=compact)
         # every packed sequence padded to a multiple of 2*cp (x tp under SP: each CP share is then split
         # over TP too), then this rank's zigzag chunks of each
-        padding = pad_for_context_parallel(rows.cu_seqlens, cp_size, 2 * cp_size * seq_multiple)
+        padding = pad_for_context_parallel(rows.cu_seqlens, cp.size, 2 * cp.size * seq_multiple)
         cu = padding.cu_seqlens_padded
         local = [split_for_context_parallel(pad_packed(x, padding, fill), group, cu)
                  for x, fill in ((rows.input_ids, 0), (rows.labels, ignore_index), (rows.position_ids, 0))]
         return ModelBatch(*local, None, rows, (b, s), group, padding, compact_ignored=compact)
-    pad = (-s) % (seq_multiple * (2 * cp_size if group else 1))
+    pad = (-s) % (seq_multiple * (2 * cp.size if group else 1))
     compact = compact_choice(compact_ignored, labels, b * (s + pad), ignore_index)
     ids, lab = input_ids.to(device, torch.long), labels.to(device, torch.long)
     if pad:  # sequence / context parallelism split the sequence: right-pad, labels ignored

@@ -14,8 +14,8 @@ one model call, on one of two seams:
     handed back transposed.
 
 Who reduces d_hidden (exactly once): Megatron's own mappings, as ColumnParallelLinear does on the
-materialised route (`_fused_packed`); the op's `tp_group` only merges the per-shard softmax statistics
-(docs/megatron.md, "Who reduces d_hidden").
+materialised route (`_fused_packed`); the op's `VocabParallel(group, d_hidden="caller")` only merges the
+per-shard softmax statistics (docs/megatron.md, "Who reduces d_hidden").
 
 Logits precision (`logits_precision`, "fp32" by default): the fused op accumulates in fp32 and rounds
 each logit to bf16 under "bf16". The materialised route builds the same logits: Megatron's output layer
@@ -41,10 +41,12 @@ import torch
 
 from .. import patching
 from ..api import linear_logprobs_entropy
+from ..checks import check_temperature
 from ..main_grad import fuses_wgrad, linear_logprobs_entropy_into_main_grad
 from ..materialised import logprobs_entropy_from_logits
 from ..types import VocabParallel
 from .compat import has_output_processor
+from .context_parallel import CPGroup, gather_from_context_parallel
 from .head import HeadOf, fp32_logits, head_input, head_of, output_layer_gives
 from .head import head_weight as _head_weight
 from .head import tp_of as _tp
@@ -103,7 +105,7 @@ class CaptureContext:
             raise ValueError("selected_ids / top_k are computed by the fused route only (the materialised route "
                              "returns logprobs, entropy and logit extremes): set fused=True "
                              "(engine.use_fused_linear_ce: true)")
-        t = self.temperature
+        t = check_temperature(self.temperature, "CaptureContext(temperature=...)")
         if torch.is_tensor(t) and tuple(t.shape) != tuple(self.labels.shape):
             raise ValueError(f"CaptureContext(temperature=...): a per-token tensor must be shaped like labels "
                              f"{tuple(self.labels.shape)}, got {tuple(t.shape)} (token_stats broadcasts it)")
@@ -144,11 +146,6 @@ def check_seam_config(config, seam: str, fused: bool = True) -> None:
                          "the output layer; with capture_seam='output_layer' it would scale the statistics. "
                          "Use capture_seam='output_processor' (megatron-core >= 0.18), which folds it into "
                          "the temperature.")
-
-
-def check_capture_supported(gpt_model, seam: str) -> None:
-    """check_seam_config on a GPTModel's config (fused route); parallel_output=False is supported."""
-    check_seam_config(gpt_model.config, seam, fused=True)
 
 
 def _seq_first(ctx: CaptureContext, s: int, b: int):
@@ -199,7 +196,8 @@ def _materialised_packed(logits: torch.Tensor, labels: torch.Tensor, temperature
     vocab_parallel = tp > 1 and logits.shape[-1] == weight_rows  # else parallel_output=False gathered them
     r = logprobs_entropy_from_logits(logits, labels.to(logits.device), temperature=temperature,
                                      ignore_index=ctx.ignore_index, vocab_size=ctx.vocab_size,
-                                     tp_group=tp_group if vocab_parallel else None, **ctx.head_options())
+                                     vocab_parallel=VocabParallel(tp_group) if vocab_parallel else None,
+                                     **ctx.head_options())
     return torch.stack([r.logprobs, r.entropy, r.max_logit, r.min_logit], dim=-1)
 
 
@@ -242,9 +240,6 @@ def stats_output_processor(*, hidden_states, output_layer, output_weight, contex
     return packed.transpose(0, 1).contiguous()
 
 
-fused_output_processor = stats_output_processor  # the name of releases <= 0.1
-
-
 def logits_output_processor(*, hidden_states, output_layer, output_weight, context, **_unused) -> torch.Tensor:
     """The materialised route's output layer on the output_layer seam where the layer's own GEMM would not
     give the logits precision asked for (`head.output_layer_gives`): batch-first [b, s, V/tp] fp32 logits,
@@ -257,7 +252,7 @@ class LastTokenContext:
     """Positions whose next-token logits are wanted (one per sequence of the batch)."""
 
     positions: torch.Tensor  # [b] long, index into the sequence dimension
-    cp_group: Any = None  # the context-parallel group when the hidden states are this CP rank's chunks
+    cp: CPGroup = CPGroup.none()  # the context-parallel group when the hidden states are this CP rank's chunks
 
 
 def _last_token_logits(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx: LastTokenContext):
@@ -270,13 +265,11 @@ def _last_token_logits(hidden: torch.Tensor, weight: torch.Tensor, output_layer,
     zigzag chunks are gathered back into sequence order first (BSHD)."""
     from megatron.core import tensor_parallel
 
-    from .context_parallel import gather_from_context_parallel
-
     tp_group, tp = _tp(output_layer)
     if output_layer.sequence_parallel and tp > 1:
         hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, group=tp_group)
-    if ctx.cp_group is not None:
-        hidden = gather_from_context_parallel(hidden.transpose(0, 1), ctx.cp_group).transpose(0, 1)
+    if ctx.cp.active:
+        hidden = gather_from_context_parallel(hidden.transpose(0, 1), ctx.cp).transpose(0, 1)
     rows = torch.arange(hidden.shape[1], device=hidden.device)
     picked = hidden[ctx.positions.to(hidden.device), rows].to(weight.dtype)  # [b, H]
     if picked.is_cuda and picked.dtype in (torch.bfloat16, torch.float16):
