@@ -61,9 +61,10 @@ class _Slot:
         self.owner, self.name = owner, name
         try:
             self.own = name in vars(owner)
+            # the owner's own entry as stored (a staticmethod stays one), else what it inherits
+            self.original = vars(owner)[name] if self.own else getattr(owner, name)
         except TypeError:  # no __dict__ (slots): the attribute is its own
-            self.own = True
-        self.original = getattr(owner, name)
+            self.own, self.original = True, getattr(owner, name)
         self.layers: List[Tuple[int, Any]] = []  # (handle id, value), oldest first
 
     def show(self) -> None:

@@ -82,6 +82,18 @@ def test_an_inherited_attribute_is_deleted_again_not_copied_onto_the_owner():
     assert "__repr__" not in vars(Base)
 
 
+def test_a_class_attribute_is_restored_as_stored():
+    class Owner:
+        @staticmethod
+        def make():
+            return "static"
+
+    stored = vars(Owner)["make"]
+    with patching.patched(Patch(Owner, "make", staticmethod(lambda: "patched"))):
+        assert Owner().make() == "patched"
+    assert vars(Owner)["make"] is stored and Owner().make() == "static"  # still a staticmethod
+
+
 def test_restoring_over_a_later_replacement_warns():
     mod = _module(f=len)
     handle = patching.apply(Patch(mod, "f", abs))
