@@ -32,11 +32,11 @@ for job in "$@"; do
           ${STEPS:+--steps $STEPS} --out "$W" ;;
     bench_packing_mem) run bench_packing_mem 420 python3 -m benchmark.engine.bench_packing --preset qwen2.5-0.5b --seqs 32 \
           --micro-batch 16 --micro-batch-padded 8 --routes fused ${STEPS:+--steps $STEPS} --out "$W" ;;
-    bench_rollout) run bench_rollout 300 torchrun --nproc_per_node=1 -m benchmark.bench_rollout --preset qwen2.5-0.5b --out "$W" ;;
-    bench_lce) run bench_lce 480 python3 -m benchmark.bench_lce --shapes small,qwen7b,llama8b,wide_n --out "$W" ;;
-    prof_engine) run prof_engine 200 torchrun --nproc_per_node=1 -m benchmark.prof_engine --materialised --out "$W" ;;
+    bench_rollout) run bench_rollout 300 torchrun --nproc_per_node=1 -m benchmark.engine.bench_rollout --preset qwen2.5-0.5b --out "$W" ;;
+    bench_lce) run bench_lce 480 python3 -m benchmark.op.bench_lce --shapes small,qwen7b,llama8b,wide_n --out "$W" ;;
+    prof_engine) run prof_engine 200 torchrun --nproc_per_node=1 -m benchmark.engine.prof_engine --materialised --out "$W" ;;
     bench_grpo) run "bench_grpo${LOGPROB_TOKENS:+_$LOGPROB_TOKENS}${ROUTES:+_$ROUTES}${ROPE:+_rope_$ROPE}${GRAPHS:+_graphs_$GRAPHS}${COMPACT:+_compact_$COMPACT}" 300 torchrun --nproc_per_node=1 \
-          -m benchmark.bench_train --job grpo --preset qwen2.5-0.5b --prompts 16 --group 4 --micro-batch 16 \
+          -m benchmark.engine.bench_train --job grpo --preset qwen2.5-0.5b --prompts 16 --group 4 --micro-batch 16 \
           --prompt-len 256 --new-tokens 16 --steps ${STEPS:-3} ${LOGPROB_TOKENS:+--logprob-max-tokens $LOGPROB_TOKENS} \
           ${ROUTES:+--routes $ROUTES} ${ROPE:+--rope-fusion $ROPE} ${GRAPHS:+--model-graphs $GRAPHS} \
           ${COMPACT:+--compact-ignored $COMPACT} --out "$W" ;;
@@ -44,10 +44,10 @@ for job in "$@"; do
     bench_materialised) run bench_materialised 420 python3 -m benchmark.op.bench_materialised --rounds ${ROUNDS:-3} \
           --lean-blocks ${LEAN_BLOCKS:-4194304,8388608,67108864} --out "$W" ;;
     bench_select) run bench_select 500 python3 -m benchmark.op.bench_select --rounds ${ROUNDS:-3} --out "$W" ;;
-    gpu_tests) run gpu_tests 400 python3 -m pytest -q -p no:cacheprovider tests/op/test_gpu.py tests/op/test_gpu_capture.py \
+    gpu_tests) run gpu_tests 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/backends/test_backends.py tests/op/test_compile.py \
           tests/train/test_checkpoint_integrity.py tests/engine/test_gpu_generate.py -x ;;
-    bench_ignored) run bench_ignored 240 python3 -m benchmark.bench_ignored --out "$W" ;;
-    bench_sft) run "bench_sft${ROPE:+_rope_$ROPE}${GRAPHS:+_graphs_$GRAPHS}" 300 torchrun --nproc_per_node=1 -m benchmark.bench_train --job sft \
+    bench_ignored) run bench_ignored 240 python3 -m benchmark.op.bench_ignored --out "$W" ;;
+    bench_sft) run "bench_sft${ROPE:+_rope_$ROPE}${GRAPHS:+_graphs_$GRAPHS}" 300 torchrun --nproc_per_node=1 -m benchmark.engine.bench_train --job sft \
           --preset qwen2.5-0.5b --seq 2048 --micro-batch 4 --micro-batches 2 --steps ${STEPS:-5} ${ROPE:+--rope-fusion $ROPE} \
           ${GRAPHS:+--model-graphs $GRAPHS} --out "$W" ;;
     job_sft|job_grpo)  # the job itself (checkpoints under /tmp, metrics kept); GRAPHS=on|off sets model_cuda_graphs

@@ -331,10 +331,10 @@ def test_grpo_tiny_same_metrics_with_and_without_kv_cache(tmp_path, decode_batch
 
 @pytest.mark.slow
 def test_rollout_benchmark_smoke(tmp_path, monkeypatch):
-    """benchmark/bench_rollout.py on the tiny preset (the GPU run uses the same code path)."""
+    """benchmark/engine/bench_rollout.py on the tiny preset (the GPU run uses the same code path)."""
     import json
 
-    from benchmark import bench_rollout
+    from benchmark.engine import bench_rollout
 
     argv = ["--preset", "tiny", "--new-tokens", "6", "--recompute-tokens", "2", "--eager-tokens", "3", "--prompt-len", "9",
             "--prompt-spread",

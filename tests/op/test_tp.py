@@ -208,7 +208,7 @@ def test_torchrun_tp2_gloo():
 def test_bench_tp_summarize(tmp_path, capsys, monkeypatch):
     """The TP scaling summary: ratios against the TP=1 run of the same shape and the printed targets."""
     monkeypatch.syspath_prepend(str(REPO))
-    from benchmark.bench_tp import summarize
+    from benchmark.op.bench_tp import summarize
 
     def run(tp, rows):
         meta = {"device": "fake-gpu"}

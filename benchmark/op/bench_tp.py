@@ -1,10 +1,10 @@
 """Tensor-parallel scaling of the fused op: per-rank forward+backward time, peak memory and collective time.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=1 benchmark/bench_tp.py --tp 1 --out DIR
-    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 benchmark/bench_tp.py --tp 2 --out DIR
-    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=4 benchmark/bench_tp.py --tp 4 --out DIR
-    python benchmark/bench_tp.py --summarize DIR          # TP=1/2/4 table, ratios vs TP=1, targets
-    torchrun --nproc_per_node=2 benchmark/bench_tp.py --tp 2 --shapes tiny --out DIR   # CPU/gloo smoke run
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=1 benchmark/op/bench_tp.py --tp 1 --out DIR
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 benchmark/op/bench_tp.py --tp 2 --out DIR
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=4 benchmark/op/bench_tp.py --tp 4 --out DIR
+    python benchmark/op/bench_tp.py --summarize DIR          # TP=1/2/4 table, ratios vs TP=1, targets
+    torchrun --nproc_per_node=2 benchmark/op/bench_tp.py --tp 2 --shapes tiny --out DIR   # CPU/gloo smoke run
 
 The same *global* problem at every TP size: N tokens, hidden H, vocabulary V (bf16). Rank r holds the
 weight rows [r·V/tp, (r+1)·V/tp); without sequence parallel every rank holds all N hidden rows, with
@@ -46,8 +46,8 @@ import torch.distributed as dist
 try:
     import areal_lce  # noqa: F401
     import benchmark.harness  # noqa: F401
-except ImportError:  # run as `benchmark/bench_tp.py` from a checkout: the repository root is not on the path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+except ImportError:  # run as `benchmark/op/bench_tp.py` from a checkout: the repository root is not on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import areal_lce  # noqa: E402
 from areal_lce import VocabParallel, comms, linear_logprobs_entropy  # noqa: E402

@@ -1,7 +1,7 @@
 """Where an engine call spends host time: device syncs by call site, and the top operators by self CPU time.
 
-    python -m benchmark.prof_engine --preset qwen2.5-0.5b --out DIR        # CUDA
-    python -m benchmark.prof_engine --preset tiny --seq 64 --out DIR       # CPU smoke run (no sync report)
+    python -m benchmark.engine.prof_engine --preset qwen2.5-0.5b --out DIR        # CUDA
+    python -m benchmark.engine.prof_engine --preset tiny --seq 64 --out DIR       # CPU smoke run (no sync report)
 
 Two calls of the fused 0.5B-shaped engine (with --materialised, the logprob call on the materialised route too), each after two warm-up calls: a logprob pass
 (`token_stats` on `--lp-batch` sequences of `--lp-seq` tokens, as a GRPO step's behaviour pass runs it)
@@ -21,8 +21,8 @@ import warnings
 
 import torch
 
+from ..harness import run_meta, sync, write_json
 from .bench_train import _batches, _engine, sft_loss
-from .harness import run_meta, sync, write_json
 
 
 def _syncs(fn) -> list:

@@ -1,9 +1,9 @@
 """GRPO rollout benchmark: generation with the KV cache vs full recompute, against the rest of the step.
 
     # 0.5B-shaped GRPO on one GPU: 8 prompts x 8 samples = 64 sequences, 1024 new tokens each
-    torchrun --nproc_per_node=1 -m benchmark.bench_rollout --preset qwen2.5-0.5b --out DIR
+    torchrun --nproc_per_node=1 -m benchmark.engine.bench_rollout --preset qwen2.5-0.5b --out DIR
     # CPU smoke run
-    python -m benchmark.bench_rollout --preset tiny --new-tokens 16 --recompute-tokens 4 --prompt-len 12 --out DIR
+    python -m benchmark.engine.bench_rollout --preset tiny --new-tokens 16 --recompute-tokens 4 --prompt-len 12 --out DIR
 
 One policy engine (trainable) and one frozen reference engine, as the RL job builds them; prompts of
 random ids with lengths drawn from [prompt_len - spread, prompt_len] (each repeated `group` times), so
@@ -18,7 +18,7 @@ the cache holds left-padded prompts of different lengths. Phases, each after a w
     with the prefix; the estimate for the whole rollout is the mean of the two per-token times times
     new_tokens (trapezoid rule: a linear-in-prefix model). It is an estimate, and says so.
   * the same step's behaviour and reference logprob passes and the PPO update on the KV rollout's
-    sequences (benchmark.bench_train.grpo_passes; timed on their second run, the first warms up), for
+    sequences (benchmark.engine.bench_train.grpo_passes; timed on their second run, the first warms up), for
     the ratio rollout / (logprob passes + update).
 Targets (issue 15): KV rollout of 64 x 1024 <= 15 s (~15 ms per token), and at most ~5x the rest.
 """
@@ -30,8 +30,8 @@ import time
 
 import torch
 
+from ..harness import run_meta, sync, write_json
 from .bench_train import _engine, grpo_passes
-from .harness import run_meta, sync, write_json
 
 
 def _prompts(args, vocab: int, g: torch.Generator):

@@ -1,12 +1,12 @@
 """Training-step benchmark: fused vs materialised LM-head route inside the Megatron engine.
 
     # SFT step, Qwen2.5-0.5B-shaped, one GPU
-    torchrun --nproc_per_node=1 -m benchmark.bench_train --job sft --preset qwen2.5-0.5b --out DIR
+    torchrun --nproc_per_node=1 -m benchmark.engine.bench_train --job sft --preset qwen2.5-0.5b --out DIR
     # SFT step, Qwen2.5-7B-shaped at TP=2 (sequence parallel on); one route per process when two
     # models with their optimizer states would not fit one GPU together
-    torchrun --nproc_per_node=2 -m benchmark.bench_train --job sft --preset qwen2.5-7b --tp 2 --sp --routes fused --out DIR
+    torchrun --nproc_per_node=2 -m benchmark.engine.bench_train --job sft --preset qwen2.5-7b --tp 2 --sp --routes fused --out DIR
     # one GRPO step (rollout, behaviour + reference logprob passes, PPO update), 0.5B-shaped
-    torchrun --nproc_per_node=1 -m benchmark.bench_train --job grpo --preset qwen2.5-0.5b --out DIR
+    torchrun --nproc_per_node=1 -m benchmark.engine.bench_train --job grpo --preset qwen2.5-0.5b --out DIR
     # CPU smoke run: --preset tiny --device-check off
 
 For each route (use_fused_linear_ce true / false) it builds the same model from the same seed, runs
@@ -27,7 +27,7 @@ import torch
 
 from areal_lce.engine.microbatch import MicroBatch
 
-from .harness import run_meta, sync, write_json
+from ..harness import run_meta, sync, write_json
 
 
 def _engine(args, fused: bool, trainable: bool = True):
