@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig
 from areal_lce.engine.engine import MegatronEngine
 from areal_lce.engine.microbatch import MicroBatch
+from helpers.engines import tiny_engine
 
 VOCAB, K = 259, 5
 # fp32 on CPU; the packed and padded calls run the same rows through differently shaped GEMMs and attention
@@ -22,9 +22,7 @@ ATOL = 2e-5
 
 
 def _engine(pack: bool) -> MegatronEngine:
-    cfg = EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=32), optim=OptimConfig(lr=1e-2),
-                       lce=LCEConfig(backend="torch"), pack_sequences=pack)
-    return MegatronEngine(cfg, vocab_size=VOCAB)
+    return tiny_engine(VOCAB, model=dict(max_seq_len=32), optim=dict(lr=1e-2), pack_sequences=pack)
 
 
 def _batch():

@@ -11,10 +11,11 @@ import torch
 warnings.filterwarnings("ignore")
 
 from helpers import megatron_worker as W  # noqa: E402
+from helpers.engines import tiny_config, tiny_engine  # noqa: E402
 from helpers.megatron_worker import results as worker_results  # noqa: E402
 
 from areal_lce.engine.microbatch import MicroBatch  # noqa: E402
-from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig  # noqa: E402
+from areal_lce.engine.config import LCEConfig, ModelConfig, OptimConfig  # noqa: E402
 from areal_lce.engine.engine import MegatronEngine, lr_at  # noqa: E402
 from areal_lce.engine.model.builder import padded_vocab_size, resolve_arch  # noqa: E402
 
@@ -22,10 +23,8 @@ HF_ATOL = 2e-5  # fp32; Megatron and transformers differ only in attention/matmu
 
 
 def _engine(model: ModelConfig, *, fused: bool = True, lr: float = 0.0, vocab=None) -> MegatronEngine:
-    cfg = EngineConfig(model=model, optim=OptimConfig(lr=lr), use_fused_linear_ce=fused,
-                       lce=LCEConfig(backend="torch"),
+    return tiny_engine(vocab, model=model, optim=dict(lr=lr), use_fused_linear_ce=fused,
                        pack_sequences=model.attention == "sdpa")  # megatron's attention takes no packed rows
-    return MegatronEngine(cfg, vocab_size=vocab)
 
 
 @pytest.mark.parametrize("family,tied", [pytest.param("qwen2", False, id="qwen2-untied"),
@@ -84,15 +83,13 @@ def test_hf_checkpoint_matches_transformers_tp2():
 
 def test_save_load_roundtrip(tmp_path):
     mbs = [[MicroBatch(i, l)] for i, l in (W.batch(10 + k) for k in range(4))]
-    model = ModelConfig(preset="tiny", max_seq_len=64)
-    cfg = EngineConfig(model=model, optim=OptimConfig(lr=1e-2, warmup_steps=2, lr_schedule="cosine",
-                                                       total_steps=6, weight_decay=0.1), lce=LCEConfig(backend="torch"))
+    cfg = tiny_config(optim=dict(lr=1e-2, warmup_steps=2, lr_schedule="cosine", total_steps=6, weight_decay=0.1))
     e = MegatronEngine(cfg, vocab_size=W.VOCAB)
     for k in range(2):
         e.train_step(mbs[k], W.pg_loss)
     e.save(str(tmp_path / "ckpt"))
     cont = [e.train_step(mbs[k], W.pg_loss) for k in (2, 3)]
-    cfg2 = EngineConfig(model=model, optim=cfg.optim, lce=LCEConfig(backend="torch"), seed=99)  # different init
+    cfg2 = dataclasses.replace(cfg, seed=99)  # different init
     e2 = MegatronEngine(cfg2, vocab_size=W.VOCAB)
     e2.load(str(tmp_path / "ckpt"))
     resumed = [e2.train_step(mbs[k], W.pg_loss) for k in (2, 3)]
@@ -129,9 +126,7 @@ def test_frozen_engine_has_no_grad_state_and_matches_the_trainable_one(tmp_path,
     engine holding the same weights; training refuses, naming the option."""
     from megatron.core.distributed import DistributedDataParallel
 
-    model = ModelConfig(preset="tiny", max_seq_len=64)
-    cfg = EngineConfig(model=model, optim=OptimConfig(lr=1e-2), use_fused_linear_ce=fused,
-                       lce=LCEConfig(backend="torch"))
+    cfg = tiny_config(optim=dict(lr=1e-2), use_fused_linear_ce=fused)
     live = MegatronEngine(cfg, vocab_size=W.VOCAB)
     ids, labels = W.batch(7)
     live.train_step([MicroBatch(ids, labels)], W.pg_loss)  # weights away from the shared init
@@ -224,9 +219,7 @@ def test_packed_matches_padded(fused):
     """engine.pack_sequences: the same right-padded micro-batches (rows of different lengths, a row
     without targets) train to the same per-step losses packed as THD and padded as BSHD."""
     def run(pack: bool):
-        cfg = EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=64), optim=OptimConfig(lr=3e-3),
-                           use_fused_linear_ce=fused, lce=LCEConfig(backend="torch"), pack_sequences=pack)
-        e = MegatronEngine(cfg, vocab_size=W.VOCAB)
+        e = tiny_engine(W.VOCAB, optim=dict(lr=3e-3), use_fused_linear_ce=fused, pack_sequences=pack)
         losses = []
         for step in range(3):
             ids, labels = W.batch(10 + step, b=3, s=20)
@@ -249,7 +242,7 @@ def test_engine_lce_options_reach_the_head_of_either_route(monkeypatch):
     from helpers.spies import spy_heads
 
     lce = LCEConfig(backend="torch", invariant=True, logits_precision="bf16")
-    e = MegatronEngine(EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=64), lce=lce), vocab_size=W.VOCAB)
+    e = tiny_engine(W.VOCAB, lce=lce)
     assert (e.route.backend, e.route.invariant, e.route.logits_precision) == ("torch", True, "bf16")
     seen = spy_heads(monkeypatch)
     ids, labels = W.batch(7)

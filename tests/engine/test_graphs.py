@@ -14,7 +14,7 @@ pytest.importorskip("megatron.core")
 from areal_lce.engine import graphs as G  # noqa: E402
 from areal_lce.engine.model.attention import captured_plan  # noqa: E402
 from areal_lce.engine.batch import prepare  # noqa: E402
-from areal_lce.engine.config import EngineConfig  # noqa: E402
+from areal_lce.engine.config import EngineConfig, LCEConfig  # noqa: E402
 from areal_lce.engine.microbatch import MicroBatch  # noqa: E402
 from areal_lce.engine.model.rope import thd_rows  # noqa: E402
 from areal_lce.train.rl_losses import PolicyMicroBatch  # noqa: E402
@@ -53,10 +53,9 @@ def test_config_options():
 
 
 def test_cpu_engine_has_no_graphs():
-    from areal_lce.engine.config import ModelConfig
-    from areal_lce.engine.engine import MegatronEngine
+    from helpers.engines import tiny_engine
 
-    e = MegatronEngine(EngineConfig(model=ModelConfig(preset="tiny", dtype="fp32", max_seq_len=32)), vocab_size=100)
+    e = tiny_engine(100, model=dict(dtype="fp32", max_seq_len=32), lce=LCEConfig())
     assert e.graphs is None
 
 
@@ -161,15 +160,14 @@ STEPS = ((LAYOUTS[0], LAYOUTS[1]), (LAYOUTS[2], SHORT[0]), (SHORT[1], LAYOUTS[3]
 
 def _engines(preset: str, compact="auto"):
     pytest.importorskip("megatron.core")
-    from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig
-    from areal_lce.engine.engine import MegatronEngine
+    from helpers.engines import tiny_engine
 
     out = {}
     for graphs in (True, False):
-        cfg = EngineConfig(model=ModelConfig(preset=preset, dtype="bf16", max_seq_len=64, attention="sdpa"),
-                           optim=OptimConfig(lr=0.0, clip_grad=0.0), pack_sequences=True, seed=7,
-                           model_cuda_graphs=graphs, cuda_graph_token_multiple=64, lce=LCEConfig(compact_ignored=compact))
-        out[graphs] = MegatronEngine(cfg, vocab_size=500)
+        out[graphs] = tiny_engine(500, model=dict(preset=preset, dtype="bf16", attention="sdpa"),
+                                  optim=dict(lr=0.0, clip_grad=0.0), pack_sequences=True, seed=7,
+                                  model_cuda_graphs=graphs, cuda_graph_token_multiple=64,
+                                  lce=LCEConfig(compact_ignored=compact))
     assert out[True].graphs is not None and out[False].graphs is None
     return out
 

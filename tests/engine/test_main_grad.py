@@ -122,15 +122,12 @@ def test_seam_with_gradient_accumulation_fusion_under_megatron_ddp():
     without the flag, bitwise (fp32 model: the same d_weight), and the flag is set (DDP's hook added nothing)."""
     from helpers import megatron_worker as W
 
-    from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig
-    from areal_lce.engine.engine import MegatronEngine
     from areal_lce.engine.microbatch import MicroBatch
+    from helpers.engines import tiny_engine
 
     grads = {}
     for fusion in (False, True):
-        cfg = EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=64), optim=OptimConfig(lr=0.0, clip_grad=0.0),
-                           use_fused_linear_ce=True, lce=LCEConfig(backend="torch"))
-        e = MegatronEngine(cfg, vocab_size=W.VOCAB)
+        e = tiny_engine(W.VOCAB, optim=dict(lr=0.0, clip_grad=0.0), use_fused_linear_ce=True)
         layer = e.gpt.output_layer
         layer.gradient_accumulation_fusion = fusion
         e.train_step([MicroBatch(*W.batch(100)), MicroBatch(*W.batch(101))], W.pg_loss)

@@ -184,9 +184,9 @@ def test_packed_engine_step_equals_unfused(monkeypatch):
     gives the unfused engine's statistics and gradient norm; the config says which ran."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig
-    from areal_lce.engine.engine import MegatronEngine
+    from areal_lce.engine.config import ModelConfig
     from areal_lce.engine.microbatch import MicroBatch
+    from helpers.engines import tiny_engine
 
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", None)
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb_thd", None)
@@ -202,9 +202,8 @@ def test_packed_engine_step_equals_unfused(monkeypatch):
     labels[:, -1] = -100
     out = {}
     for fused in (False, True):
-        cfg = EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=32, rope_fusion=fused),
-                           optim=OptimConfig(lr=0.0, clip_grad=0.0), lce=LCEConfig(backend="torch"), seed=3)
-        eng = MegatronEngine(cfg, vocab_size=200)
+        eng = tiny_engine(200, model=dict(max_seq_len=32, rope_fusion=fused), optim=dict(lr=0.0, clip_grad=0.0),
+                          seed=3)
         assert eng.gpt.config.apply_rope_fusion == fused
         stats = eng.token_stats(ids, labels)
 
@@ -324,9 +323,9 @@ def test_packed_slot_is_sync_free():
 
 @pytest.mark.gpu
 def test_engine_with_rope_fusion_matches_unfused(record_property):
-    from areal_lce.engine.config import EngineConfig, ModelConfig
-    from areal_lce.engine.engine import MegatronEngine
+    from areal_lce.engine.config import LCEConfig
     from areal_lce.engine.model.builder import use_te_spec
+    from helpers.engines import tiny_engine
 
     if use_te_spec():
         pytest.skip("Transformer Engine installed: its own fused RoPE fills megatron's slots")
@@ -338,8 +337,7 @@ def test_engine_with_rope_fusion_matches_unfused(record_property):
     labels[:, -1] = -100
     stats = {}
     for fused in (True, False):
-        cfg = EngineConfig(model=ModelConfig(preset="tiny", dtype="bf16", max_seq_len=128, rope_fusion=fused), seed=1)
-        eng = MegatronEngine(cfg, vocab_size=500)
+        eng = tiny_engine(500, model=dict(dtype="bf16", max_seq_len=128, rope_fusion=fused), lce=LCEConfig(), seed=1)
         assert eng.gpt.config.apply_rope_fusion == fused
         stats[fused] = eng.token_stats(ids, labels)
         del eng

@@ -20,8 +20,7 @@ import torch
 warnings.filterwarnings("ignore")
 
 from areal_lce.engine.microbatch import MicroBatch  # noqa: E402
-from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
-from areal_lce.engine.engine import MegatronEngine  # noqa: E402
+from helpers.engines import tiny_engine  # noqa: E402
 
 GREEDY_PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]]
 GREEDY_TOKENS = 5
@@ -102,13 +101,10 @@ def pg_loss(stats, mb):
 
 def engine(fused: bool, *, sp: bool, tied: bool, seam: str = "auto", lr: float = 0.0, ckpt: str = "",
            vocab: int = VOCAB, tp: int = 2, pp: int = 1, dtype: str = "fp32", pack: bool = True, cp: int = 1):
-    model = ModelConfig(preset="tiny", tie_word_embeddings=None if ckpt else tied, hf_checkpoint_dir=ckpt,
-                        max_seq_len=64, dtype=dtype)
-    cfg = EngineConfig(model=model, parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp,
-                                                            context_parallel=cp),
-                       optim=OptimConfig(lr=lr, clip_grad=0.0 if lr == 0 else 1.0),
-                       use_fused_linear_ce=fused, capture_seam=seam, lce=LCEConfig(backend="torch"), pack_sequences=pack)
-    return MegatronEngine(cfg, vocab_size=vocab)
+    return tiny_engine(vocab, model=dict(tie_word_embeddings=None if ckpt else tied, hf_checkpoint_dir=ckpt, dtype=dtype),
+                       parallel=dict(tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp, context_parallel=cp),
+                       optim=dict(lr=lr, clip_grad=0.0 if lr == 0 else 1.0), use_fused_linear_ce=fused,
+                       capture_seam=seam, pack_sequences=pack)
 
 
 def route_case(sp: bool, tied: bool, seam: str, dtype: str = "fp32") -> dict:

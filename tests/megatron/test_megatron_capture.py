@@ -17,11 +17,12 @@ warnings.filterwarnings("ignore")
 
 from helpers.paths import REPO
 from helpers import megatron_worker as W  # noqa: E402
+from helpers.engines import tiny_engine  # noqa: E402
 from helpers.megatron_worker import results as worker_results  # noqa: E402
 
 from areal_lce.megatron import capture  # noqa: E402
 from areal_lce.engine.microbatch import MicroBatch  # noqa: E402
-from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from areal_lce.engine.config import EngineConfig, ParallelConfig  # noqa: E402
 from areal_lce.engine.engine import MegatronEngine  # noqa: E402
 
 STATS_ATOL = 1e-5  # fp32, same weights: only summation order differs between the routes
@@ -30,10 +31,9 @@ GRAD_RTOL = 1e-5  # max |Δgrad| / max |grad| per parameter
 
 def tp1_engine(fused: bool, *, tied: bool, seam: str = "auto", lr: float = 0.0, vocab: int = W.VOCAB,
                seq: int = 64) -> MegatronEngine:
-    cfg = EngineConfig(model=ModelConfig(preset="tiny", tie_word_embeddings=tied, max_seq_len=seq),
-                       optim=OptimConfig(lr=lr, clip_grad=0.0 if lr == 0 else 1.0),
-                       use_fused_linear_ce=fused, capture_seam=seam, lce=LCEConfig(backend="torch"))
-    return MegatronEngine(cfg, vocab_size=vocab)
+    return tiny_engine(vocab, model=dict(tie_word_embeddings=tied, max_seq_len=seq),
+                       optim=dict(lr=lr, clip_grad=0.0 if lr == 0 else 1.0), use_fused_linear_ce=fused,
+                       capture_seam=seam)
 
 
 # TP=1, in process: tie x seam. "output_layer" forces the megatron-core <= 0.17 seam on 0.19.
@@ -278,9 +278,7 @@ def test_float16module_bf16_routes_agree():
     ids, labels = W.batch(1)
     res = {}
     for fused in (True, False):
-        cfg = EngineConfig(model=ModelConfig(preset="tiny", dtype="bf16", max_seq_len=64),
-                           optim=OptimConfig(lr=0.0, clip_grad=0.0), use_fused_linear_ce=fused, lce=LCEConfig(backend="torch"))
-        e = MegatronEngine(cfg, vocab_size=W.VOCAB)
+        e = tiny_engine(W.VOCAB, model=dict(dtype="bf16"), optim=dict(lr=0.0, clip_grad=0.0), use_fused_linear_ce=fused)
         assert type(e.model.module).__name__ == "Float16Module"
         st = e.token_stats(ids, labels)
         e.train_step([MicroBatch(ids, labels)], W.pg_loss)

@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core")
 from areal_lce.engine import batch as B  # noqa: E402
 from areal_lce.megatron import capture  # noqa: E402
 from areal_lce.engine import graphs as G  # noqa: E402
-from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig  # noqa: E402
+from areal_lce.engine.config import EngineConfig, LCEConfig  # noqa: E402
 from areal_lce.engine.microbatch import MicroBatch  # noqa: E402
 from areal_lce.train.config import JobConfig  # noqa: E402
 from areal_lce.train.config_io import load_config  # noqa: E402
@@ -107,11 +107,10 @@ def test_config_validation():
 
 
 def _engine(option, fused=True):
-    from areal_lce.engine.engine import MegatronEngine
+    from helpers.engines import tiny_engine
 
-    cfg = EngineConfig(model=ModelConfig(preset="tiny", dtype="fp32", max_seq_len=256), optim=OptimConfig(lr=1e-3),
-                       use_fused_linear_ce=fused, lce=LCEConfig(backend="torch", compact_ignored=option), seed=5)
-    return MegatronEngine(cfg, vocab_size=90)
+    return tiny_engine(90, model=dict(dtype="fp32", max_seq_len=256), optim=dict(lr=1e-3), use_fused_linear_ce=fused,
+                       lce=dict(compact_ignored=option), seed=5)
 
 
 @pytest.fixture

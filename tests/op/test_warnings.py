@@ -31,10 +31,9 @@ def test_cuda_advice_is_hidden_on_cpu_only(device, hidden):
 
 
 def test_building_the_engine_model_shows_no_megatron_construction_notices():
-    from areal_lce.engine.config import EngineConfig, ModelConfig
-    from areal_lce.engine.engine import MegatronEngine
+    from areal_lce.engine.config import LCEConfig
+    from helpers.engines import tiny_engine
 
-    shown = _shown(lambda: MegatronEngine(EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=32)),
-                                          vocab_size=300))
+    shown = _shown(lambda: tiny_engine(300, model=dict(max_seq_len=32), lce=LCEConfig()))
     noise = [m for m in shown if "full scope is deprecated" in m or "MLP requires ffn_hidden_size" in m]
     assert not noise, noise

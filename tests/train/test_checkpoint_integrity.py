@@ -59,10 +59,11 @@ def _tree(root: Path) -> dict:
 def engine_ckpt(tmp_path_factory):
     """A tiny CPU engine after one step, saved (sealed) once; each test copies the directory."""
     from areal_lce.engine import MicroBatch
-    from areal_lce.engine.config import EngineConfig, ModelConfig, OptimConfig
+    from areal_lce.engine.config import LCEConfig
     from areal_lce.engine.engine import MegatronEngine
+    from helpers.engines import tiny_config
 
-    cfg = EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=32, num_layers=1), optim=OptimConfig(lr=1e-2))
+    cfg = tiny_config(model=dict(max_seq_len=32, num_layers=1), optim=dict(lr=1e-2), lce=LCEConfig())
     e = MegatronEngine(cfg, vocab_size=200)
     ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
     e.train_step([MicroBatch(ids, ids)], lambda stats, mb: (-stats.logprobs.mean(), {}))
@@ -130,16 +131,16 @@ def test_engine_files_load_only_when_they_match_the_manifest(engine_ckpt, tmp_pa
 
 
 def test_a_model_that_does_not_fit_is_named_not_taken_for_damage(engine_ckpt):
-    from areal_lce.engine.config import EngineConfig, ModelConfig
+    from areal_lce.engine.config import LCEConfig
     from areal_lce.engine.engine import MegatronEngine
+    from helpers.engines import tiny_engine
     from areal_lce.engine.state import CheckpointMismatch
 
     _e, cfg, saved = engine_ckpt
     other = MegatronEngine(cfg, vocab_size=300)  # padded vocabulary 384 rows instead of 256
     with pytest.raises(CheckpointMismatch, match=r"written for a vocabulary of 200 tokens, this model has 300"):
         other.load(str(saved))
-    deeper = MegatronEngine(EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=32, num_layers=2)),
-                            vocab_size=200, trainable=False)
+    deeper = tiny_engine(200, model=dict(max_seq_len=32, num_layers=2), lce=LCEConfig(), trainable=False)
     with pytest.raises(CheckpointMismatch, match=r"'decoder.layers.[a-z_.]+' is \[1, .*\] in the checkpoint and "
                                                  r"\[2, .*\] in the model"):
         deeper.load_weights(str(saved))
@@ -337,13 +338,14 @@ def test_gpu_mixed_precision_optimizer_state_round_trips_weights_only(tmp_path):
     """bf16 engine: megatron's Float16 optimizer (fp32 master weights, Adam moments) saved as sharded tensors
     and reloaded; the reloaded engine's next step equals the original's."""
     from areal_lce.engine import MicroBatch
-    from areal_lce.engine.config import EngineConfig, ModelConfig, OptimConfig
+    from areal_lce.engine.config import EngineConfig, LCEConfig
     from areal_lce.engine.engine import MegatronEngine
+    from helpers.engines import tiny_config
 
     def loss(stats, mb):
         return -stats.logprobs.mean(), {}
 
-    cfg = EngineConfig(model=ModelConfig(preset="tiny", dtype="bf16", max_seq_len=64), optim=OptimConfig(lr=1e-3))
+    cfg = tiny_config(model=dict(dtype="bf16"), optim=dict(lr=1e-3), lce=LCEConfig())
     g = torch.Generator().manual_seed(0)
     batches = [[MicroBatch(ids, ids)] for ids in (torch.randint(0, 500, (2, 32), generator=g) for _ in range(3))]
     a = MegatronEngine(cfg, vocab_size=500)
