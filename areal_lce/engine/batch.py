@@ -96,10 +96,11 @@ def compact_choice(option, labels: torch.Tensor, positions: int, ignore_index: i
 
 
 def prepare(input_ids: torch.Tensor, labels: torch.Tensor, *, device, max_seq_len: int, pack: bool,
-            seq_multiple: int = 1, min_packed_length: int = 0, cp_group=None, cp_size: int = 1,
+            seq_multiple: int = 1, min_packed_length: int = 0, cp: CPGroup = CPGroup.none(),
             cu_seqlens_on_host: bool = False, ignore_index: int = -100, compact_ignored=None) -> ModelBatch:
     """Model inputs of one right-padded micro-batch. `seq_multiple`: the sequence (BSHD) or packed row
-    (THD) length must be a multiple of it (tensor-parallel size under sequence parallelism).
+    (THD) length must be a multiple of it (tensor-parallel size under sequence parallelism). `cp`: the
+    context-parallel group (a CPGroup, `CPGroup.of(...)` of the engine's group).
     `compact_ignored`: engine.lce.compact_ignored (None, True, False or "auto"; see compact_choice)."""
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must both "
@@ -107,7 +108,8 @@ def prepare(input_ids: torch.Tensor, labels: torch.Tensor, *, device, max_seq_le
     b, s = input_ids.shape
     if s > max_seq_len:
         raise ValueError(f"sequence length {s} exceeds model.max_seq_len={max_seq_len}")
-    cp = CPGroup.of(cp_group if cp_size > 1 else None)  # the one conversion of the engine's CP group
+    if not isinstance(cp, CPGroup):
+        raise TypeError(f"prepare: cp must be a CPGroup (CPGroup.of(group)), got {type(cp).__name__}")
     group = cp if cp.active else None
     if pack:  # packed on the host (the jobs' batches live there), then moved: no device syncs
         host = pack_rows(input_ids.cpu().long(), labels.cpu().long(), pad_to_multiple=1 if group else seq_multiple,

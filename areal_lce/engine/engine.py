@@ -50,6 +50,7 @@ from .batch import ModelBatch, per_token_rope
 from .graphs import ModelCallGraphs, why_not_graphed
 from .batch import prepare as prepare_batch
 from ..megatron.compat import cpu_shims
+from ..megatron.context_parallel import CPGroup
 from .config import EngineConfig
 from .metrics import StepShare, reduce_step
 from .microbatch import MicroBatch, check_microbatches
@@ -86,6 +87,7 @@ class MegatronEngine:
         d = self.dist
         self.tp_group, self.mp_group, self.dp_group, self.pp_group, self.cp_group = (
             d.tp_group, d.mp_group, d.dp_group, d.pp_group, d.cp_group)
+        self.cp = CPGroup.of(d.cp_group if d.cp_size > 1 else None)  # the context-parallel group, as one value
         # the LM-head route, chosen once: token_stats, train_step and generate all run through it
         lce = cfg.lce
         self.route = Route.choose(cfg.use_fused_linear_ce, cfg.capture_seam, lce.backend, lce.cache_bytes,
@@ -151,7 +153,7 @@ class MegatronEngine:
             multiple = math.lcm(multiple, self.cfg.cuda_graph_token_multiple)
         return prepare_batch(input_ids, labels, device=self.device, max_seq_len=self.cfg.model.max_seq_len,
                              pack=self.cfg.pack_sequences, seq_multiple=multiple,
-                             min_packed_length=min_packed_length, cp_group=self.cp_group, cp_size=self.dist.cp_size,
+                             min_packed_length=min_packed_length, cp=self.cp,
                              cu_seqlens_on_host=not use_te_spec(),
                              compact_ignored=self.cfg.lce.compact_ignored if self.route.fused else None)
 

@@ -20,6 +20,7 @@ warnings.filterwarnings("ignore")
 import attention_worker as A  # noqa: E402
 from helpers.paths import REPO
 from helpers.gpt_builder import megatron_on_cpu  # noqa: E402,F401  (autouse: megatron-core on a CPU-only host)
+from helpers.groups import fake_group  # noqa: E402,F401  (fixture: a recording 2-rank group)
 from helpers.launch import torchrun  # noqa: E402
 
 from areal_lce.megatron import context_parallel as CP  # noqa: E402
@@ -230,6 +231,21 @@ def test_pad_for_context_parallel():
 def test_split_and_gather_without_context_parallel_are_identity():
     x = torch.randn(2, 6, 3)
     assert CP.split_for_context_parallel(x, None) is x and CP.gather_from_context_parallel(x, None) is x
+
+
+def test_prepare_takes_one_cp_value(fake_group):
+    """The engine's batches take the context-parallel group as one CPGroup (built once by the engine), not a
+    (group, size) pair: this rank's zigzag share of the right-padded rows; a bare group is refused."""
+    from areal_lce.engine.batch import prepare
+
+    ids = torch.arange(1, 7).view(1, 6)
+    cp, kw = CP.CPGroup.of(fake_group), dict(device=torch.device("cpu"), max_seq_len=8, pack=False)
+    mb = prepare(ids, ids.clone(), cp=cp, **kw)  # padded to 8 = 4 chunks of 2; rank 0 keeps chunks 0 and 3
+    assert mb.cp is cp and mb.input_ids.tolist() == [[1, 2, 0, 0]] and mb.labels.tolist() == [[1, 2, -100, -100]]
+    assert prepare(ids, ids.clone(), **kw).cp == CP.CPGroup.none()
+    with pytest.raises(TypeError, match="cp must be a CPGroup"):
+        prepare(ids, ids.clone(), cp=fake_group, **kw)
+    assert fake_group.calls == []
 
 
 def test_zigzag_positions():

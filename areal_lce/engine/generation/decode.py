@@ -52,6 +52,7 @@ import torch
 from ... import comms
 from ..batch import prepare as prepare_batch
 from ..parallel import DistInfo
+from ...megatron.context_parallel import CPGroup
 from ...megatron.route import Route
 from .sampling import token_logprobs
 from ..schedule import from_last_stage, run_schedule
@@ -139,11 +140,11 @@ def recompute_next_logits(gm: GenerationModel, seqs: List[List[int]]) -> NextTok
     ids = torch.zeros(len(seqs), max(lengths), dtype=torch.long)
     for i, x in enumerate(seqs):
         ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-    cp_group = gm.dist.cp_group if gm.dist.cp_size > 1 else None
+    cp = CPGroup.of(gm.dist.cp_group if gm.dist.cp_size > 1 else None)
     mb = prepare_batch(ids, torch.full_like(ids, -100), device=gm.device, max_seq_len=gm.max_seq_len, pack=False,
-                       seq_multiple=gm.seq_multiple, cp_group=cp_group, cp_size=gm.dist.cp_size)
+                       seq_multiple=gm.seq_multiple, cp=cp)
     last = torch.tensor(lengths, device=gm.device) - 1
-    return next_token_logits(gm, mb.input_ids, mb.position_ids, mb.attention_mask, last, cp_group=cp_group)
+    return next_token_logits(gm, mb.input_ids, mb.position_ids, mb.attention_mask, last, cp_group=cp)
 
 
 def decode_batch(n_live: int, n: int) -> int:

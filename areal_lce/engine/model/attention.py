@@ -35,8 +35,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from ... import comms
-from ...megatron.context_parallel import gathered_to_packed, ranges, sequence_lengths, zigzag_positions
+from ...megatron.context_parallel import CPGroup, gathered_to_packed, ranges, sequence_lengths, zigzag_positions
 from .kv_attention import cached_attention
 from ...megatron.packing import host_to_device
 
@@ -246,12 +245,11 @@ class SDPAttention(MegatronModule):
             tp = pg_collection.tp.size()
         else:
             tp = mpu.get_tensor_model_parallel_world_size()
-        if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
-            self.cp_group = pg_collection.cp
-        else:
-            self.cp_group = mpu.get_context_parallel_group() if mpu.model_parallel_is_initialized() else None
-        self.cp_size = comms.group_size(self.cp_group)
-        self.cp_rank = comms.group_rank(self.cp_group)
+        cp = getattr(pg_collection, "cp", None)
+        if cp is None:
+            cp = mpu.get_context_parallel_group() if mpu.model_parallel_is_initialized() else None
+        cp = CPGroup.of(cp)  # megatron's pg_collection / parallel state, converted once
+        self.cp_group, self.cp_size, self.cp_rank = cp.group, cp.size, cp.rank
         if self.cp_size > 1 and cp_comm_type is not None and str(cp_comm_type).replace("_", "").lower() != "allgather":
             raise ValueError(f"SDPAttention runs context parallelism by all-gathering K/V: cp_comm_type="
                              f"{cp_comm_type!r} is not supported; set TransformerConfig.cp_comm_type='all_gather'")
