@@ -11,12 +11,13 @@ import os
 import pytest
 import torch
 
-from helpers.paths import REPO
 from areal_lce.backends.ascend import configs
 from areal_lce.backends.ascend.launch import AscendBackend
 from areal_lce.backends.reference import reference_logprobs_entropy
 from areal_lce.types import LCEParams
 from helpers.backends import ShardCase, run_case
+from helpers.inputs import PER_TOKEN
+from helpers.paths import REPO
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Kernel runs use CPU tensors, so they need the interpreter; without it (a GPU machine) they are skipped
@@ -26,7 +27,7 @@ needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="kernels run on CPU
 MIN_UB = max(configs.ub_bytes(k, 16, 16, 16, 4) for k in configs.KINDS)  # fits only 16x16x16 tiles
 # Minimal tiles and a 3-program grid: every kernel's persistent loop runs over many tiles.
 TINY_UB_GRID3 = ShardCase("tiny_ub_grid3", "minimal tiles, 3 programs: persistent loops over many tiles",
-                          n=52, h=20, v=70, valid=67, start=16, temp="tensor")
+                          n=52, h=20, v=70, valid=67, start=16, temperature=PER_TOKEN)
 
 
 @needs_interpreter

@@ -12,7 +12,7 @@ fails here.
 """
 import functools
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,8 +21,8 @@ import areal_lce
 from areal_lce.backends import get_backend
 from areal_lce.backends.reference import ReferenceBackend, grad_logits, reference_logprobs_entropy
 from areal_lce.types import LCEParams
-from helpers.backends import SHARD_CASES, STATS, case_by_id, lse_ent, make_shard, run_case
-from helpers.inputs import available_backends
+from helpers.backends import SHARD_CASES, STATS, ShardCase, case_by_id, lse_ent, make_shard, run_case
+from helpers.inputs import PER_TOKEN, available_backends
 
 BACKENDS = [b for b in available_backends() if b != "reference"]
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy inf*0 inside the interpreter
@@ -110,36 +110,26 @@ def test_empty_batch(backend):
 # A failing case prints its errors next to torch's.
 
 
-@dataclass(frozen=True)
-class Case:
-    name: str
-    N: int
-    H: int
-    V: int  # rows of this shard's weight
-    dtype: torch.dtype = torch.bfloat16
-    valid: int = -1  # shard_valid (-1: V)
-    vocab_start: int = 0
-    temp: str = "scalar"  # scalar | tensor
-    peaked: bool = False
-    cache: bool = False
-    why: str = ""
+def _cuda_case(id: str, n: int, h: int, v: int, why: str, **kw) -> ShardCase:
+    """A shard case at CUDA sizes: bf16 and T = 0.8 unless the case says otherwise."""
+    return ShardCase(id, why, n=n, h=h, v=v, **{"dtype": torch.bfloat16, "temperature": 0.8, **kw})
 
 
 CASES = [
-    Case("tiny_n1", 1, 256, 1001, why="one token: a grid of vocab splits only"),
-    Case("n17_v3007_fp32", 17, 192, 3007, torch.float32, why="fp32 IEEE dots, odd sizes"),
-    Case("n17_v3007_bf16_peaked", 17, 192, 3007, peaked=True, why="near one-hot rows hide padding bugs"),
-    Case("ragged_h", 300, 200, 5003, why="H not a multiple of BLOCK_K (TMA zero-fills the K tail)"),
-    Case("unaligned_h", 300, 100, 5003, why="rows not 16-byte aligned: pointer loads with a K mask"),
-    Case("pad_shard", 513, 512, 4096, valid=3999, vocab_start=4096, why="padding rows + vocab_start != 0"),
-    Case("tensor_temp", 257, 256, 8192, temp="tensor", peaked=True, why="per-token inverse temperature"),
-    Case("fp16", 129, 256, 2048, torch.float16, why="fp16 path"),
-    Case("cache_bf16", 640, 512, 10007, cache=True, peaked=True, why="logits cache read in backward"),
-    Case("cache_fp32", 64, 128, 3001, torch.float32, cache=True, why="cache, fp32"),
-    Case("qwen_vocab", 1024, 896, 151936, peaked=True, why="real vocabulary, several workspace chunks"),
-    Case("big_h", 2048, 4096, 32000, why="large H: long K loop"),
+    _cuda_case("tiny_n1", 1, 256, 1001, "one token: a grid of vocab splits only"),
+    _cuda_case("n17_v3007_fp32", 17, 192, 3007, "fp32 IEEE dots, odd sizes", dtype=torch.float32),
+    _cuda_case("n17_v3007_bf16_peaked", 17, 192, 3007, "near one-hot rows hide padding bugs", peaked=True),
+    _cuda_case("ragged_h", 300, 200, 5003, "H not a multiple of BLOCK_K (TMA zero-fills the K tail)"),
+    _cuda_case("unaligned_h", 300, 100, 5003, "rows not 16-byte aligned: pointer loads with a K mask"),
+    _cuda_case("pad_shard", 513, 512, 4096, "padding rows + vocab_start != 0", valid=3999, start=4096),
+    _cuda_case("tensor_temp", 257, 256, 8192, "per-token inverse temperature", temperature=PER_TOKEN, peaked=True),
+    _cuda_case("fp16", 129, 256, 2048, "fp16 path", dtype=torch.float16),
+    _cuda_case("cache_bf16", 640, 512, 10007, "logits cache read in backward", cache=True, peaked=True),
+    _cuda_case("cache_fp32", 64, 128, 3001, "cache, fp32", dtype=torch.float32, cache=True),
+    _cuda_case("qwen_vocab", 1024, 896, 151936, "real vocabulary, several workspace chunks", peaked=True),
+    _cuda_case("big_h", 2048, 4096, 32000, "large H: long K loop"),
 ]
-BY_NAME = {c.name: c for c in CASES}
+BY_NAME = {c.id: c for c in CASES}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -164,25 +154,25 @@ def _failed(res: dict, checks) -> str:
     return f"{res['case']}: failed {[c for c in checks if not res['checks'][c]]}\n" + json.dumps(res, indent=1, default=str)
 
 
-def make_inputs(c: Case, device, seed=0):
+def make_inputs(c: ShardCase, device, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
-    h = torch.randn(c.N, c.H, generator=g)
-    w = torch.randn(c.V, c.H, generator=g) * (4.0 / c.H ** 0.5)
+    h = torch.randn(c.n, c.h, generator=g)
+    w = torch.randn(c.v, c.h, generator=g) * (4.0 / c.h ** 0.5)
     if c.peaked:  # a few weight rows are scaled copies of hidden rows: p(label) ~ 1 for those tokens
-        k = min(c.N, c.V, 8)
-        w[:k] = h[:k] * (3.0 / c.H ** 0.5)
-    valid = c.V if c.valid < 0 else c.valid
-    y = torch.randint(c.vocab_start, c.vocab_start + valid, (c.N,), generator=g)
-    y[0] = c.vocab_start
-    if c.N > 1:
-        y[1] = c.vocab_start + valid - 1
-    if c.N > 3:
-        y[2] = c.vocab_start - 1 if c.vocab_start > 0 else c.vocab_start + c.V + 5  # owned by another shard
+        k = min(c.n, c.v, 8)
+        w[:k] = h[:k] * (3.0 / c.h ** 0.5)
+    valid = c.v if c.valid is None else c.valid
+    y = torch.randint(c.start, c.start + valid, (c.n,), generator=g)
+    y[0] = c.start
+    if c.n > 1:
+        y[1] = c.start + valid - 1
+    if c.n > 3:
+        y[2] = c.start - 1 if c.start > 0 else c.start + c.v + 5  # owned by another shard
     if c.peaked:
-        y[: min(c.N, c.V, 8)] = torch.arange(min(c.N, c.V, 8)) + c.vocab_start
-    inv_t = (0.5 + torch.rand(c.N, generator=g)) if c.temp == "tensor" else None
-    params = LCEParams(inv_t=None if inv_t is not None else 1 / 0.8, vocab_size=c.vocab_start + valid,
-                       vocab_start=c.vocab_start, shard_valid=valid,
+        y[: min(c.n, c.v, 8)] = torch.arange(min(c.n, c.v, 8)) + c.start
+    inv_t = (0.5 + torch.rand(c.n, generator=g)) if c.temperature == PER_TOKEN else None
+    params = LCEParams(inv_t=None if inv_t is not None else 1 / c.temperature, vocab_size=c.start + valid,
+                       vocab_start=c.start, shard_valid=valid,
                        cache_bytes=(1 << 40) if c.cache else 0, backend="triton")
     h, w = h.to(c.dtype), w.to(c.dtype)
     mv = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -209,7 +199,7 @@ def backend_case(name: str) -> dict:
     r64 = ref.forward(h64, w64, y, it64, params, False)
     r32 = ref.forward(h.float(), w.float(), y, inv_t, params, True)
     st = be.forward(h, w, y, inv_t, params, keep_cache=True)
-    res = {"case": c.name, "why": c.why, "dtype": str(c.dtype).replace("torch.", ""),
+    res = {"case": c.id, "why": c.why, "dtype": str(c.dtype).replace("torch.", ""),
            "cache_used": st.cache is not None, "checks": {}}
     checks = res["checks"]
     checks["stats"] = True
@@ -224,8 +214,8 @@ def backend_case(name: str) -> dict:
     res["logp_err"] = _max(st.zy.double() - lse_k, r64.zy - lse64)
     _logit_sums(res, be, ref, h, w, y, inv_t, params, st)
     g = torch.Generator(device="cpu").manual_seed(1)
-    g_lp = torch.randn(c.N, generator=g).to(device)
-    g_ent = torch.randn(c.N, generator=g).to(device)
+    g_lp = torch.randn(c.n, generator=g).to(device)
+    g_ent = torch.randn(c.n, generator=g).to(device)
     dh, dw = be.backward(h, w, y, inv_t, params, st.cache, lse64.float(), ent64.float(), g_lp, g_ent, True, True)
     rh, rw = ref.backward(h64, w64, y, it64, params, None, lse64, ent64, g_lp.double(), g_ent.double(), True, True)
     if c.dtype == torch.float32:
@@ -242,7 +232,7 @@ def backend_case(name: str) -> dict:
     det = all(torch.equal(getattr(st, k), getattr(st2, k)) for k in STATS)
     checks["deterministic"] = bool(det and torch.equal(dh, dh2) and torch.equal(dw, dw2))
     # a NaN hidden row poisons its own statistics and no others
-    if c.N > 2:
+    if c.n > 2:
         hn = h.clone()
         hn[1, 0] = float("nan")
         sn = be.forward(hn, w, y, inv_t, params, keep_cache=False)
@@ -274,7 +264,7 @@ def _logit_sums(res, be, ref, h, w, y, inv_t, params, st) -> None:
 
 
 def _ids(cases):
-    return pytest.mark.parametrize("name", [c.name for c in cases], ids=[c.name for c in cases])
+    return pytest.mark.parametrize("name", [c.id for c in cases], ids=[c.id for c in cases])
 
 
 @pytest.mark.gpu
@@ -304,7 +294,7 @@ def test_deterministic(name):
 
 
 @pytest.mark.gpu
-@_ids([c for c in CASES if c.N > 2])
+@_ids([c for c in CASES if c.n > 2])
 def test_nan_row_poisons_only_its_own_stats(name):
     res = backend_case(name)
     assert res["checks"]["nan_row"], _failed(res, ("nan_row",))

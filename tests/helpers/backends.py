@@ -22,7 +22,7 @@ from areal_lce.backends import get_backend
 from areal_lce.backends.reference import ReferenceBackend, grad_logits, shard_logits
 from areal_lce.types import LCEParams
 
-from .inputs import peak_logits
+from .inputs import PER_TOKEN, peak_logits
 
 FACTOR = 4.0
 STATS = ("m", "s", "a", "zy", "mn", "mx")
@@ -39,7 +39,7 @@ class ShardCase:
     dtype: torch.dtype = torch.float32
     valid: Optional[int] = None  # shard_valid (default: every row is a real token)
     start: int = 0  # vocab_start: global id of row 0
-    temp: object = 0.7  # a float, or "tensor" for a per-token inv_t
+    temperature: object = 0.7  # a float, or PER_TOKEN (a per-token inv_t)
     peaked: bool = False
     flat: bool = False
     labels: str = "edges"  # "edges": first / last real column, another shard's ids | "outside": a third
@@ -59,17 +59,17 @@ SHARD_CASES = [
     ShardCase("flat", "near-uniform logits: entropy ≈ log V", flat=True),
     ShardCase("pad_shard", "padding rows (shard_valid < V) act as -inf; vocab_start != 0", valid=990, start=2002),
     ShardCase("pad_negative", "all-negative logits: a padding column read as 0 instead of -inf would win the "
-              "max and add to s and a", n=9, v=300, valid=201, temp=0.8, shift=-6.0),
+              "max and add to s and a", n=9, v=300, valid=201, temperature=0.8, shift=-6.0),
     ShardCase("outside", "labels below and above the shard: owned by no column here, zy = 0", n=20, v=150,
               start=300, labels="outside", peaked=True),
-    ShardCase("tensor_temp", "per-token inv_t", temp="tensor", peaked=True),
+    ShardCase("tensor_temp", "per-token inv_t", temperature=PER_TOKEN, peaked=True),
     ShardCase("cache_fp32", "backward reads the cached fp32 logits (backends that keep them)", valid=999,
               cache=True),
     ShardCase("bf16", "bf16 inputs, fp32 logits (upcast right after the load)", dtype=torch.bfloat16,
               peaked=True),
     ShardCase("bf16_cache_tensor_temp", "bf16 with the cache and per-token inv_t", v=3007, dtype=torch.bfloat16,
-              cache=True, temp="tensor"),
-    ShardCase("fp16_pad", "fp16 inputs with padding rows", dtype=torch.float16, valid=1000, start=1001, temp=1.3),
+              cache=True, temperature=PER_TOKEN),
+    ShardCase("fp16_pad", "fp16 inputs with padding rows", dtype=torch.float16, valid=1000, start=1001, temperature=1.3),
     ShardCase("g_ent_zero", "logprob-only loss", peaked=True, grads="lp"),
     ShardCase("g_lp_zero", "entropy-only loss", peaked=True, grads="ent"),
     ShardCase("empty_shard", "shard_valid = 0: m = mx = -inf, s = a = 0, mn = +inf, zero gradients", n=5, v=64,
@@ -102,8 +102,8 @@ def make_shard(c: ShardCase, backend: str, seed: int = 0, device="cpu"):
         k = min(c.n, valid, 6)
         peak_logits(w, h, range(k), range(k), 4.0 / c.h ** 0.5)
         y[0:k:2] = lo + torch.arange(0, k, 2)  # every other peaked row is labelled on its peak
-    inv_t = (0.4 + torch.rand(c.n, generator=g)) if c.temp == "tensor" else None
-    params = LCEParams(inv_t=None if inv_t is not None else 1.0 / c.temp, vocab_size=lo + c.v, vocab_start=lo,
+    inv_t = (0.4 + torch.rand(c.n, generator=g)) if c.temperature == PER_TOKEN else None
+    params = LCEParams(inv_t=None if inv_t is not None else 1.0 / c.temperature, vocab_size=lo + c.v, vocab_start=lo,
                        shard_valid=valid, cache_bytes=(1 << 30) if c.cache else 0, backend=backend)
     g_lp, g_ent = torch.randn(c.n, generator=g), torch.randn(c.n, generator=g)
     if c.n > 2:

@@ -23,6 +23,9 @@ def peak_logits(weight: torch.Tensor, hidden: torch.Tensor, rows: Iterable[int],
     return weight
 
 
+PER_TOKEN = "per_token"  # a case's temperature: a float, or PER_TOKEN for a tensor of one per token
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     id: str
@@ -31,13 +34,14 @@ class Case:
     h: int = 32
     v: int = 1001
     dtype: torch.dtype = torch.float32
-    temperature: object = 1.0  # float, or "token" for a per-token tensor
+    temperature: object = 1.0  # a float, or PER_TOKEN
     vocab_size: Optional[int] = None
     ignore_frac: float = 0.0
     peaked: bool = False
     flat: bool = False
     edge_labels: bool = False
     lead: tuple = ()  # leading shape instead of (n,)
+    block_rows: int = 0  # the materialised route: >0 sets CHUNK_ELEMENTS so that a row block holds this many rows
 
 
 CASES = [
@@ -51,7 +55,7 @@ CASES = [
     Case("edges", "labels 0 and V-1", n=16, v=513, edge_labels=True),
     Case("t0.5", "temperature 0.5", temperature=0.5),
     Case("t2", "temperature 2.0", temperature=2.0),
-    Case("t_token", "per-token temperature tensor", temperature="token"),
+    Case("t_token", "per-token temperature tensor", temperature=PER_TOKEN),
     Case("padded_vocab", "vocab_size < V: padding rows excluded from the softmax", v=1024, vocab_size=1000,
          peaked=True),
     Case("bf16", "bf16 inputs, fp32 logits in-kernel", n=29, v=999, dtype=torch.bfloat16, peaked=True),
@@ -91,7 +95,7 @@ def make_inputs(c: Case, seed: int = 0, device="cpu"):
         drop[0] = True
         y = torch.where(drop, torch.full_like(y, -100), y)
     t = c.temperature
-    if t == "token":
+    if t == PER_TOKEN:
         t = (torch.rand(n, generator=g, dtype=torch.float64) * 1.5 + 0.5).reshape(lead)
     h = h.to(c.dtype).reshape(*lead, c.h).to(device)
     w = w.to(c.dtype).to(device)

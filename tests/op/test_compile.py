@@ -16,6 +16,7 @@ import areal_lce
 from areal_lce.library import encode, lce_backward_op, lce_forward_op
 
 from helpers.groups import fake_group  # noqa: F401  (fixture: a recording 2-rank TP group)
+from helpers.inputs import PER_TOKEN
 
 IGNORE = -100
 
@@ -60,7 +61,7 @@ def _step(fn, hidden, weight, proj, labels, temperature):
 
 OPTIONS = {
     "defaults": {},
-    "tensor_temperature": {"temperature": "tensor"},
+    "tensor_temperature": {"temperature": PER_TOKEN},
     "cache_auto": {"cache_bytes": "auto"},
     "deferred_check": {"check_labels": "deferred"},
     "no_compact_no_check": {"compact_ignored": False, "check_labels": False},
@@ -74,7 +75,7 @@ def test_fullgraph_compile_equals_eager(name):
     kw = dict(OPTIONS[name])
     kw.setdefault("backend", "torch")
     hidden, weight, proj, labels, temp = _inputs()
-    temperature = temp if kw.pop("temperature", None) == "tensor" else 0.8
+    temperature = temp if kw.pop("temperature", None) == PER_TOKEN else 0.8
     f = _model(**kw)
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(f, fullgraph=True, backend=counter)

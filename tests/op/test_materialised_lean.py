@@ -5,7 +5,6 @@ temperature, and the memory claim: no fp32 tensor of the [N, V] logits' size is 
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 import pytest
@@ -19,28 +18,18 @@ from areal_lce.materialised import logprobs_entropy_from_logits
 from areal_lce.materialised_autograd import logprobs_entropy_autograd
 from areal_lce.types import VocabParallel
 from helpers.bounds import EXP_ULPS, U32, assert_within, op_bounds
-from helpers.inputs import peak_logits
+from helpers.inputs import PER_TOKEN, Case, peak_logits
 
 IGNORE = -100
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    id: str
-    why: str
-    n: int = 24
-    h: int = 16
-    v: int = 203  # columns of the logits (odd: no power-of-two blocks)
-    vocab_size: int = 203
-    temperature: object = 1.0  # float or "token"
-    block_rows: int = 0  # >0: CHUNK_ELEMENTS set so that blocks hold this many rows
-
-
+SIZE = dict(n=24, h=16, v=203)  # v: columns of the logits (odd: no power-of-two blocks)
 CASES = [
-    Case("plain", "one block, T = 1"),
-    Case("blocks_t08", "several row blocks (the last one short), scalar T", temperature=0.8, block_rows=5),
-    Case("pad_token_t", "padding columns >= vocab_size, labels at the last true id, per-token T",
-         vocab_size=150, temperature="token", block_rows=7),
+    Case("plain", "one block, T = 1", **SIZE, vocab_size=203),
+    Case("blocks_t08", "several row blocks (the last one short), scalar T", **SIZE, vocab_size=203,
+         temperature=0.8, block_rows=5),
+    Case("pad_token_t", "padding columns >= vocab_size, labels at the last true id, per-token T", **SIZE,
+         vocab_size=150, temperature=PER_TOKEN, block_rows=7),
 ]
 
 
@@ -52,7 +41,7 @@ def _case_inputs(c: Case, seed: int = 0):
     y = torch.randint(0, c.vocab_size, (c.n,), generator=g)
     y[0], y[1], y[4] = 3, c.vocab_size - 1, c.vocab_size - 1
     y[[5, 11]] = IGNORE
-    t = torch.rand(c.n, generator=g) + 0.5 if c.temperature == "token" else c.temperature
+    t = torch.rand(c.n, generator=g) + 0.5 if c.temperature == PER_TOKEN else c.temperature
     return h, w, y, t
 
 

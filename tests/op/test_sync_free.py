@@ -23,7 +23,7 @@ from areal_lce import checks
 from areal_lce.backends import get_backend
 from areal_lce.function import partition_rows
 
-from helpers.inputs import available_backends
+from helpers.inputs import PER_TOKEN, available_backends
 from helpers.groups import fake_group  # noqa: F401  (fixture: a recording 2-rank TP group)
 
 IGNORE = -100
@@ -93,10 +93,10 @@ def test_default_check_mode_per_device():
 
 CASES = {
     "scalar_t": dict(temperature=0.8),
-    "tensor_t": dict(temperature="tensor"),
+    "tensor_t": dict(temperature=PER_TOKEN),
     "cache_auto": dict(temperature=1.3, cache_bytes="auto"),
     "no_compact": dict(temperature=0.8, compact_ignored=False),
-    "logit_sums": dict(temperature="tensor", return_logit_sums=True),
+    "logit_sums": dict(temperature=PER_TOKEN, return_logit_sums=True),
 }
 
 
@@ -105,7 +105,7 @@ CASES = {
 def test_accelerator_defaults_read_nothing_on_the_host(backend, case):
     hidden, weight, labels, temp = _inputs()
     kw = dict(CASES[case], backend=backend)
-    if kw["temperature"] == "tensor":
+    if kw["temperature"] == PER_TOKEN:
         kw["temperature"] = temp
     with no_host_reads():
         got = _run(hidden, weight, labels, check_labels="deferred", **kw)
