@@ -53,8 +53,8 @@ def test_every_former_name_resolves():
     old = ri.aliases(RESULTS)
     for name in FORMER:
         assert name in old and len(old[name]) == 1, name
-        assert (ri.resolve(name) / "manifest.json").is_file(), name
-        assert ri.resolve(name) != RESULTS / name, name  # the old folder is gone: the name moved
+        assert (RESULTS / old[name][0] / "manifest.json").is_file(), name
+        assert not (RESULTS / name).exists(), name  # the old folder is gone: the name moved
     assert ri.resolve("run8_final_small_qwen7b/bench_lce.json").is_file()
     assert ri.resolve("archive/h100_alternating_pairs/probe_ab.log") == \
         RESULTS / "archive" / "h100_op_alternating_pairs" / "probe_ab.log"
