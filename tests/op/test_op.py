@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import areal_lce
-from areal_lce.backends.reference import reference_logprobs_entropy
+from areal_lce.reference import logprobs_entropy as reference_logprobs_entropy
 
 from helpers.bounds import assert_within, op_bounds
 from helpers.inputs import CASES, available_backends, case_by_id, make_inputs
