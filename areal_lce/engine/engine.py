@@ -49,6 +49,7 @@ from . import state as engine_state
 from .batch import ModelBatch, per_token_rope
 from .graphs import ModelCallGraphs, why_not_graphed
 from .batch import prepare as prepare_batch
+from ..checks import check_temperature
 from ..megatron.compat import cpu_shims
 from ..megatron.context_parallel import CPGroup
 from .config import EngineConfig
@@ -195,6 +196,7 @@ class MegatronEngine:
         every stage receives the last stage's values. `selected_ids` [b, s, K] (global ids, -100 entries
         allowed) adds `selected_logprobs` [b, s, K]; `top_k` adds `topk_ids` / `topk_logprobs` [b, s, k]
         (pipeline_parallel=1 only)."""
+        temperature = check_temperature(temperature, "token_stats: temperature", allow_tensor=False)
         if grad:
             self._require_trainable("token_stats(grad=True)")
         if selected_ids is not None or top_k:
@@ -204,7 +206,7 @@ class MegatronEngine:
                 raise ValueError("token_stats(grad=True) needs parallel.pipeline_parallel=1; under pipeline "
                                  "parallelism gradients flow only through train_step")
             packed = schedule.stats_on_every_stage(
-                self.model, [MicroBatch(input_ids, labels, float(temperature))], pp_group=self.pp_group,
+                self.model, [MicroBatch(input_ids, labels, temperature)], pp_group=self.pp_group,
                 device=self.device, **self._schedule_kwargs())[0]
             return TokenStats.unpack(packed)
         with contextlib.nullcontext() if grad else torch.no_grad():

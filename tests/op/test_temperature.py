@@ -113,3 +113,13 @@ def test_hf_head_broadcasts_with_the_same_rule():
     assert out.logprobs.shape == (2, 3)
     with pytest.raises(ValueError, match=re.escape("areal_lce.hf: temperature of shape (4,)")):
         fused_head(head, hidden, labels, temperature=torch.ones(4), backend="torch")
+
+
+@pytest.mark.parametrize("value,exc", BAD)
+def test_engine_token_stats_checks_first(value, exc):
+    """MegatronEngine.token_stats checks its temperature before anything else runs (before: True and 1e-40
+    reached the route as 1.0 / a float whose inverse overflows; no engine is needed to see it)."""
+    from areal_lce.engine.engine import MegatronEngine
+
+    with pytest.raises(exc, match="token_stats: temperature"):
+        MegatronEngine.token_stats(None, IDS, IDS, temperature=value)
