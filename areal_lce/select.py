@@ -144,13 +144,14 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
         seg_of = torch.arange(G, device=dev)
         seg_rank = sort_key(seg_max.t() * it, seg_of[None, :].expand(n, G)).topk(kk, dim=1).values
         segs = key_id(seg_rank)  # [N, kk] local segment indices, best first
-    chunk = max(1, _CHUNK_ELEMS // (max(kk, 1) * exact.SEG))
+    width = native.candidate_width(k) if native is not None else exact.SEG  # candidates per (row, segment)
+    chunk = max(1, _CHUNK_ELEMS // (max(kk, 1) * width))
     cols = torch.arange(exact.SEG, device=dev)
     for t0 in range(0, n if kk else 0, chunk):
         t1 = min(n, t0 + chunk)
         if native is not None:  # the keys straight from the recompute kernel
             keys = native.candidate_keys(hidden, weight, t0, segs[t0:t1], inv_t if torch.is_tensor(inv_t) else it,
-                                         sp, params.vocab_start)
+                                         sp, params.vocab_start, k)
         else:
             rows = torch.arange(t0, t1, device=dev).repeat_interleave(kk)
             recompute = getattr(own, "segment_logits", None) or _segment_logits_torch

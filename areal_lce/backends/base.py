@@ -57,8 +57,9 @@ Optional, for selected ids / top-k (select.py has torch defaults):
   segment_logits(hidden, weight, rows [P], segs [P], params) -> fp32 [P, 128] head-transformed raw logits
       of segment segs[p] for row rows[p], bitwise what the invariant forward reduced (-inf past the shard);
   or, doing the top-k's ranking and recompute in its own kernels (triton): rank_segments(seg_max [G, N],
-      inv_t, kk) -> [N, kk] segment indices and candidate_keys(hidden, weight, row0, segs, inv_t, params,
-      vocab_start) -> [c, kk·128] select.sort_key keys.
+      inv_t, kk) -> [N, kk] segment indices, candidate_width(k) -> w <= 128 and candidate_keys(hidden,
+      weight, row0, segs, inv_t, params, vocab_start, k) -> [c, kk·w] select.sort_key keys holding each
+      segment's k best (all 128 when w = 128).
 
 cache_spec(n, h, v_shard, dtype, params, keep_cache) -> (shape, dtype) of the cache forward() keeps for
   these sizes, or None: forward decides with it, and the op's fake (meta) implementation allocates with

@@ -40,29 +40,25 @@ def _cache_tile(z_cache, o_n, col0, N, BLOCK_V: tl.constexpr, CACHE_COLS: tl.con
     return z_cache + off + o_n[:, None] * CACHE_COLS + tl.arange(0, BLOCK_V)[None, :]
 
 
-# tanh(x) = x + x³·P(x²) for |x| < TANH_SMALL: a least-squares fit of (tanh(x) - x) / x³ in relative error on
-# [0, 0.55]; with fp32 Horner steps it is within 0.8 ulp of tanh there, and the exp2 form
-# 1 - 2 / (2^(2|x|·log2 e) + 1) within 1.8 ulp above (numpy fp32 emulation on a 2M-point grid of [0, 1]; the
-# exp2 form subtracts a value <= 1/2 from 1 there, so it never cancels). Below 0.55 the exp2 form would
-# lose relative accuracy as tanh(x) -> 0, which the polynomial keeps.
-TANH_SMALL = tl.constexpr(0.55)
-TANH_P0 = tl.constexpr(-0.33333318650020016)
-TANH_P1 = tl.constexpr(0.13332616787408796)
-TANH_P2 = tl.constexpr(-0.05385511069679813)
-TANH_P3 = tl.constexpr(0.02108201861705096)
-TANH_P4 = tl.constexpr(-0.006287600915010274)
+# Soft-capping's tanh, as t = 1 - 2 / (1 + 2^(2x·log2 e)) for every x (±inf and large |x| give ±1, no
+# branch, no sign fix-up): one ex2 and one reciprocal on the GPU's special-function unit, which the epilogue
+# is bound by (every logit already pays one ex2 for the softmax; a polynomial branch beside it cost ~10% of
+# a step at H = 2048). Error bound, absolute in t: the rounded argument, ex2.approx (2 ulp) and rcp.approx
+# (1 ulp) perturb q = 1 / (1 + e) by at most ~3·2^-24 relatively, and 2q <= 2, so |t - tanh x| <= 2^-21
+# (a few ulp of 1) + the final subtraction's 2^-24: the capped logit c·t is within c·2^-20 of c·tanh(x).
+# (Relative accuracy near x = 0 is not kept; the softmax only sees the absolute error.) The CPU interpreter
+# takes the same formula with numpy's exact division (tl.inline_asm_elementwise does not run there).
 
 
 @triton.jit
-def soft_cap(r, softcap, inv_softcap):
+def soft_cap(r, softcap, inv_softcap, INTERPRET: tl.constexpr):
     """(softcap · tanh(r / softcap), tanh(r / softcap)) of fp32 raw logits: the capped logit and the tanh the
     backward's slope 1 - tanh² is made of. NaN stays NaN; ±inf caps to ±softcap."""
-    x = r * inv_softcap
-    a = tl.abs(x)
-    s = a * a
-    p = (((TANH_P4 * s + TANH_P3) * s + TANH_P2) * s + TANH_P1) * s + TANH_P0
-    t_small = a + a * s * p
-    t_big = 1.0 - tl.fdiv(2.0, tl.exp2(a * (2.0 * LOG2E)) + 1.0)  # 2^inf + 1 = inf: 1 - 0 = 1
-    t = tl.where(a < TANH_SMALL, t_small, t_big)
-    t = tl.where(x < 0.0, -t, t)
+    d = tl.exp2(r * (inv_softcap * (2.0 * LOG2E))) + 1.0
+    if INTERPRET:
+        q = 1.0 / d
+    else:
+        q = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [d], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    t = 1.0 - 2.0 * q
     return t * softcap, t

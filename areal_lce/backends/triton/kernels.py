@@ -104,7 +104,7 @@ def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, N, V, H,
     if BF16_LOGITS:  # logits_precision="bf16": the raw logit as a bf16-head engine rounds it
         b_r = round_bf16(b_r, UPCAST)
     if SOFTCAP:  # softcap · tanh(r / softcap): from here on "raw logit" means the capped one
-        b_r, _ = soft_cap(b_r, softcap, inv_softcap)
+        b_r, _ = soft_cap(b_r, softcap, inv_softcap, UPCAST)
     if HAS_CACHE:
         p_c = _cache_tile(z_cache, o_n, v0, N, BLOCK_V, CACHE_COLS)
         if MASKED:
@@ -318,13 +318,16 @@ def lce_bwd_kernel(
             if BF16_LOGITS:  # the forward's rounding; its gradient is taken as identity
                 b_r = round_bf16(b_r, UPCAST)
             if SOFTCAP:
-                b_r, b_tanh = soft_cap(b_r, softcap, inv_softcap)
+                b_r, b_tanh = soft_cap(b_r, softcap, inv_softcap, UPCAST)
             b_x = b_r * (b_it * LOG2E)[:, None] - (b_lse * LOG2E)[:, None]
         b_p = tl.exp2(b_x)
         b_dl = -b_p * (b_A[:, None] + b_B[:, None] * b_x)
         if SOFTCAP:  # the one-hot term here (lce_bwd_label_kernel is not run), then d cap / d r = 1 - tanh²
-            b_dl += tl.where((v_begin + o_j)[None, :] == b_y[:, None], (b_glp * b_it)[:, None], 0.0)
-            b_dl *= (1.0 - b_tanh) * (1.0 + b_tanh)
+            c0 = i_v * BLOCK_V  # the one-hot compare only in a tile that holds a label (~BLOCK_N·BLOCK_V/V of them)
+            b_yt = b_y - v_begin
+            if tl.sum(((b_yt >= c0) & (b_yt < c0 + BLOCK_V)).to(tl.int32), 0) > 0:
+                b_dl += tl.where(o_j[None, :] == b_yt[:, None], (b_glp * b_it)[:, None], 0.0)
+            b_dl *= tl.fma(-b_tanh, b_tanh, 1.0)  # 1 - t² with one rounding (exact product inside the fma)
         if n_live < BLOCK_N:  # an ignored row, or the ragged last block (its extra rows are not stored)
             b_dl = tl.where(b_live[:, None], b_dl, 0.0)
         p_dl = dl + o_n[:, None] * stride_dl + o_j[None, :]

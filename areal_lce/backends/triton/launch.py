@@ -267,9 +267,13 @@ class TritonBackend:
         from .select_launch import rank_segments
         return rank_segments(seg_max, inv_t, kk)
 
-    def candidate_keys(self, hidden, weight, row0, segs, inv_t, params, vocab_start):
+    def candidate_keys(self, hidden, weight, row0, segs, inv_t, params, vocab_start, k):
         from .select_launch import candidate_keys
-        return candidate_keys(hidden, weight, row0, segs, inv_t, params, vocab_start)
+        return candidate_keys(hidden, weight, row0, segs, inv_t, params, vocab_start, k)
+
+    def candidate_width(self, k):
+        from .select_launch import candidate_width
+        return candidate_width(k)
 
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,
                  need_d_hidden: bool, need_d_weight: bool, sparse=None):

@@ -92,7 +92,7 @@ def _seg_fold(b_r, c0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c
     if BF16_LOGITS:
         b_r = round_bf16(b_r, UPCAST)
     if SOFTCAP:
-        b_r, _ = soft_cap(b_r, softcap, inv_softcap)
+        b_r, _ = soft_cap(b_r, softcap, inv_softcap, UPCAST)
     if HAS_CACHE:
         p_c = _cache_tile(z_cache, o_n, c0, N, SEG, CACHE_COLS)
         tl.store(p_c, b_r * b_it[:, None], mask=m_n[:, None] & (o_v < v_end)[None, :])

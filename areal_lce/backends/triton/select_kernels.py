@@ -9,6 +9,8 @@
                         bitwise what the forward reduced (the rows of a tensor-core tile are accumulated
                         alike, wherever they come from).
   segment_rank_kernel   each row's segment maxima as sort keys (the top-k picks the row's best segments).
+  segment_best_kernel   each row's best segments in one kernel (a bitonic top-k of the fp32 maxima for the
+                        threshold, ties to the lower segment; rows of <= 4096 segments).
   segment_keys_kernel   segment_logits_kernel's logits, transformed as the forward transforms them and
                         tempered, stored as sort keys in the row's candidate slots (the top-k's input).
   sparse_dl_kernel      the backward's sparse columns into a chunk of d_logits.
@@ -108,12 +110,43 @@ def segment_rank_kernel(seg, inv_t, keys, N, G, inv_t_scalar, HAS_INV_T: tl.cons
 
 
 @triton.jit
+def segment_best_kernel(seg, inv_t, best, N, G, KK, inv_t_scalar, HAS_INV_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_G: tl.constexpr, KK2: tl.constexpr):
+    """best[n, :KK] = the segments of each row's KK largest tempered maxima, ties to the lower segment, in
+    segment order: T = the KK-th largest value (a bitonic top-KK2 of the fp32 values, KK2 >= KK a power of
+    two), then every segment above T and the lowest-indexed ones equal to T until KK are taken. Exactly the
+    set segment_rank_kernel's keys give under an int64 top-k, without sorting the keys."""
+    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_g = tl.arange(0, BLOCK_G)
+    m_n = o_n < N
+    m_g = (o_g < G)[None, :]
+    r = tl.load(seg + o_g[None, :].to(tl.int64) * N + o_n[:, None], mask=m_n[:, None] & m_g, other=float("-inf"))
+    if HAS_INV_T:
+        z = r * tl.load(inv_t + o_n, mask=m_n, other=1.0)[:, None]
+    else:
+        z = r * inv_t_scalar
+    z = tl.where(m_g, z, float("-inf"))
+    top = tl.topk(z, KK2, dim=1)
+    t = tl.max(tl.where((tl.arange(0, KK2) == KK - 1)[None, :], top, float("-inf")), 1)  # the KK-th largest
+    above = z > t[:, None]
+    tied = (z == t[:, None]) & m_g
+    need = KK - tl.sum(above.to(tl.int32), 1)
+    take = above | (tied & (tl.cumsum(tied.to(tl.int32), 1) <= need[:, None]))
+    pos = tl.cumsum(take.to(tl.int32), 1) - 1
+    tl.store(best + o_n[:, None].to(tl.int64) * KK + pos, o_g[None, :].to(tl.int64) + tl.zeros_like(pos),
+             mask=m_n[:, None] & take & (pos < KK))
+
+
+@triton.jit
 def segment_keys_kernel(h, w, task_rows, task_dest, task_seg, inv_t, keys, H, valid, vocab_start, inv_t_scalar,
                         softcap, inv_softcap, SEG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        HAS_INV_T: tl.constexpr, BF16_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr):
+                        HAS_INV_T: tl.constexpr, BF16_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr,
+                        KEEP: tl.constexpr):
     """segment_logits_kernel's logits, head-transformed as the forward does (bf16 rounding, softcap) and
-    tempered, written as sort keys at keys[task_dest[t, i] · SEG + column] (global ids; -inf past the shard)."""
+    tempered, as sort keys (global ids; -inf past the shard): each row's KEEP best of the segment, descending,
+    at keys[task_dest[t, i] · KEEP + j] (KEEP = SEG: all of them, in column order). A row's top-k (k <= KEEP)
+    lies within its segments' KEEP best, so the row's candidates shrink by SEG / KEEP before the top-k."""
     t = tl.program_id(0)
     g = tl.load(task_seg + t)
     if g >= 0:
@@ -128,7 +161,7 @@ def segment_keys_kernel(h, w, task_rows, task_dest, task_seg, inv_t, keys, H, va
         if BF16_LOGITS:
             b_r = round_bf16(b_r, UPCAST)
         if SOFTCAP:
-            b_r, _ = soft_cap(b_r, softcap, inv_softcap)
+            b_r, _ = soft_cap(b_r, softcap, inv_softcap, UPCAST)
         if HAS_INV_T:
             it = tl.load(inv_t + o_nc, mask=live, other=1.0)
             z = b_r * it[:, None]
@@ -137,5 +170,9 @@ def segment_keys_kernel(h, w, task_rows, task_dest, task_seg, inv_t, keys, H, va
         z = tl.where((o_v < valid)[None, :], z, float("-inf"))
         k = _sort_key(z, (o_v + vocab_start)[None, :])
         dest = tl.load(task_dest + t * BLOCK_N + o_i)
-        p = keys + dest[:, None].to(tl.int64) * SEG + tl.arange(0, SEG)[None, :]
-        tl.store(p, k, mask=live[:, None])
+        o_j = tl.arange(0, KEEP)
+        p = keys + dest[:, None].to(tl.int64) * KEEP + o_j[None, :]
+        if KEEP < SEG:
+            tl.store(p, tl.topk(k, KEEP, dim=1), mask=live[:, None])  # the segment's KEEP best, bitonic
+        else:
+            tl.store(p, k, mask=live[:, None])

@@ -10,8 +10,8 @@ from ...types import LCEParams
 from ..base import head_transform
 from . import configs
 from .launch import INTERPRET, _alloc, _cap_args, _device_ctx, _dot_precision
-from .select_kernels import (gather_logits_kernel, segment_keys_kernel, segment_logits_kernel, segment_rank_kernel,
-                             sparse_dl_kernel)
+from .select_kernels import (gather_logits_kernel, segment_best_kernel, segment_keys_kernel, segment_logits_kernel,
+                             segment_rank_kernel, sparse_dl_kernel)
 
 GATHER_R, GATHER_J, GATHER_H = 16, 8, 64
 
@@ -37,7 +37,7 @@ def _tasks(rows: torch.Tensor, segs: torch.Tensor, G: int, block: int, dest=None
     dev = rows.device
     order = torch.sort(segs, stable=True).indices
     s_sorted = segs[order]
-    counts = torch.bincount(segs, minlength=G)
+    counts = torch.zeros(G, dtype=torch.int64, device=dev).index_add_(0, segs, torch.ones_like(segs))  # no sync
     first = torch.cumsum(counts, 0) - counts
     blocks = (counts + block - 1) // block
     block0 = torch.cumsum(blocks, 0) - blocks
@@ -106,12 +106,27 @@ def _inv_t_args(inv_t, like: torch.Tensor):
     return like, float(inv_t), False
 
 
+BEST_ELEMS = 4096  # fp32 maxima one segment_best_kernel program holds (BLOCK_N rows x BLOCK_G segments)
+KEEP_MAX = 16  # candidate_width: each segment's k best are kept for k <= KEEP_MAX (a bitonic top-k in the kernel)
+
+
 def rank_segments(seg_max: torch.Tensor, inv_t, kk: int) -> torch.Tensor:
     """[N, kk] local segment indices of each row's kk largest tempered segment maxima (seg_max [G, N] raw),
-    best first, ties to the lower segment (select.topk_keys)."""
+    ties to the lower segment (select.topk_keys): in segment order from segment_best_kernel when a row's G
+    segments fit one program, else best first from torch's top-k of segment_rank_kernel's keys."""
     G, N = seg_max.shape
-    keys = _alloc((N, G), torch.int64, seg_max.device)
     it, scalar, has = _inv_t_args(inv_t, seg_max)
+    block_g = triton.next_power_of_2(max(G, 1))
+    if block_g <= BEST_ELEMS and kk <= KEEP_MAX:  # beyond, torch's radix top-k of the keys is the faster
+        best = torch.zeros((N, kk), dtype=torch.int64, device=seg_max.device)  # a NaN row's untaken slots: 0
+        if N and G and kk:
+            block_n = max(1, min(16, BEST_ELEMS // block_g))
+            with _device_ctx(seg_max.device):
+                segment_best_kernel[(triton.cdiv(N, block_n),)](
+                    seg_max.contiguous(), it, best, N, G, kk, scalar, HAS_INV_T=has, BLOCK_N=block_n,
+                    BLOCK_G=block_g, KK2=triton.next_power_of_2(kk), num_warps=4)
+        return best
+    keys = _alloc((N, G), torch.int64, seg_max.device)
     if N and G:
         with _device_ctx(seg_max.device):
             segment_rank_kernel[(triton.cdiv(N, RANK_N), triton.cdiv(G, RANK_G))](
@@ -120,10 +135,19 @@ def rank_segments(seg_max: torch.Tensor, inv_t, kk: int) -> torch.Tensor:
     return _ID_MASK - (keys.topk(kk, dim=1).values & _ID_MASK)
 
 
+def candidate_width(k: int) -> int:
+    """Candidate keys candidate_keys keeps per (row, segment) for a top-k: for k <= KEEP_MAX the segment's
+    k best (a power of two >= k), else all 128. Under the CPU interpreter all 128 (its bitonic top-k is numpy
+    over a 2^12-point hypercube per program, minutes per call; tests drive the truncation directly)."""
+    return triton.next_power_of_2(max(k, 1)) if k <= KEEP_MAX and not INTERPRET else exact.SEG
+
+
 def candidate_keys(hidden: torch.Tensor, weight: torch.Tensor, row0: int, segs: torch.Tensor, inv_t,
-                   params: LCEParams, vocab_start: int) -> torch.Tensor:
-    """[c, kk·128] sort keys (select.sort_key of the tempered logit and the global id) of the segments
-    segs [c, kk] of rows [row0, row0 + c), computed with the forward's bits (segment_keys_kernel)."""
+                   params: LCEParams, vocab_start: int, k: int = exact.SEG, keep: int = 0) -> torch.Tensor:
+    """[c, kk·candidate_width(k)] sort keys (select.sort_key of the tempered logit and the global id) of the
+    segments segs [c, kk] of rows [row0, row0 + c), computed with the forward's bits (segment_keys_kernel):
+    per segment its candidate_width(k) best (or `keep`, a power of two >= k), which hold every key of the
+    row's top-k from that segment."""
     c, kk = segs.shape
     n, h = hidden.shape
     dev = hidden.device
@@ -133,7 +157,8 @@ def candidate_keys(hidden: torch.Tensor, weight: torch.Tensor, row0: int, segs: 
     rows = torch.arange(row0, row0 + c, device=dev).repeat_interleave(kk)
     dest = torch.arange(c * kk, device=dev)
     task_rows, task_seg, _, task_dest = _tasks(rows, segs.reshape(-1), exact.segments(valid), block, dest)
-    keys = _alloc((c, kk * exact.SEG), torch.int64, dev)
+    keep = keep or candidate_width(k)
+    keys = _alloc((c, kk * keep), torch.int64, dev)
     it, scalar, has = _inv_t_args(inv_t, keys)
     if c and kk:
         with _device_ctx(dev):
@@ -141,6 +166,6 @@ def candidate_keys(hidden: torch.Tensor, weight: torch.Tensor, row0: int, segs: 
                 hidden, weight, task_rows, task_dest, task_seg, it, keys, h, valid, vocab_start, scalar,
                 *_cap_args(params), SEG=exact.SEG, BLOCK_N=block, BLOCK_K=cfg.block_k, EVEN_K=h % cfg.block_k == 0,
                 UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), HAS_INV_T=has,
-                BF16_LOGITS=params.bf16_logits, SOFTCAP=bool(params.softcap), num_warps=cfg.num_warps,
+                BF16_LOGITS=params.bf16_logits, SOFTCAP=bool(params.softcap), KEEP=keep, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
     return keys
