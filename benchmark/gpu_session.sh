@@ -45,7 +45,7 @@ for job in "$@"; do
           --lean-blocks ${LEAN_BLOCKS:-4194304,8388608,67108864} --out "$W" ;;
     bench_select) run bench_select 500 python3 -m benchmark.op.bench_select --rounds ${ROUNDS:-3} --out "$W" ;;
     gpu_tests) run gpu_tests 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/backends/test_backends.py tests/op/test_compile.py \
-          tests/train/test_checkpoint_integrity.py tests/engine/test_gpu_generate.py -x ;;
+          tests/train/test_checkpoint_integrity.py tests/engine/test_generate.py -x ;;
     bench_ignored) run bench_ignored 240 python3 -m benchmark.op.bench_ignored --out "$W" ;;
     bench_sft) run "bench_sft${ROPE:+_rope_$ROPE}${GRAPHS:+_graphs_$GRAPHS}" 300 torchrun --nproc_per_node=1 -m benchmark.engine.bench_train --job sft \
           --preset qwen2.5-0.5b --seq 2048 --micro-batch 4 --micro-batches 2 --steps ${STEPS:-5} ${ROPE:+--rope-fusion $ROPE} \

@@ -5,7 +5,8 @@
   of different lengths and sequences stopping at EOS, for both core attentions (SDPA; megatron's
   DotProductAttention, an independent implementation of the same contract) and both LM-head seams;
 - TP=2 (sequence parallel off and on) and PP=2 in the shared 2-rank launch (tests/helpers/megatron_worker.py);
-- the grpo_tiny job gives identical metrics with engine.kv_cache true and false.
+- the grpo_tiny job gives identical metrics with engine.kv_cache true and false;
+- on CUDA (marked `gpu`, at the end): decode steps replayed from CUDA graphs against eager and recompute.
 """
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ import torch
 
 warnings.filterwarnings("ignore")
 
-from helpers.paths import REPO
 from helpers import megatron_worker as W  # noqa: E402
+from helpers.engines import tiny_engine  # noqa: E402
 from helpers.megatron_worker import results as worker_results  # noqa: E402
+from helpers.paths import REPO  # noqa: E402
 
 from areal_lce.engine.generation import decode as D  # noqa: E402
 from areal_lce.engine.generation import generate as G  # noqa: E402
-from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig  # noqa: E402
+from areal_lce.engine.config import EngineConfig, LCEConfig  # noqa: E402
 from areal_lce.engine.engine import MegatronEngine  # noqa: E402
 from areal_lce.engine.model.kv_attention import cached_attention  # noqa: E402
 
@@ -33,10 +35,9 @@ PROMPTS = [[5, 9, 2, 7, 1, 3, 8, 4, 6, 10, 11], [17, 3, 1], [400], [21, 22, 23, 
 
 
 def _engine(attention: str = "sdpa", seam: str = "auto", max_seq_len: int = 64) -> MegatronEngine:
-    cfg = EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=max_seq_len, attention=attention),
-                       optim=OptimConfig(lr=0.0), lce=LCEConfig(backend="torch"), capture_seam=seam,
+    return tiny_engine(W.VOCAB, model=dict(max_seq_len=max_seq_len, attention=attention), optim=dict(lr=0.0),
+                       capture_seam=seam,
                        pack_sequences=attention == "sdpa")  # megatron's attention takes no packed rows
-    return MegatronEngine(cfg, vocab_size=W.VOCAB)
 
 
 def _both(e: MegatronEngine, prompts, n: int, **kw):
@@ -347,3 +348,87 @@ def test_rollout_benchmark_smoke(tmp_path, monkeypatch):
     assert r["kv_cache_eager_steps"]["new_tokens"] == 3
     assert r["recompute_tokens_same_as_kv_fraction"] == 1.0  # fp32 on CPU: the routes agree
     assert set(r["step_phases_s"]) == {"behaviour_logprobs", "reference_logprobs", "update"}
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA (marked `gpu`: skipped without a CUDA device)
+# KV-cache decoding on CUDA, replayed from CUDA graphs.
+#
+# A tiny fp32 engine (megatron-core, SDPA core attention) generates from eight prompts of 1-11 tokens
+# (left-padded in the cache) three ways: the cache with graph-replayed decode steps (the default), the
+# cache with the same steps run eagerly (`engine.decode_cuda_graphs: false`) and full recompute
+# (`engine.kv_cache: false`). Greedy and seeded sampling, once without EOS and once with an EOS that
+# stops sequences at different steps (the decode batch shrinks; one graph per batch size): identical
+# tokens on the three routes, the graphs were captured and replayed, and the fp32 logits of a graphed
+# step equal the eager step's bitwise (same kernels, same inputs).
+#
+# Run: `python -m pytest -q -m gpu tests/engine/test_generate.py` (megatron-core importable), or through
+# `python -m benchmark.op.gpu_check`.
+
+GRAPH_PROMPTS = PROMPTS + [[300, 2], [9, 9, 9, 9, 9, 9, 9, 9], [123]]  # eight: a decode batch of 8
+
+
+@pytest.fixture(scope="module")
+def cuda_engine():
+    pytest.importorskip("megatron.core")
+    return tiny_engine(500, model=dict(dtype="fp32", attention="sdpa"), optim=dict(lr=0.0), lce=LCEConfig(),
+                       pack_sequences=True)
+
+
+def _generate(e, route: str, n: int, **kw):
+    e.cfg.kv_cache, e.cfg.decode_cuda_graphs = {"graphs": (True, True), "eager": (True, False),
+                                                "recompute": (False, True)}[route]
+    return e.generate(GRAPH_PROMPTS, n, generator=torch.Generator().manual_seed(5), **kw)
+
+
+@pytest.mark.gpu
+def test_graphed_decode_matches_eager_and_recompute(cuda_engine, monkeypatch, record_property):
+    replays = []
+    real = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda g: (replays.append(1), real(g))[1])
+    res, bad = {}, []
+    for temp in (0.0, 1.0):
+        free = _generate(cuda_engine, "recompute", 16, temperature=temp)
+        eos = free[0][3]  # the first prompt stops at its 4th token, the others where they meet it
+        for eos_id in (None, eos):
+            out = {r: _generate(cuda_engine, r, 16, temperature=temp, eos_id=eos_id) for r in ("graphs", "eager", "recompute")}
+            key = f"t{temp:g}-{'eos' if eos_id is not None else 'full'}"
+            res[key] = {"same_tokens": out["graphs"] == out["eager"] == out["recompute"],
+                        "lengths": sorted(len(x) for x in out["graphs"])}
+            if not res[key]["same_tokens"]:
+                bad.append((key, out))
+    res["replays"] = len(replays)
+    record_property("result", res)
+    assert not bad, bad
+    assert res["replays"] >= 2 * 14, res  # without EOS: 15 decode steps per call, the first one eager
+    assert any(len(set(v["lengths"])) > 1 for k, v in res.items() if k.endswith("eos")), res
+
+
+@pytest.mark.gpu
+def test_graph_replay_logits_equal_eager_step(cuda_engine):
+    """One decode step at batch 8: the graph's logits equal the eager step's bitwise, and after the
+    replay the cache holds what the eager step wrote (same slot, same values)."""
+    from areal_lce.engine.generation import decode as D
+
+    gm = cuda_engine.generation_model()
+    cuda_engine.model.eval()
+    with torch.no_grad(), D.CachedSteps(gm, GRAPH_PROMPTS, 8, cuda_graphs=True) as step:
+        step(list(range(len(GRAPH_PROMPTS))), [[] for _ in GRAPH_PROMPTS])  # prefill
+        step.ids.copy_(torch.arange(len(GRAPH_PROMPTS), device="cuda").view(-1, 1) + 30)
+        t0 = step.t.clone()
+        caches = [tuple(b.clone() for b in kv) for kv in step.ctx.key_value_memory_dict.values()]
+        eager = step._step(len(GRAPH_PROMPTS)).logits.clone()
+        eager_caches = [tuple(b.clone() for b in kv) for kv in step.ctx.key_value_memory_dict.values()]
+        # back to the state before the eager step, then capture + replay the same step
+        step.t.copy_(t0)
+        for kv, saved in zip(step.ctx.key_value_memory_dict.values(), caches):
+            for b, s in zip(kv, saved):
+                b.copy_(s)
+        step.graphs[len(GRAPH_PROMPTS)] = None  # warmed up: the next _decode captures
+        graphed = step._decode(len(GRAPH_PROMPTS)).logits.clone()
+        torch.testing.assert_close(graphed, eager, rtol=1e-6, atol=1e-6)
+        assert int(step.t) == int(t0) + 1
+        for kv, want in zip(step.ctx.key_value_memory_dict.values(), eager_caches):
+            for b, w in zip(kv, want):
+                torch.testing.assert_close(b, w, rtol=1e-6, atol=1e-6)
+    cuda_engine.model.train()
