@@ -5,14 +5,16 @@ devices no other backend covers. Two faces:
   * `ReferenceBackend` implements the backend contract (base.py) on one vocab shard, in fp32 (or fp64
     when the inputs are fp64), so the Function's communication can be tested against it.
   * `reference_logprobs_entropy` is the end-to-end oracle on the full vocabulary, differentiable by
-    torch autograd, in the dtype you give it (tests use fp64).
+    torch autograd, in the dtype you give it (tests use fp64): areal_lce.reference.logprobs_entropy, the
+    one torch copy of the op's math, under its earlier name.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Optional, Tuple
 
 import torch
 
+from ..reference import logprobs_entropy as reference_logprobs_entropy  # noqa: F401  (its earlier home)
 from ..types import LCEParams
 from .base import ShardStats, cap_slope, head_transform
 
@@ -119,42 +121,3 @@ class ReferenceBackend:
         dh = (dl @ weight.to(acc)).to(torch.float32 if acc == torch.float32 else acc) if need_d_hidden else None
         dw = (dl.t() @ hidden.to(acc)).to(params.d_weight_dtype(weight.dtype)) if need_d_weight else None
         return dh, dw
-
-
-def reference_logprobs_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    temperature: Union[float, torch.Tensor] = 1.0,
-    ignore_index: int = -100,
-    vocab_size: Optional[int] = None,
-    dtype: torch.dtype = torch.float64,
-):
-    """Materialised oracle on the full vocabulary, differentiable through torch autograd.
-
-    Returns (logprobs, entropy, max_logit, min_logit, lse) shaped like labels, in `dtype`, with the
-    same conventions as `LCEOutput` (0 at ignore_index rows; max/min of raw logits; lse of tempered).
-    """
-    lead = labels.shape
-    h = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
-    w = weight.to(dtype)
-    y = labels.reshape(-1)
-    v = weight.shape[0] if vocab_size is None else vocab_size
-    raw = h @ w[:v].t()
-    t = temperature.reshape(-1).to(dtype)[:, None] if torch.is_tensor(temperature) else temperature
-    if torch.is_tensor(t) and t.shape[0] == 1:
-        t = t.expand(h.shape[0], 1)
-    z = raw / t
-    lse = torch.logsumexp(z, dim=-1)
-    logp_all = z - lse[:, None]
-    p = torch.softmax(z, dim=-1)
-    ent = -(p * logp_all).sum(-1)
-    valid = y != ignore_index
-    yc = torch.where(valid, y, torch.zeros_like(y))
-    lp = logp_all.gather(1, yc[:, None]).squeeze(1)
-    zero = torch.zeros_like(lp)
-    out = [torch.where(valid, lp, zero), torch.where(valid, ent, zero),
-           torch.where(valid, raw.max(-1).values, zero), torch.where(valid, raw.min(-1).values, zero),
-           torch.where(valid, lse, zero)]
-    return tuple(o.reshape(lead) for o in out)
