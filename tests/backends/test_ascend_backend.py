@@ -30,6 +30,7 @@ TINY_UB_GRID3 = ShardCase("tiny_ub_grid3", "minimal tiles, 3 programs: persisten
                           n=52, h=20, v=70, valid=67, start=16, temperature=PER_TOKEN)
 
 
+@pytest.mark.slow
 @needs_interpreter
 @pytest.mark.parametrize("case", [TINY_UB_GRID3, ShardCase("grid2_peaked", "a 2-program grid on peaked rows",
                                                            n=40, v=300, valid=290, peaked=True)], ids=lambda c: c.id)

@@ -33,6 +33,7 @@ def rel(x, ref):
     return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("knob", ["pointer_loads", "programs_per_sm"])
 def test_launch_knobs(knob, monkeypatch):
     """The non-TMA load path on an aligned layout; 3 persistent backward programs striding over the
@@ -54,6 +55,7 @@ def test_cache_holds_the_tempered_logits(cid):
     assert (launch.cache_logits(st.cache, p.shard_valid) - z).abs().max() < 1e-4
 
 
+@pytest.mark.slow
 def test_cache_budget():
     h, w, y, it, p, g_lp, g_ent = make_shard(case_by_id("n17_v3007"), "triton", device=DEV)
     be = TritonBackend()
@@ -107,6 +109,7 @@ def test_backward_chunks_cover_the_shard_within_budget():
             assert N * w * 2 + 4 * N * H <= configs.BACKWARD_BYTES <= 2**29
 
 
+@pytest.mark.slow
 def test_public_op_with_triton_backend():
     from areal_lce import linear_logprobs_entropy
     from areal_lce.reference import logprobs_entropy as reference_logprobs_entropy

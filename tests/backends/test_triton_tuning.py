@@ -82,6 +82,7 @@ def test_tuning_rejects_bad_values_naming_them(kw, named):
     assert _state() == before
 
 
+@pytest.mark.slow
 def test_swept_options_give_the_same_gradients():
     """A sweep point (other tiles, pointer loads, 3 vocab tiles per backward program) computes the same
     gradients as the defaults, up to fp32 summation order: both runs lie within the fp32 rounding bound B

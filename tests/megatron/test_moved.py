@@ -20,6 +20,7 @@ def test_old_package_names_warn_and_give_the_new_objects(name):
     assert obj is getattr(engine_pkg, name)
 
 
+@pytest.mark.slow
 def test_old_module_paths_forward_to_the_new_modules():
     # a fresh interpreter: the import system caches modules
     code = ("import warnings, importlib\n"

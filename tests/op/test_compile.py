@@ -104,6 +104,7 @@ def test_compiled_sync_check_still_raises_with_the_value():
         compiled(hidden, weight, proj, labels, 1.0)
 
 
+@pytest.mark.slow
 def test_opcheck_forward_and_backward_ops():
     """torch.library.opcheck: schema, fake implementation against the real one, autograd registration,
     AOT dispatch (static and dynamic shapes)."""

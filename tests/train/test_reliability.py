@@ -76,6 +76,7 @@ def test_second_order_gradient_is_refused_on_the_tensor_parallel_path(fake_group
             torch.autograd.grad((g ** 2).sum() + (h ** 2).sum(), h)
 
 
+@pytest.mark.slow
 def test_gradgradcheck_raises_instead_of_failing_silently():
     h, w, y = _op_inputs(1, True)
     with pytest.raises(RuntimeError, match="second-order gradients"):
@@ -286,6 +287,7 @@ def _trace_durability(monkeypatch) -> list:
     return events
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to map file descriptors to paths")
 def test_resume_past_a_torn_metrics_line_and_a_corrupt_checkpoint_is_exact(tmp_path, monkeypatch):
     full = {r["step"]: r["loss"] for r in sft.run(_sft_cfg(tmp_path / "full"))["records"]}

@@ -157,6 +157,7 @@ def test_resume_reproduces_the_uninterrupted_run(grpo_run):
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # no duplicated steps after resume
 
 
+@pytest.mark.slow
 def test_packed_and_padded_rl_runs_agree(tmp_path):
     """GRPO with engine.pack_sequences true (the default) and false: same rollouts, same metrics."""
     rows = {}
@@ -189,6 +190,7 @@ def test_token_budget_ranges_hand_checked():
         token_budget_ranges(labels, 0, packed=True)
 
 
+@pytest.mark.slow
 def test_logprob_passes_by_token_budget_match_per_sequence():
     """The behaviour/reference pass gives the same statistics whatever rows share a forward."""
     from areal_lce.engine.config import EngineConfig, ModelConfig
