@@ -75,7 +75,7 @@ class ModelBatch:
 
 
 # engine.lce.compact_ignored: auto compacts a micro-batch when at least this share of the rows the LM head
-# sees have no target. Measured on an H100 (benchmark/bench_ignored.py, results/h100_compact_choice):
+# sees have no target. Measured on an H100 (benchmark/op/bench_ignored.py, results/h100_ignored_compact_choice):
 # compaction over in-place skipping is 0.96 / 0.98 (forward / fwd+bwd) with 1/16 of the rows ignored,
 # 0.22-0.24 / 0.69-0.72 with 15/16 (RL prompts), 0.99-1.02 with none (its copies of hidden and d_hidden
 # cost about as much as the noise); in-place skipping only matches it where the ignored runs cover whole
