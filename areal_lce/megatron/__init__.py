@@ -18,12 +18,12 @@ DeprecationWarning, for one release (`_moved.py`).
 from . import _moved
 from .context_parallel import (ContextParallelPadding, CPGroup, gather_from_context_parallel,
                                pad_for_context_parallel, pad_packed, split_for_context_parallel)
-from .packing import PackedRows, pack_rows, packed_next_token_labels
+from .packing import PackedLayout, PackedRows, pack_rows, packed_next_token_labels
 from .route import Route
 from .stats import SelectedTokenStats, TokenStats, find_gpt_model, token_stats
 
 __all__ = ["token_stats", "TokenStats", "SelectedTokenStats", "find_gpt_model", "packed_next_token_labels",
-           "pack_rows", "PackedRows", "split_for_context_parallel", "gather_from_context_parallel",
+           "pack_rows", "PackedRows", "PackedLayout", "split_for_context_parallel", "gather_from_context_parallel",
            "pad_for_context_parallel", "pad_packed", "ContextParallelPadding", "CPGroup", "Route"]
 
 _moved.install()

@@ -30,6 +30,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence
 import torch
 
 from .. import checks, comms
+from .packing import PackedLayout, ranges, sequence_lengths  # noqa: F401  (ranges, sequence_lengths: re-exported)
 
 
 @dataclass(frozen=True)
@@ -60,25 +61,6 @@ class CPGroup:
     def active(self) -> bool:
         """More than one rank: tokens are split over the group."""
         return self.size > 1
-
-
-def sequence_lengths(cu_seqlens, what: str = "cu_seqlens") -> List[int]:
-    """Per-sequence lengths of cumulative lengths `[0, l0, l0+l1, ...]` (host ints; checked)."""
-    cu = torch.as_tensor(cu_seqlens).reshape(-1).tolist()
-    if len(cu) < 2 or cu[0] != 0:
-        raise ValueError(f"{what} must be 1-D cumulative lengths starting at 0, got {cu[:8]}")
-    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    if min(lengths) < 0:
-        raise ValueError(f"{what} must be non-decreasing, got {cu[:8]}...")
-    return lengths
-
-
-def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """cat([arange(s, s + n) for s, n in zip(starts, lengths)]) without a Python loop (int64)."""
-    lengths = lengths.to(torch.int64)
-    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
-    first = torch.cumsum(lengths, 0) - lengths
-    return starts.to(torch.int64)[seg] + torch.arange(seg.numel(), device=lengths.device) - first[seg]
 
 
 def zigzag_positions(lengths: Sequence[int], cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -209,29 +191,26 @@ def check_same_layout(local: torch.Tensor, lengths: Optional[List[int]], cp_grou
 
 class ContextParallelPadding(NamedTuple):
     """Packed sequences padded for CP: sequence i occupies
-    [cu_seqlens_padded[i], cu_seqlens_padded[i+1]) with its real tokens first."""
+    [cu_seqlens_padded[i], cu_seqlens_padded[i+1]) with its real tokens first. The older form of a
+    CP-padded `PackedLayout` (which holds the same tensors), kept for one release."""
 
     cu_seqlens_padded: torch.Tensor  # int32 [n+1]
     index: torch.Tensor  # int64 [T]: position of every original packed token in the padded layout
     max_seqlen: int  # longest padded sequence (megatron's PackedSeqParams.max_seqlen_q / _kv)
     total: int  # padded token count
 
+    @classmethod
+    def of(cls, layout: PackedLayout) -> "ContextParallelPadding":
+        """The padded side of a (CP-padded) PackedLayout in this form."""
+        return cls(layout.cu_seqlens_padded, layout.index, layout.max_seqlen, layout.padded_total)
 
-def pad_for_context_parallel(cu_seqlens: torch.Tensor, cp_size: int, multiple: Optional[int] = None) -> ContextParallelPadding:
+
+def pad_for_context_parallel(cu_seqlens, cp_size: int, multiple: Optional[int] = None) -> ContextParallelPadding:
     """Pad every packed sequence's length up to a multiple of `multiple` (default 2·cp_size; it must be a
-    multiple of 2·cp_size, e.g. 2·cp·tp when sequence parallelism also splits the packed tokens)."""
-    multiple = 2 * cp_size if multiple is None else int(multiple)
-    if cp_size < 1 or multiple < 1 or multiple % (2 * cp_size):
-        raise ValueError(f"pad_for_context_parallel: multiple={multiple} must be a positive multiple of "
-                         f"2*cp_size = {2 * cp_size}")
-    lengths = torch.tensor(sequence_lengths(cu_seqlens), dtype=torch.int64)
-    padded = (lengths + multiple - 1) // multiple * multiple
-    cu_padded = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-    cu_padded[1:] = torch.cumsum(padded, 0)
-    index = ranges(cu_padded[:-1], lengths)
-    device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else None
-    return ContextParallelPadding(cu_padded.to(torch.int32).to(device), index.to(device),
-                                  int(padded.max()) if padded.numel() else 0, int(cu_padded[-1]))
+    multiple of 2·cp_size, e.g. 2·cp·tp when sequence parallelism also splits the packed tokens).
+    `cu_seqlens`: a cu_seqlens tensor, megatron's PackedSeqParams or a PackedLayout (`PackedLayout.of`);
+    the padding of `PackedLayout.for_context_parallel`, in this older form."""
+    return ContextParallelPadding.of(PackedLayout.of(cu_seqlens).for_context_parallel(cp_size, multiple))
 
 
 def pad_packed(x: torch.Tensor, padding: ContextParallelPadding, value=0) -> torch.Tensor:

@@ -9,7 +9,7 @@ sequence's last token on the next sequence's first token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -64,6 +64,167 @@ def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
     if torch.device(device).type != "cuda" or t.is_cuda:
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def sequence_lengths(cu_seqlens, what: str = "cu_seqlens") -> List[int]:
+    """Per-sequence lengths of cumulative lengths `[0, l0, l0+l1, ...]` (host ints; checked)."""
+    cu = torch.as_tensor(cu_seqlens).reshape(-1).tolist()
+    if len(cu) < 2 or cu[0] != 0:
+        raise ValueError(f"{what} must be 1-D cumulative lengths starting at 0, got {cu[:8]}")
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    if min(lengths) < 0:
+        raise ValueError(f"{what} must be non-decreasing, got {cu[:8]}...")
+    return lengths
+
+
+def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """cat([arange(s, s + n) for s, n in zip(starts, lengths)]) without a Python loop (int64)."""
+    lengths = lengths.to(torch.int64)
+    seg = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    first = torch.cumsum(lengths, 0) - lengths
+    return starts.to(torch.int64)[seg] + torch.arange(seg.numel(), device=lengths.device) - first[seg]
+
+
+def _cumulative(lengths: Sequence[int], device) -> torch.Tensor:
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(list(lengths), dtype=torch.int64).cumsum(0).to(torch.int32)
+    return host_to_device(cu, device) if device is not None else cu
+
+
+@dataclass(frozen=True, eq=False)
+class PackedLayout:
+    """The packed (THD) layout of one micro-batch as one value, built once where it enters.
+
+    Sequence i holds `lengths[i]` real tokens in a slot of `padded_lengths[i]` tokens starting at
+    `cu_seqlens_padded[i]` (real tokens first); without padding both cumulative tensors are the same
+    tensor. Host copies (`lengths`, `padded_lengths`: python ints) and the cumulative int32 tensors (on
+    the layout's device) are made once, so consumers never read a device tensor back or rebuild one.
+    `index` [total] int64: where every real token sits in the padded layout (beside the tensors).
+    """
+
+    lengths: Tuple[int, ...]
+    padded_lengths: Tuple[int, ...]
+    cu_seqlens: torch.Tensor  # int32 [n + 1] of `lengths`
+    cu_seqlens_padded: torch.Tensor  # int32 [n + 1] of `padded_lengths` (`cu_seqlens` itself when unpadded)
+    index: torch.Tensor  # int64 [total]
+
+    @classmethod
+    def from_lengths(cls, lengths: Sequence[int], padded_lengths: Optional[Sequence[int]] = None, *,
+                     device=None) -> "PackedLayout":
+        """The layout of sequences with these real lengths (and padded slot lengths, default: unpadded);
+        tensors built on the host and moved to `device` once."""
+        lengths = _check_lengths(lengths, "lengths")
+        cu = _cumulative(lengths, device)
+        if padded_lengths is None:
+            return cls(lengths, lengths, cu, cu, torch.arange(sum(lengths), device=cu.device))
+        padded = _check_lengths(padded_lengths, "padded_lengths")
+        if len(padded) != len(lengths) or any(p < n for p, n in zip(padded, lengths)):
+            raise ValueError(f"padded_lengths {list(padded)[:8]} must have one entry per sequence of lengths "
+                             f"{list(lengths)[:8]}, each at least its real length")
+        cu_padded = _cumulative(padded, None)
+        index = ranges(cu_padded[:-1], torch.tensor(lengths, dtype=torch.int64))
+        dev = lambda t: t if device is None else host_to_device(t, device)  # noqa: E731
+        return cls(lengths, padded, cu, dev(cu_padded), dev(index))
+
+    @classmethod
+    def of(cls, layout, what: str = "cu_seqlens") -> "PackedLayout":
+        """The one conversion of what callers pass: a PackedLayout (as is), a cu_seqlens tensor or list
+        (its tensor kept when already int32), or megatron's PackedSeqParams (qkv_format "thd": its
+        cu_seqlens_q and, when set, cu_seqlens_q_padded; the layout it was built from when it carries one)."""
+        if isinstance(layout, PackedLayout):
+            return layout
+        if hasattr(layout, "cu_seqlens_q"):  # megatron's PackedSeqParams
+            return cls._of_params(layout, what)
+        if layout is None or (torch.is_tensor(layout) and layout.is_floating_point()):
+            raise ValueError(f"{what} must be 1-D integer cumulative lengths, a PackedSeqParams or a "
+                             f"PackedLayout, got {layout if layout is None else layout.dtype}")
+        lengths = sequence_lengths(layout, what)
+        if not torch.is_tensor(layout):
+            return cls.from_lengths(lengths)
+        cu = (layout if layout.dim() == 1 else layout.reshape(-1)).to(torch.int32)  # as is when int32
+        return cls(tuple(lengths), tuple(lengths), cu, cu, torch.arange(sum(lengths), device=cu.device))
+
+    @classmethod
+    def _of_params(cls, psp, what: str) -> "PackedLayout":
+        fmt = getattr(psp, "qkv_format", "thd")
+        if fmt != "thd":
+            raise ValueError(f"{what}.qkv_format={fmt!r}: a packed layout is 'thd'")
+        carried = getattr(psp, "packed_layout", None)
+        if isinstance(carried, PackedLayout) and carried.cu_seqlens is psp.cu_seqlens_q and (
+                psp.cu_seqlens_q_padded is None or psp.cu_seqlens_q_padded is carried.cu_seqlens_padded):
+            return carried
+        real = cls.of(psp.cu_seqlens_q, f"{what}.cu_seqlens_q")
+        if psp.cu_seqlens_q_padded is None or psp.cu_seqlens_q_padded is psp.cu_seqlens_q:
+            return real
+        padded = cls.of(psp.cu_seqlens_q_padded, f"{what}.cu_seqlens_q_padded")
+        if len(padded.lengths) != len(real.lengths) or any(p < n for p, n in zip(padded.lengths, real.lengths)):
+            raise ValueError(f"{what}.cu_seqlens_q lengths {list(real.lengths)[:4]}... must not exceed the "
+                             f"cu_seqlens_q_padded lengths {list(padded.lengths)[:4]}... (same number of sequences)")
+        cu_p = padded.cu_seqlens.to("cpu", torch.int64)
+        index = ranges(cu_p[:-1], torch.tensor(real.lengths, dtype=torch.int64)).to(real.cu_seqlens.device)
+        return cls(real.lengths, padded.lengths, real.cu_seqlens, padded.cu_seqlens, index)
+
+    @property
+    def total(self) -> int:
+        """Real packed tokens."""
+        return sum(self.lengths)
+
+    @property
+    def padded_total(self) -> int:
+        """Tokens of the padded layout (the packed row's length)."""
+        return sum(self.padded_lengths)
+
+    @property
+    def max_seqlen(self) -> int:
+        """Longest padded sequence (megatron's PackedSeqParams.max_seqlen_q / _kv; 0 without sequences)."""
+        return max(self.padded_lengths, default=0)
+
+    @property
+    def padded(self) -> bool:
+        """Whether the padded layout has its own tensor (set as PackedSeqParams' *_padded fields)."""
+        return self.cu_seqlens_padded is not self.cu_seqlens
+
+    def to(self, device) -> "PackedLayout":
+        """The same layout with its tensors on `device` (pinned, non-blocking copies from the host)."""
+        move = lambda t: host_to_device(t, device)  # noqa: E731
+        cu = move(self.cu_seqlens)
+        return PackedLayout(self.lengths, self.padded_lengths, cu,
+                            move(self.cu_seqlens_padded) if self.padded else cu, move(self.index))
+
+    def for_context_parallel(self, cp_size: int, multiple: Optional[int] = None) -> "PackedLayout":
+        """Every sequence's slot padded up to a multiple of `multiple` (default 2·cp_size; it must be a
+        multiple of 2·cp_size, e.g. 2·cp·tp when sequence parallelism also splits the packed tokens):
+        the layout megatron's zigzag context-parallel split takes."""
+        multiple = 2 * cp_size if multiple is None else int(multiple)
+        if cp_size < 1 or multiple < 1 or multiple % (2 * cp_size):
+            raise ValueError(f"pad_for_context_parallel: multiple={multiple} must be a positive multiple of "
+                             f"2*cp_size = {2 * cp_size}")
+        padded = tuple(-(-n // multiple) * multiple for n in self.padded_lengths)
+        layout = PackedLayout.from_lengths(self.lengths, padded)
+        return layout.to(self.cu_seqlens.device)
+
+    def packed_seq_params(self):
+        """megatron's PackedSeqParams(qkv_format="thd") of this layout (the *_padded fields set when the
+        layout is padded); it carries the layout (`packed_layout`), so `PackedLayout.of` of it is free."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        padded = self.cu_seqlens_padded if self.padded else None
+        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+                              cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
+                              max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+        psp.packed_layout = self
+        return psp
+
+
+def _check_lengths(lengths, what: str) -> Tuple[int, ...]:
+    if torch.is_tensor(lengths):
+        if lengths.is_floating_point():
+            raise ValueError(f"{what} must hold integers, got {lengths.dtype}")
+        lengths = lengths.reshape(-1).tolist()
+    out = tuple(int(n) for n in lengths)
+    if any(n < 0 for n in out) or any(isinstance(n, bool) or int(n) != n for n in lengths):
+        raise ValueError(f"{what} must be non-negative integers, got {list(lengths)[:8]}")
+    return out
 
 
 def row_lengths(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

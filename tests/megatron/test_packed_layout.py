@@ -1,0 +1,96 @@
+"""`PackedLayout`: the packed (THD) layout as one value -- its constructors agree, its host and tensor
+copies agree, its context-parallel form is `pad_for_context_parallel`'s padding, and bad input is refused
+naming the argument."""
+import pytest
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from areal_lce.megatron import context_parallel as CP
+from areal_lce.megatron.packing import PackedLayout, pack_rows
+
+# a zero-length sequence (an empty row between two), odd lengths (CP pads them), one long sequence
+LENGTHS = (7, 12, 0, 3, 9)
+
+
+def _cu(lengths, dtype=torch.int32):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=dtype)
+
+
+def _same(a: PackedLayout, b: PackedLayout):
+    assert a.lengths == b.lengths and a.padded_lengths == b.padded_lengths
+    for name in ("cu_seqlens", "cu_seqlens_padded", "index"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_constructors_agree_and_copies_agree():
+    layout = PackedLayout.from_lengths(LENGTHS)
+    cu = _cu(LENGTHS)
+    _same(layout, PackedLayout.of(cu))
+    _same(layout, PackedLayout.of(cu.tolist()))
+    _same(layout, PackedLayout.of(_cu(LENGTHS, torch.int64)))
+    assert PackedLayout.of(layout) is layout
+    assert PackedLayout.of(cu).cu_seqlens is cu  # an int32 tensor is kept, not copied
+    # host ints and tensors describe the same layout; unpadded: one cumulative tensor
+    assert layout.cu_seqlens.dtype == torch.int32 and layout.cu_seqlens.tolist() == cu.tolist()
+    assert not layout.padded and layout.cu_seqlens_padded is layout.cu_seqlens
+    assert (layout.total, layout.padded_total, layout.max_seqlen) == (31, 31, 12)
+    assert layout.index.tolist() == list(range(31))
+    # megatron's PackedSeqParams: it carries the layout, and a foreign one converts to the same layout
+    psp = layout.packed_seq_params()
+    assert psp.qkv_format == "thd" and psp.cu_seqlens_q is layout.cu_seqlens and psp.cu_seqlens_kv_padded is None
+    assert psp.max_seqlen_q == psp.max_seqlen_kv == 12 and PackedLayout.of(psp) is layout
+    _same(layout, PackedLayout.of(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)))
+    # pack_rows builds its rows' cu_seqlens from the same rule
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+    rows = pack_rows(ids, ids.masked_fill(ids == 0, -100))
+    assert rows.cu_seqlens.tolist() == PackedLayout.from_lengths([3, 2]).cu_seqlens.tolist()
+
+
+@pytest.mark.parametrize("cp, multiple", [(1, None), (2, None), (2, 8), (3, 6)])
+def test_context_parallel_form_is_pad_for_context_parallel(cp, multiple):
+    layout = PackedLayout.from_lengths(LENGTHS)
+    padded = layout.for_context_parallel(cp, multiple)
+    old = CP.pad_for_context_parallel(_cu(LENGTHS), cp, multiple)
+    step = multiple or 2 * cp
+    assert padded.lengths == LENGTHS and padded.padded_lengths == tuple(-(-n // step) * step for n in LENGTHS)
+    assert padded.padded and padded.cu_seqlens is not padded.cu_seqlens_padded
+    assert padded.cu_seqlens_padded.tolist() == old.cu_seqlens_padded.tolist()
+    assert padded.cu_seqlens_padded.dtype == old.cu_seqlens_padded.dtype == torch.int32
+    assert torch.equal(padded.index, old.index) and padded.max_seqlen == old.max_seqlen
+    assert padded.padded_total == old.total
+    assert tuple(CP.ContextParallelPadding.of(padded)) == (padded.cu_seqlens_padded, padded.index,
+                                                           padded.max_seqlen, padded.padded_total)
+    # the padded PackedSeqParams round-trips: the carried layout, or the same layout rebuilt from its tensors
+    psp = padded.packed_seq_params()
+    assert psp.cu_seqlens_q_padded is psp.cu_seqlens_kv_padded is padded.cu_seqlens_padded
+    assert psp.max_seqlen_q == padded.max_seqlen and PackedLayout.of(psp) is padded
+    psp.packed_layout = None
+    _same(padded, PackedLayout.of(psp))
+    # pad_for_context_parallel takes the layout and megatron's PackedSeqParams too
+    for spelling in (layout, layout.packed_seq_params()):
+        again = CP.pad_for_context_parallel(spelling, cp, multiple)
+        assert again.cu_seqlens_padded.tolist() == old.cu_seqlens_padded.tolist() and torch.equal(again.index, old.index)
+
+
+def test_bad_input_names_the_argument():
+    with pytest.raises(ValueError, match="cu_seqlens must be 1-D cumulative lengths starting at 0"):
+        PackedLayout.of(torch.tensor([1, 3]))
+    with pytest.raises(ValueError, match="my_cu must be non-decreasing"):
+        PackedLayout.of(torch.tensor([0, 3, 2]), "my_cu")
+    with pytest.raises(ValueError, match="cu_seqlens must be 1-D integer"):
+        PackedLayout.of(torch.tensor([0.0, 2.0]))
+    with pytest.raises(ValueError, match="cu_seqlens must be 1-D integer"):
+        PackedLayout.of(None)
+    with pytest.raises(ValueError, match="lengths must be non-negative integers"):
+        PackedLayout.from_lengths([3, -1])
+    with pytest.raises(ValueError, match="padded_lengths .* each at least its real length"):
+        PackedLayout.from_lengths([3, 4], [4, 3])
+    with pytest.raises(ValueError, match="packed_seq_params.qkv_format='sbhd'"):
+        PackedLayout.of(PackedSeqParams(qkv_format="sbhd"), "packed_seq_params")
+    cu, short = _cu([4, 4]), _cu([4, 2])
+    with pytest.raises(ValueError, match="psp.cu_seqlens_q lengths .* must not exceed the cu_seqlens_q_padded"):
+        PackedLayout.of(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=short), "psp")
+    with pytest.raises(ValueError, match="multiple=6 must be a positive multiple of 2\\*cp_size = 4"):
+        PackedLayout.from_lengths(LENGTHS).for_context_parallel(2, 6)
+    with pytest.raises(ValueError, match="packed_seq_params.cu_seqlens_q must be 1-D integer"):
+        PackedLayout.of(PackedSeqParams(qkv_format="thd"), "packed_seq_params")
