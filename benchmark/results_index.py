@@ -126,13 +126,14 @@ def aliases(root: Path = RESULTS) -> dict:
     return out
 
 
-def resolve(path: str, root: Path = RESULTS) -> Path:
+def resolve(path: str, root: Path = RESULTS, former: dict | None = None) -> Path:
     """A path relative to results/ as notes, docs or comments cite it, under a folder's current or former name
-    (`run8_final_small_qwen7b/bench_lce.json` -> root/h100_op_run8_final_small_qwen7b/bench_lce.json)."""
+    (`run8_final_small_qwen7b/bench_lce.json` -> root/h100_op_run8_final_small_qwen7b/bench_lce.json).
+    `former`: `aliases(root)` when resolving many paths (read once)."""
     parts = path.strip("/").split("/")
     n = 2 if parts[0] == "archive" and len(parts) > 1 else 1
     head, rest = "/".join(parts[:n]), parts[n:]
-    new = aliases(root).get(head)
+    new = (aliases(root) if former is None else former).get(head)
     return root.joinpath(new[0] if new else head, *rest)
 
 

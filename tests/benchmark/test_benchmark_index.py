@@ -132,8 +132,10 @@ DOCS += [(str(p.relative_to(REPO)), _FULL) for p in sorted((REPO / "docs").glob(
 def test_result_paths_in_docs_exist(doc, pattern):
     """Every result folder a doc or comment names exists, under its name or a former one."""
     paths = re.findall(pattern, (REPO / doc).read_text(encoding="utf-8"))
+    former = ri.aliases(RESULTS)
     for p in paths:
-        assert ri.resolve(p.rstrip(".")).exists(), f"{doc} names benchmark/results/{p}, which does not exist"
+        assert ri.resolve(p.rstrip("."), RESULTS, former).exists(), \
+            f"{doc} names benchmark/results/{p}, which does not exist"
 
 
 def test_docs_table_is_the_merge_of_the_committed_runs(tmp_path, capsys):
