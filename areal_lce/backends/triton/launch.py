@@ -178,7 +178,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 class TritonBackend:
     """Backend contract of base.py on CUDA (and on CPU under TRITON_INTERPRET=1). Memory bound: module
-    docstring. backward_gemms=False is for profiling (`benchmark.bench_lce` times the backward kernels
+    docstring. backward_gemms=False is for profiling (`benchmark.op.bench_lce` times the backward kernels
     alone): the backward skips its cuBLAS d_hidden / d_weight GEMMs and returns (None, None)."""
 
     name = "triton"
