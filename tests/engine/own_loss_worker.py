@@ -73,18 +73,16 @@ def parity(tp: int = 1, sp: bool = False, pack: bool = True, fusions=(False,), *
     `model.cross_entropy_loss_fusion` of `fusions`, all engines on the fused engine's parameters.
     `parallel`: further ParallelConfig fields (context_parallel=2, pipeline_parallel=2)."""
     from areal_lce.megatron.compat import cpu_shims
-    from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig
     from areal_lce.engine.engine import MegatronEngine
     from areal_lce.train.losses import SFTLoss
     from areal_lce.train.rl import _copy_parameters
+    from helpers.engines import tiny_engine
 
     def build(fused: bool, fusion: bool = False) -> MegatronEngine:
         # lr = 0: the step leaves the parameters alone; fp32 on CPU
-        cfg = EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=32, cross_entropy_loss_fusion=fusion),
-                           parallel=ParallelConfig(tensor_parallel=tp, sequence_parallel=sp, **parallel),
-                           optim=OptimConfig(lr=0.0, clip_grad=0.0), use_fused_linear_ce=fused,
-                           lce=LCEConfig(backend="torch"), pack_sequences=pack, seed=11)
-        return MegatronEngine(cfg, vocab_size=VOCAB)
+        return tiny_engine(VOCAB, model=dict(max_seq_len=32, cross_entropy_loss_fusion=fusion),
+                           parallel=dict(tensor_parallel=tp, sequence_parallel=sp, **parallel),
+                           optim=dict(lr=0.0, clip_grad=0.0), use_fused_linear_ce=fused, pack_sequences=pack, seed=11)
 
     mbs = sft_microbatches()
     targets = sum(mb.target_tokens() for mb in mbs)

@@ -34,19 +34,18 @@ def fixed_rollout(vocab: int, seed: int = 0, batch: int = 8):
 
 def route_parity(tp: int = 1, temperature: float = 0.7) -> dict:
     """Max relative differences (loss, grads) fused vs materialised for each loss_agg; asserts inside."""
-    from areal_lce.engine.config import EngineConfig, ModelConfig, OptimConfig, ParallelConfig
-    from areal_lce.engine.engine import MegatronEngine
+    from areal_lce.engine.config import LCEConfig
     from areal_lce.train.rl import _copy_parameters, minibatch_plan
     from areal_lce.train.rl_config import RLConfig
     from areal_lce.train.rl_losses import PolicyMicroBatch, rl_loss
+    from helpers.engines import tiny_engine
 
     vocab = 259  # the byte tokenizer's vocabulary; Megatron pads it to 384 (x tp)
     engines = {}
     for fused in (True, False):
         # lr = 0: the optimizer step leaves the parameters alone, so every loss mode sees the same model
-        cfg = EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=32), parallel=ParallelConfig(tensor_parallel=tp),
-                           optim=OptimConfig(lr=0.0, clip_grad=0.0), use_fused_linear_ce=fused, seed=7)
-        engines[fused] = MegatronEngine(cfg, vocab_size=vocab)
+        engines[fused] = tiny_engine(vocab, model=dict(max_seq_len=32), parallel=dict(tensor_parallel=tp),
+                                     optim=dict(lr=0.0, clip_grad=0.0), lce=LCEConfig(), use_fused_linear_ce=fused, seed=7)
     _copy_parameters(engines[True], engines[False])
     batch, g = fixed_rollout(vocab)
     mask = batch.labels != -100

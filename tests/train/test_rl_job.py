@@ -193,16 +193,15 @@ def test_token_budget_ranges_hand_checked():
 @pytest.mark.slow
 def test_logprob_passes_by_token_budget_match_per_sequence():
     """The behaviour/reference pass gives the same statistics whatever rows share a forward."""
-    from areal_lce.engine.config import EngineConfig, ModelConfig
-    from areal_lce.engine.engine import MegatronEngine
+    from areal_lce.engine.config import LCEConfig
     from areal_lce.engine.microbatch import token_budget_ranges
+    from helpers.engines import tiny_engine
 
     vocab = 259
     batch, _ = rl_worker.fixed_rollout(vocab, seed=3, batch=9)
     batch = dataclasses.replace(batch, temperature=0.8)
     for pack in (True, False):
-        eng = MegatronEngine(EngineConfig(model=ModelConfig(preset="tiny", max_seq_len=32), pack_sequences=pack,
-                                          seed=5), vocab_size=vocab)
+        eng = tiny_engine(vocab, model=dict(max_seq_len=32), lce=LCEConfig(), pack_sequences=pack, seed=5)
         one_each = rl.batched_token_stats(eng, batch, [slice(i, i + 1) for i in range(batch.rows)])
         budget = token_budget_ranges(batch.labels, 20 if pack else 2 * batch.labels.shape[1], packed=pack)
         assert 2 < len(budget) < batch.rows
