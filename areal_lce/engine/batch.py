@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from .. import patching
-from ..megatron.context_parallel import (CPGroup, gather_from_context_parallel, pad_for_context_parallel,
-                                         pad_packed, split_for_context_parallel)
-from ..megatron.packing import PackedRows, pack_rows
+from ..megatron.context_parallel import (ContextParallelPadding, CPGroup, gather_from_context_parallel, pad_packed,
+                                         split_for_context_parallel)
+from ..megatron.packing import PackedLayout, PackedRows, pack_rows
 from ..megatron.stats import TokenStats
 
 
@@ -34,25 +34,29 @@ class ModelBatch:
     packed: Optional[PackedRows]  # None: BSHD
     shape: tuple  # (b, s) of the caller's padded batch
     cp: CPGroup = CPGroup.none()  # the context-parallel group (CPGroup.none(): no CP)
-    cp_padding: Any = None  # THD under CP: ContextParallelPadding of the packed sequences
+    # THD: the packed layout the model sees, built once by `prepare` (under CP its slots padded for the
+    # zigzag split); attention, RoPE, the CP split and gather and the per-token tensors all read this value
+    layout: Optional[PackedLayout] = None
     compact_ignored: Optional[bool] = None  # the fused LM head's choice for this batch (compact_choice)
+
+    @property
+    def cp_padding(self) -> Optional[ContextParallelPadding]:
+        """THD under CP: the padding of the packed sequences in its older form (`layout` holds it)."""
+        return ContextParallelPadding.of(self.layout) if self.cp.active and self.layout is not None else None
 
     def rope_positions(self) -> Optional[torch.Tensor]:
         """Position of every token of the whole packed row (before any CP split) within its sequence."""
         if self.packed is None:
             return None
         pos = self.packed.position_ids
-        return (pos if self.cp_padding is None else pad_packed(pos, self.cp_padding, 0)).reshape(-1)
+        return (pos if not self.cp.active else pad_packed(pos, self.layout, 0)).reshape(-1)
 
     @property
     def packed_seq_params(self):
         if self.packed is None:
             return None
-        psp = self.packed.packed_seq_params()
-        if self.cp_padding is not None:  # real lengths + the padded layout megatron's THD RoPE and attention use
-            psp.cu_seqlens_q_padded = psp.cu_seqlens_kv_padded = self.cp_padding.cu_seqlens_padded
-            psp.max_seqlen_q = psp.max_seqlen_kv = self.cp_padding.max_seqlen
-        return psp
+        # under CP: real lengths + the padded layout megatron's THD RoPE and attention use
+        return self.packed.packed_seq_params() if self.layout is None else self.layout.packed_seq_params()
 
     def stats(self, out: torch.Tensor) -> TokenStats:
         """Model output (packed stats [b, s', 4] or [1, T, 4], CP-local under CP) -> TokenStats in the
@@ -64,10 +68,9 @@ class ModelBatch:
         CP) -> the caller's [b, s, ...] (`fill` where no token was computed); differentiable (under CP through
         the all-gather whose backward returns each rank its own slice)."""
         if self.cp.active:
-            cu = None if self.cp_padding is None else self.cp_padding.cu_seqlens_padded
-            out = gather_from_context_parallel(out, self.cp, cu)
-            if self.cp_padding is not None:
-                out = out.index_select(1, self.cp_padding.index.to(out.device))
+            out = gather_from_context_parallel(out, self.cp, self.layout)
+            if self.layout is not None:
+                out = out.index_select(1, self.layout.index.to(out.device))
         if self.packed is not None:
             return self.packed.unpack(out, fill)
         b, s = self.shape
@@ -118,14 +121,13 @@ def prepare(input_ids: torch.Tensor, labels: torch.Tensor, *, device, max_seq_le
         rows = host.to(device, cu_seqlens_on_host)
         if group is None:
             return ModelBatch(rows.input_ids, rows.labels, rows.position_ids, None, rows, (b, s),
-                              compact_ignored=compact)
+                              layout=rows.layout, compact_ignored=compact)
         # every packed sequence padded to a multiple of 2*cp (x tp under SP: each CP share is then split
         # over TP too), then this rank's zigzag chunks of each
-        padding = pad_for_context_parallel(rows.cu_seqlens, cp.size, 2 * cp.size * seq_multiple)
-        cu = padding.cu_seqlens_padded
-        local = [split_for_context_parallel(pad_packed(x, padding, fill), group, cu)
+        layout = rows.layout.for_context_parallel(cp.size, 2 * cp.size * seq_multiple)
+        local = [split_for_context_parallel(pad_packed(x, layout, fill), group, layout)
                  for x, fill in ((rows.input_ids, 0), (rows.labels, ignore_index), (rows.position_ids, 0))]
-        return ModelBatch(*local, None, rows, (b, s), group, padding, compact_ignored=compact)
+        return ModelBatch(*local, None, rows, (b, s), group, layout, compact_ignored=compact)
     pad = (-s) % (seq_multiple * (2 * cp.size if group else 1))
     compact = compact_choice(compact_ignored, labels, b * (s + pad), ignore_index)
     ids, lab = input_ids.to(device, torch.long), labels.to(device, torch.long)

@@ -32,10 +32,9 @@ def to_model_layout(x: torch.Tensor, mb: ModelBatch, fill) -> torch.Tensor:
         out = flat.new_full((rows.input_ids.shape[1],) + tail, fill)
         out[: flat.shape[0]] = flat
         out = host_to_device(out[None], device)
-        if mb.cp_padding is None:
+        if not mb.cp.active:
             return out
-        cu = mb.cp_padding.cu_seqlens_padded
-        return split_for_context_parallel(pad_packed(out, mb.cp_padding, fill), mb.cp, cu)
+        return split_for_context_parallel(pad_packed(out, mb.layout, fill), mb.cp, mb.layout)
     width = mb.labels.shape[1] * mb.cp.size  # the padded sequence before the CP split
     out = x.new_full((b, width) + tail, fill)
     out[:, :s] = x

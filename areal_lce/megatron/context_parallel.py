@@ -97,16 +97,18 @@ def _cp_lengths(x: torch.Tensor, cu_seqlens, what: str, local: bool, cp: int) ->
         return [tokens]
     if x.shape[0] != 1:
         raise ValueError(f"{what}: with cu_seqlens the tensor is packed THD [1, T, ...], got shape {tuple(x.shape)}")
-    lengths = sequence_lengths(cu_seqlens)
+    lengths = list(PackedLayout.of(cu_seqlens).padded_lengths)  # the slots the tokens sit in
     if sum(lengths) != tokens:
         raise ValueError(f"{what}: cu_seqlens[-1] = {sum(lengths)} but the tensor holds {tokens} tokens"
                          + (f" ({x.shape[1]} per rank x cp {cp})" if local else ""))
     return lengths
 
 
-def split_for_context_parallel(x: torch.Tensor, cp_group, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+def split_for_context_parallel(x: torch.Tensor, cp_group, cu_seqlens=None) -> torch.Tensor:
     """This CP rank's tokens of `x` ([b, s, ...] split per row along dim 1, or packed THD [1, T, ...]
     split per sequence of `cu_seqlens`, lengths multiples of 2·cp). Identity when the group has one rank.
+    `cu_seqlens`: the cumulative lengths of the slots the tokens sit in, or a (CP-padded) PackedLayout or
+    megatron's PackedSeqParams (their padded slots; `PackedLayout.of`), or None for BSHD.
     `cp_group`: a CPGroup, None, a process group or megatron's pg_collection (`CPGroup.of`)."""
     cp = CPGroup.of(cp_group)
     if not cp.active:
@@ -116,13 +118,13 @@ def split_for_context_parallel(x: torch.Tensor, cp_group, cu_seqlens: Optional[t
     return x.index_select(1, index)
 
 
-def gather_from_context_parallel(local: torch.Tensor, cp_group, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gather_from_context_parallel(local: torch.Tensor, cp_group, cu_seqlens=None) -> torch.Tensor:
     """Inverse of `split_for_context_parallel`: the full `[b, s, ...]` / `[1, T, ...]` on every CP rank.
 
     Forward all-gathers the local tokens; backward gives each rank its own slice of the gradient (the
     gathered tensor is replicated, so every rank holds the same full gradient: no reduction).
     The CP ranks must pass the same layout (local shape, cu_seqlens): `check_same_layout` checks it the
-    first time this rank gathers a layout. `cp_group`: as `split_for_context_parallel` takes it."""
+    first time this rank gathers a layout. `cp_group`, `cu_seqlens`: as `split_for_context_parallel` takes them."""
     cp = CPGroup.of(cp_group)
     if not cp.active:
         return local
@@ -213,8 +215,11 @@ def pad_for_context_parallel(cu_seqlens, cp_size: int, multiple: Optional[int] =
     return ContextParallelPadding.of(PackedLayout.of(cu_seqlens).for_context_parallel(cp_size, multiple))
 
 
-def pad_packed(x: torch.Tensor, padding: ContextParallelPadding, value=0) -> torch.Tensor:
-    """`x` [1, T, ...] in the padded layout [1, padding.total, ...]; padding slots hold `value`."""
+def pad_packed(x: torch.Tensor, padding, value=0) -> torch.Tensor:
+    """`x` [1, T, ...] in the padded layout [1, padding.total, ...]; padding slots hold `value`.
+    `padding`: a ContextParallelPadding or a (padded) PackedLayout."""
+    if isinstance(padding, PackedLayout):
+        padding = ContextParallelPadding.of(padding)
     if x.dim() < 2 or x.shape[0] != 1 or x.shape[1] != padding.index.numel():
         raise ValueError(f"pad_packed: x must be [1, {padding.index.numel()}, ...], got {tuple(x.shape)}")
     out = x.new_full((1, padding.total) + tuple(x.shape[2:]), value)

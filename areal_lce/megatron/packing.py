@@ -32,7 +32,14 @@ def packed_next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, 
     every sequence, and every token past cu_seqlens[-1]). With `cu_seqlens_padded` (Megatron's padded THD
     layout: sequence i starts at cu_seqlens_padded[i] and holds cu_seqlens[i + 1] - cu_seqlens[i] real
     tokens), the padding slots get ignore_index too. Returns a tensor shaped and placed like input_ids.
+    `cu_seqlens` may also be a PackedLayout or megatron's PackedSeqParams (`PackedLayout.of`; their padded
+    layout, when they have one, stands for `cu_seqlens_padded`).
     """
+    if isinstance(cu_seqlens, PackedLayout) or hasattr(cu_seqlens, "cu_seqlens_q"):
+        layout = PackedLayout.of(cu_seqlens)
+        cu_seqlens = layout.cu_seqlens
+        if layout.padded and cu_seqlens_padded is None:
+            cu_seqlens_padded = layout.cu_seqlens_padded
     if not torch.is_tensor(input_ids) or input_ids.is_floating_point() or input_ids.dim() not in (1, 2) \
             or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
         raise ValueError(f"input_ids must be an integer tensor [1, T] or [T], got "
@@ -99,14 +106,15 @@ class PackedLayout:
     `cu_seqlens_padded[i]` (real tokens first); without padding both cumulative tensors are the same
     tensor. Host copies (`lengths`, `padded_lengths`: python ints) and the cumulative int32 tensors (on
     the layout's device) are made once, so consumers never read a device tensor back or rebuild one.
-    `index` [total] int64: where every real token sits in the padded layout (beside the tensors).
+    `index` [total] int64: where every real token sits in the padded layout (kept beside the tensors
+    when padded, `padded_index`; an arange made on demand when not).
     """
 
     lengths: Tuple[int, ...]
     padded_lengths: Tuple[int, ...]
     cu_seqlens: torch.Tensor  # int32 [n + 1] of `lengths`
     cu_seqlens_padded: torch.Tensor  # int32 [n + 1] of `padded_lengths` (`cu_seqlens` itself when unpadded)
-    index: torch.Tensor  # int64 [total]
+    padded_index: Optional[torch.Tensor] = None  # int64 [total] when padded (see `index`)
 
     @classmethod
     def from_lengths(cls, lengths: Sequence[int], padded_lengths: Optional[Sequence[int]] = None, *,
@@ -116,7 +124,7 @@ class PackedLayout:
         lengths = _check_lengths(lengths, "lengths")
         cu = _cumulative(lengths, device)
         if padded_lengths is None:
-            return cls(lengths, lengths, cu, cu, torch.arange(sum(lengths), device=cu.device))
+            return cls(lengths, lengths, cu, cu)
         padded = _check_lengths(padded_lengths, "padded_lengths")
         if len(padded) != len(lengths) or any(p < n for p, n in zip(padded, lengths)):
             raise ValueError(f"padded_lengths {list(padded)[:8]} must have one entry per sequence of lengths "
@@ -142,7 +150,7 @@ class PackedLayout:
         if not torch.is_tensor(layout):
             return cls.from_lengths(lengths)
         cu = (layout if layout.dim() == 1 else layout.reshape(-1)).to(torch.int32)  # as is when int32
-        return cls(tuple(lengths), tuple(lengths), cu, cu, torch.arange(sum(lengths), device=cu.device))
+        return cls(tuple(lengths), tuple(lengths), cu, cu)
 
     @classmethod
     def _of_params(cls, psp, what: str) -> "PackedLayout":
@@ -151,8 +159,9 @@ class PackedLayout:
             raise ValueError(f"{what}.qkv_format={fmt!r}: a packed layout is 'thd'")
         carried = getattr(psp, "packed_layout", None)
         if isinstance(carried, PackedLayout) and carried.cu_seqlens is psp.cu_seqlens_q and (
-                psp.cu_seqlens_q_padded is None or psp.cu_seqlens_q_padded is carried.cu_seqlens_padded):
-            return carried
+                psp.cu_seqlens_q_padded is (carried.cu_seqlens_padded if carried.padded else None)) and \
+                getattr(psp, "packed_layout_versions", None) == carried._versions():
+            return carried  # the layout it was built from: its tensors neither replaced nor modified since
         real = cls.of(psp.cu_seqlens_q, f"{what}.cu_seqlens_q")
         if psp.cu_seqlens_q_padded is None or psp.cu_seqlens_q_padded is psp.cu_seqlens_q:
             return real
@@ -163,6 +172,13 @@ class PackedLayout:
         cu_p = padded.cu_seqlens.to("cpu", torch.int64)
         index = ranges(cu_p[:-1], torch.tensor(real.lengths, dtype=torch.int64)).to(real.cu_seqlens.device)
         return cls(real.lengths, padded.lengths, real.cu_seqlens, padded.cu_seqlens, index)
+
+    @property
+    def index(self) -> torch.Tensor:
+        """int64 [total]: the position of every real token in the padded layout (on the layout's device)."""
+        if self.padded_index is not None:
+            return self.padded_index
+        return torch.arange(self.total, device=self.cu_seqlens.device)
 
     @property
     def total(self) -> int:
@@ -186,10 +202,11 @@ class PackedLayout:
 
     def to(self, device) -> "PackedLayout":
         """The same layout with its tensors on `device` (pinned, non-blocking copies from the host)."""
-        move = lambda t: host_to_device(t, device)  # noqa: E731
-        cu = move(self.cu_seqlens)
-        return PackedLayout(self.lengths, self.padded_lengths, cu,
-                            move(self.cu_seqlens_padded) if self.padded else cu, move(self.index))
+        if not self.padded:
+            cu = host_to_device(self.cu_seqlens, device)
+            return PackedLayout(self.lengths, self.padded_lengths, cu, cu)
+        return PackedLayout(self.lengths, self.padded_lengths, *(
+            host_to_device(t, device) for t in (self.cu_seqlens, self.cu_seqlens_padded, self.padded_index)))
 
     def for_context_parallel(self, cp_size: int, multiple: Optional[int] = None) -> "PackedLayout":
         """Every sequence's slot padded up to a multiple of `multiple` (default 2·cp_size; it must be a
@@ -200,8 +217,10 @@ class PackedLayout:
             raise ValueError(f"pad_for_context_parallel: multiple={multiple} must be a positive multiple of "
                              f"2*cp_size = {2 * cp_size}")
         padded = tuple(-(-n // multiple) * multiple for n in self.padded_lengths)
-        layout = PackedLayout.from_lengths(self.lengths, padded)
-        return layout.to(self.cu_seqlens.device)
+        host = PackedLayout.from_lengths(self.lengths, padded)  # the real cu_seqlens tensor is kept
+        device = self.cu_seqlens.device
+        return PackedLayout(self.lengths, padded, self.cu_seqlens, host_to_device(host.cu_seqlens_padded, device),
+                            host_to_device(host.padded_index, device))
 
     def packed_seq_params(self):
         """megatron's PackedSeqParams(qkv_format="thd") of this layout (the *_padded fields set when the
@@ -212,8 +231,11 @@ class PackedLayout:
         psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
                               cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
-        psp.packed_layout = self
+        psp.packed_layout, psp.packed_layout_versions = self, self._versions()
         return psp
+
+    def _versions(self) -> tuple:
+        return (self.cu_seqlens._version, self.cu_seqlens_padded._version)
 
 
 def _check_lengths(lengths, what: str) -> Tuple[int, ...]:
@@ -247,8 +269,13 @@ class PackedRows:
     max_seqlen: int
     index: torch.Tensor  # [T_real] flat positions (row * s + col) in the padded [b, s] layout
     padded_shape: tuple  # (b, s) of the padded batch
+    # the sequences as one value (pack_rows builds it; its cu_seqlens is the tensor above). None for rows
+    # whose contents change after construction (a CUDA graph's static rows: no host lengths to trust)
+    layout: Optional[PackedLayout] = None
 
     def packed_seq_params(self):
+        if self.layout is not None:
+            return self.layout.packed_seq_params()
         from megatron.core.packed_seq_params import PackedSeqParams
 
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
@@ -261,9 +288,10 @@ class PackedRows:
         SDPAttention builds its device-side segments from it once per forward. Transformer Engine's
         attention needs it on the device."""
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        cu = self.cu_seqlens if cu_seqlens_on_host else move(self.cu_seqlens)
+        layout = self.layout if cu_seqlens_on_host or self.layout is None else self.layout.to(device)
+        cu = self.cu_seqlens if cu_seqlens_on_host else layout.cu_seqlens if layout else move(self.cu_seqlens)
         return PackedRows(move(self.input_ids), move(self.labels), move(self.position_ids), cu,
-                          self.max_seqlen, self.index, self.padded_shape)
+                          self.max_seqlen, self.index, self.padded_shape, layout)
 
     def unpack(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """[1, T, ...] per-token values -> the padded [b, s, ...] layout (fill elsewhere); differentiable."""
@@ -296,8 +324,7 @@ def pack_rows(input_ids: torch.Tensor, labels: torch.Tensor, *, pad_to_multiple:
     total = max(t_real, int(min_length), 1)  # at least one (ignored) token: the model needs T >= 1
     pad = -(-total // mult) * mult - t_real
     seq_lens = lengths.tolist() + ([pad] if pad else [])
-    cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int64)
-    cu[1:] = torch.tensor(seq_lens, dtype=torch.int64).cumsum(0)
+    layout = PackedLayout.from_lengths(seq_lens, device=input_ids.device)
     device = input_ids.device
     dev_index = index.to(device)
     ids = input_ids.reshape(-1).index_select(0, dev_index)
@@ -307,5 +334,5 @@ def pack_rows(input_ids: torch.Tensor, labels: torch.Tensor, *, pad_to_multiple:
         lab = torch.cat([lab, lab.new_full((pad,), ignore_index)])
     pos = torch.cat([torch.arange(n) for n in seq_lens]).to(device)
     return PackedRows(input_ids=ids[None], labels=lab[None], position_ids=pos[None],
-                      cu_seqlens=cu.to(device=device, dtype=torch.int32), max_seqlen=max(seq_lens),
-                      index=index, padded_shape=(b, s))
+                      cu_seqlens=layout.cu_seqlens, max_seqlen=layout.max_seqlen, index=index,
+                      padded_shape=(b, s), layout=layout)

@@ -248,6 +248,31 @@ def test_prepare_takes_one_cp_value(fake_group):
     assert fake_group.calls == []
 
 
+def test_prepare_builds_one_packed_layout(fake_group):
+    """A packed micro-batch carries its layout as one value, built once by prepare (CP-padded under CP):
+    its PackedSeqParams carries it (attention and the CP helpers read its host lengths), and the older
+    ContextParallelPadding form equals pad_for_context_parallel of the packed cu_seqlens."""
+    from areal_lce.engine.batch import prepare
+    from areal_lce.megatron.packing import PackedLayout
+
+    ids = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 10, 11, 12]])
+    labels = ids.masked_fill(ids == 0, -100)
+    kw = dict(device=torch.device("cpu"), max_seq_len=8, pack=True)
+    mb = prepare(ids, labels, **kw)
+    assert mb.layout is mb.packed.layout and mb.layout.lengths == (3, 5) and mb.cp_padding is None
+    assert PackedLayout.of(mb.packed_seq_params) is mb.layout and mb.packed_seq_params.max_seqlen_q == 5
+    mb = prepare(ids, labels, cp=CP.CPGroup.of(fake_group), **kw)
+    old = CP.pad_for_context_parallel(mb.packed.cu_seqlens, 2)
+    assert mb.layout.lengths == (3, 5) and mb.layout.padded_lengths == (4, 8)
+    assert mb.layout.cu_seqlens is mb.packed.cu_seqlens
+    psp = mb.packed_seq_params
+    assert PackedLayout.of(psp) is mb.layout and psp.cu_seqlens_q_padded is mb.layout.cu_seqlens_padded
+    assert psp.max_seqlen_q == old.max_seqlen == 8
+    assert [torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(mb.cp_padding, old)] == [True] * 4
+    assert mb.input_ids.tolist() == [[5, 0, 8, 9, 0, 0]]  # rank 0: chunk 0 and 3 of [5 6 7 0] and [8 .. 12 0 0 0]
+    assert fake_group.calls == []
+
+
 def test_zigzag_positions():
     assert CP.zigzag_positions([8], 2, 0).tolist() == [0, 1, 6, 7]
     assert CP.zigzag_positions([8, 4], 2, 1).tolist() == [2, 3, 4, 5, 9, 10]

@@ -6,7 +6,8 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from areal_lce.megatron import context_parallel as CP
-from areal_lce.megatron.packing import PackedLayout, pack_rows
+from areal_lce.megatron.packing import PackedLayout, pack_rows, packed_next_token_labels
+from helpers.groups import fake_group  # noqa: F401  (fixture: a recording 2-rank group)
 
 # a zero-length sequence (an empty row between two), odd lengths (CP pads them), one long sequence
 LENGTHS = (7, 12, 0, 3, 9)
@@ -66,10 +67,33 @@ def test_context_parallel_form_is_pad_for_context_parallel(cp, multiple):
     assert psp.max_seqlen_q == padded.max_seqlen and PackedLayout.of(psp) is padded
     psp.packed_layout = None
     _same(padded, PackedLayout.of(psp))
+    # a carried layout is not trusted once the PackedSeqParams' tensors are replaced or modified in place
+    psp = layout.packed_seq_params()
+    psp.cu_seqlens_q = psp.cu_seqlens_kv = _cu((3, 4))
+    assert PackedLayout.of(psp).lengths == (3, 4)
+    psp = PackedLayout.from_lengths((3, 4)).packed_seq_params()
+    psp.cu_seqlens_q[2] = 9
+    assert PackedLayout.of(psp).lengths == (3, 6)
+    # so do the next-token labels (the padded layout stands for cu_seqlens_padded)
+    ids = torch.arange(1, padded.padded_total + 1)[None]
+    want = packed_next_token_labels(ids, old_cu := _cu(LENGTHS), cu_seqlens_padded=old.cu_seqlens_padded)
+    for spelling in (padded, padded.packed_seq_params()):
+        assert torch.equal(packed_next_token_labels(ids, spelling), want)
+    assert torch.equal(packed_next_token_labels(ids[:, :31], layout), packed_next_token_labels(ids[:, :31], old_cu))
     # pad_for_context_parallel takes the layout and megatron's PackedSeqParams too
     for spelling in (layout, layout.packed_seq_params()):
         again = CP.pad_for_context_parallel(spelling, cp, multiple)
         assert again.cu_seqlens_padded.tolist() == old.cu_seqlens_padded.tolist() and torch.equal(again.index, old.index)
+
+
+def test_cp_split_takes_the_layout(fake_group):
+    """The zigzag split reads a layout's padded slots from its host copy, as it reads a cu_seqlens tensor."""
+    padded = PackedLayout.from_lengths(LENGTHS).for_context_parallel(2)
+    x = torch.arange(padded.padded_total)[None]
+    want = CP.split_for_context_parallel(x, fake_group, padded.cu_seqlens_padded)
+    for spelling in (padded, padded.packed_seq_params()):
+        assert torch.equal(CP.split_for_context_parallel(x, fake_group, spelling), want)
+    assert fake_group.calls == []
 
 
 def test_bad_input_names_the_argument():

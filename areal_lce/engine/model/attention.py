@@ -37,7 +37,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from ...megatron.context_parallel import CPGroup, gathered_to_packed, ranges, sequence_lengths, zigzag_positions
 from .kv_attention import cached_attention
-from ...megatron.packing import host_to_device
+from ...megatron.packing import PackedLayout, host_to_device
 
 
 def causal_attention(q, k, v, scale: float, dropout: float = 0.0) -> torch.Tensor:
@@ -185,17 +185,18 @@ def thd_plan(psp, local_tokens: int, cp_size: int, cp_rank: int, device) -> ThdP
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return captured_plan(psp, local_tokens, cp_size)
     padded_name = "cu_seqlens_q_padded" if psp.cu_seqlens_q_padded is not None else "cu_seqlens_q"
-    lengths, real = _host(getattr(psp, padded_name), padded_name), _host(psp.cu_seqlens_q, "cu_seqlens_q")
+    layout = PackedLayout.of(psp, "packed_seq_params")  # the engine's carries its layout: no host reads
+    lengths, real = list(layout.padded_lengths), list(layout.lengths)
     if psp.cu_seqlens_kv is None:
         raise ValueError("packed_seq_params.cu_seqlens_kv is required (megatron's THD RoPE of the keys reads "
                          "it): set it, and cu_seqlens_kv_padded, equal to the query ones")
+    q_padded = psp.cu_seqlens_q if psp.cu_seqlens_q_padded is None else psp.cu_seqlens_q_padded
     kv_padded = psp.cu_seqlens_kv_padded if psp.cu_seqlens_kv_padded is not None else psp.cu_seqlens_kv
-    if _host(psp.cu_seqlens_kv, "cu_seqlens_kv") != real or _host(kv_padded, "cu_seqlens_kv_padded") != lengths:
+    same_kv = psp.cu_seqlens_kv is psp.cu_seqlens_q and kv_padded is q_padded  # self-attention's one layout
+    if not same_kv and (_host(psp.cu_seqlens_kv, "cu_seqlens_kv") != real
+                        or _host(kv_padded, "cu_seqlens_kv_padded") != lengths):
         raise NotImplementedError("packed_seq_params.cu_seqlens_kv(_padded) differ from cu_seqlens_q(_padded): "
                                   "only self-attention over the same packed sequences is supported")
-    if len(real) != len(lengths) or any(r > n for r, n in zip(real, lengths)):
-        raise ValueError(f"packed_seq_params.cu_seqlens_q lengths {real[:4]}... must not exceed the "
-                         f"cu_seqlens_q_padded lengths {lengths[:4]}... (same number of sequences)")
     if getattr(psp, "local_cp_size", None) not in (None, cp_size):
         raise NotImplementedError(f"packed_seq_params.local_cp_size={psp.local_cp_size} (hybrid context "
                                   f"parallelism) is not supported; the CP group has {cp_size} ranks")

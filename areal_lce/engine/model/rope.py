@@ -30,8 +30,8 @@ from typing import Optional
 import torch
 
 from ... import patching
-from ...megatron.context_parallel import sequence_lengths, zigzag_positions
-from ...megatron.packing import host_to_device
+from ...megatron.context_parallel import zigzag_positions
+from ...megatron.packing import PackedLayout, host_to_device
 
 _WARNED = set()
 _INDEX_CACHE: dict = {}
@@ -100,10 +100,11 @@ def thd_rows(cu_seqlens, freq_rows: int, cp_size: int, cp_rank: int, tokens: int
     one sync, as in megatron's own THD RoPE); cached per layout, so the layers of one forward share it.
     Without CP, angles with one row per packed token need no index and cu_seqlens is not read (megatron
     takes its per-token branch when freqs has cu_seqlens[-1] rows, which is then the token count): the
-    call is then free of host reads, as CUDA-graph capture needs."""
+    call is then free of host reads, as CUDA-graph capture needs. `cu_seqlens`: the cumulative lengths
+    megatron passes, or a PackedLayout (its padded slots, read from its host copy)."""
     if cp_size == 1 and freq_rows == tokens:  # angles of every packed token, in order: nothing to read
         return None
-    lengths = sequence_lengths(cu_seqlens, "packed_seq_params.cu_seqlens")
+    lengths = list(PackedLayout.of(cu_seqlens, "packed_seq_params.cu_seqlens").padded_lengths)
     total = sum(lengths)
     key = (tuple(lengths), freq_rows == total, cp_size, cp_rank, str(device))
     if key in _INDEX_CACHE:
