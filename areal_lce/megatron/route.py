@@ -24,6 +24,7 @@ import torch
 from ..checks import check_temperature
 from . import capture, compat
 from .context_parallel import CPGroup
+from .packing import PackedLayout
 
 
 def find_gpt_model(model):
@@ -177,6 +178,8 @@ class Route:
         laid out like labels (None where not asked): their own tensors, so the ids stay exact."""
         gpt = find_gpt_model(model)
         seam = self.seam_for(gpt)
+        if isinstance(packed_seq_params, PackedLayout):  # the layout value: megatron's form, built once here
+            packed_seq_params = packed_seq_params.packed_seq_params()
         _check_inputs(gpt, input_ids, labels, position_ids, packed_seq_params, vocab_size)
         self.check(gpt.config, seam)
         labels = labels.to(input_ids.device)

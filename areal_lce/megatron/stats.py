@@ -117,7 +117,8 @@ def token_stats(model, input_ids: torch.Tensor, labels: torch.Tensor, *, vocab_s
 
     model        GPTModel or a wrapper of one (DDP, Float16Module); called as `model(input_ids, position_ids,
                  attention_mask, packed_seq_params=..., output_processor=...)`.
-    input_ids    [b, s] (BSHD), or [1, T] with `packed_seq_params` (PackedSeqParams(qkv_format="thd", ...)).
+    input_ids    [b, s] (BSHD), or [1, T] with `packed_seq_params` (PackedSeqParams(qkv_format="thd", ...),
+                 or a `PackedLayout`, whose `packed_seq_params()` the model then gets).
     labels       laid out like input_ids, already shifted (the target after each position; see
                  `packed_next_token_labels` for THD), ignore_index where there is no target.
     vocab_size   the true vocabulary (required): Megatron's padded rows never enter the softmax.

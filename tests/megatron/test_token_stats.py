@@ -65,6 +65,10 @@ def test_thd_matches_oracle_and_bshd(tied):
     thd = _check(model, rows.input_ids, rows.labels, t_packed, position_ids=rows.position_ids,
                  packed_seq_params=rows.packed_seq_params())
     back = rows.unpack(thd.pack())
+    # the packed layout as one value is taken in place of megatron's PackedSeqParams: the same call
+    same = token_stats(model, rows.input_ids, rows.labels, vocab_size=G.VOCAB, temperature=t_packed,
+                       position_ids=rows.position_ids, packed_seq_params=rows.layout, backend="torch")
+    assert torch.equal(same.pack().detach(), thd.pack().detach())
     for i, name in enumerate(bshd._fields):
         err = (back[..., i] - getattr(bshd, name).detach()).abs().max().item()
         assert err <= ATOL, f"THD vs BSHD {name}: {err:.2e}"
