@@ -73,6 +73,8 @@ class _Entry:
         t = rows.input_ids.shape[1]
         self.ids, self.labels, self.pos = (x.clone() for x in (rows.input_ids, rows.labels, rows.position_ids))
         self.cu = host_to_device(rows.cu_seqlens.to(torch.int32), rows.input_ids.device).clone()
+        # no PackedLayout: the static rows' sequences change at every replay (their host lengths would be
+        # stale); attention's captured plan reads only the static cu tensor, with max_seqlen = T
         static = PackedRows(self.ids, self.labels, self.pos, self.cu, t, rows.index, rows.padded_shape)
         self.mb = ModelBatch(self.ids, self.labels, self.pos, None, static, mb.shape,
                              compact_ignored=mb.compact_ignored)

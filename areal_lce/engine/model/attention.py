@@ -11,6 +11,8 @@ Modes, chosen per call from the inputs:
   `torch.nn.attention.varlen.varlen_attn` call (flash varlen); otherwise (CPU, fp32, dropout, older
   torch) one SDPA call per sequence, exact. Padding slots of `cu_seqlens_q_padded` (each sequence's
   tokens past its `cu_seqlens_q` length) output zeros; real tokens never see them (causal, pads last).
+  The lengths come from the PackedLayout the engine's PackedSeqParams carry (`PackedLayout.of`: its host
+  copy, no read of a device tensor); a PackedSeqParams without one is read once per forward.
 * Context parallel (the CP group of `pg_collection.cp` has > 1 rank; megatron's `all_gather`
   cp_comm_type): K and V are all-gathered over the CP group (megatron's
   `gather_from_sequence_parallel_region`: forward all-gather, backward reduce-scatter of dK/dV), put
@@ -35,9 +37,9 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from ...megatron.context_parallel import CPGroup, gathered_to_packed, ranges, sequence_lengths, zigzag_positions
+from ...megatron.context_parallel import CPGroup, gathered_to_packed, zigzag_positions
 from .kv_attention import cached_attention
-from ...megatron.packing import PackedLayout, host_to_device
+from ...megatron.packing import PackedLayout, host_to_device, ranges, sequence_lengths
 
 
 def causal_attention(q, k, v, scale: float, dropout: float = 0.0) -> torch.Tensor:
