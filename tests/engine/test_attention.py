@@ -273,6 +273,26 @@ def test_prepare_builds_one_packed_layout(fake_group):
     assert fake_group.calls == []
 
 
+def test_thd_plan_reads_the_carried_layout(monkeypatch):
+    """The engine's PackedSeqParams carry their PackedLayout: the attention plan takes the host lengths
+    from it and never reads cu_seqlens back (a device sync per forward on an accelerator)."""
+    from areal_lce.engine.model import attention
+    from areal_lce.megatron import packing
+    from areal_lce.megatron.packing import PackedLayout
+
+    attn = _attention()
+    q, k, v = (torch.randn(12, h, 16) for h in (4, 2, 2))
+    layout = PackedLayout.from_lengths([3, 5, 0, 4])
+    want = attn(q, k, v, None, packed_seq_params=A.packed_seq_params(layout.cu_seqlens.clone()))
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("cu_seqlens read back on the host")
+
+    monkeypatch.setattr(packing, "sequence_lengths", no_read)
+    monkeypatch.setattr(attention, "_host", no_read)
+    assert torch.equal(attn(q, k, v, None, packed_seq_params=layout.packed_seq_params()), want)
+
+
 def test_zigzag_positions():
     assert CP.zigzag_positions([8], 2, 0).tolist() == [0, 1, 6, 7]
     assert CP.zigzag_positions([8, 4], 2, 1).tolist() == [2, 3, 4, 5, 9, 10]
