@@ -8,6 +8,7 @@ sequence's last token on the next sequence's first token.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -243,9 +244,13 @@ def _check_lengths(lengths, what: str) -> Tuple[int, ...]:
         if lengths.is_floating_point():
             raise ValueError(f"{what} must hold integers, got {lengths.dtype}")
         lengths = lengths.reshape(-1).tolist()
-    out = tuple(int(n) for n in lengths)
-    if any(n < 0 for n in out) or any(isinstance(n, bool) or int(n) != n for n in lengths):
-        raise ValueError(f"{what} must be non-negative integers, got {list(lengths)[:8]}")
+    lengths = list(lengths)
+    try:  # python and numpy integers (not bools, floats or strings)
+        out = tuple(operator.index(n) for n in lengths if not isinstance(n, bool))
+    except TypeError:
+        out = ()
+    if len(out) != len(lengths) or any(n < 0 for n in out):
+        raise ValueError(f"{what} must be non-negative integers, got {lengths[:8]}")
     return out
 
 

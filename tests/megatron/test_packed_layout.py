@@ -107,6 +107,10 @@ def test_bad_input_names_the_argument():
         PackedLayout.of(None)
     with pytest.raises(ValueError, match="lengths must be non-negative integers"):
         PackedLayout.from_lengths([3, -1])
+    with pytest.raises(ValueError, match="lengths must be non-negative integers"):
+        PackedLayout.from_lengths([3, 2.5])
+    with pytest.raises(ValueError, match="padded_lengths must be non-negative integers"):
+        PackedLayout.from_lengths([3], ["4"])
     with pytest.raises(ValueError, match="padded_lengths .* each at least its real length"):
         PackedLayout.from_lengths([3, 4], [4, 3])
     with pytest.raises(ValueError, match="packed_seq_params.qkv_format='sbhd'"):
