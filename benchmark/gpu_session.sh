@@ -44,8 +44,10 @@ for job in "$@"; do
     bench_materialised) run bench_materialised 420 python3 -m benchmark.op.bench_materialised --rounds ${ROUNDS:-3} \
           --lean-blocks ${LEAN_BLOCKS:-4194304,8388608,67108864} --out "$W" ;;
     bench_select) run bench_select 500 python3 -m benchmark.op.bench_select --rounds ${ROUNDS:-3} --out "$W" ;;
-    gpu_tests) run gpu_tests 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/backends/test_backends.py tests/op/test_compile.py \
-          tests/train/test_checkpoint_integrity.py tests/engine/test_generate.py -x ;;
+    gpu_tests) run gpu_tests 500 python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;  # every gpu-marked case
+    gpu_kernels) run gpu_kernels 300 python3 -m pytest -q -p no:cacheprovider \
+          tests/op/test_softcap_triton.py::test_in_kernel_tanh_is_within_its_absolute_bound \
+          tests/backends/test_triton_select_rank.py ;;  # interpreter tests whose kernels also run on CUDA
     bench_ignored) run bench_ignored 240 python3 -m benchmark.op.bench_ignored --out "$W" ;;
     bench_sft) run "bench_sft${ROPE:+_rope_$ROPE}${GRAPHS:+_graphs_$GRAPHS}" 300 torchrun --nproc_per_node=1 -m benchmark.engine.bench_train --job sft \
           --preset qwen2.5-0.5b --seq 2048 --micro-batch 4 --micro-batches 2 --steps ${STEPS:-5} ${ROPE:+--rope-fusion $ROPE} \
