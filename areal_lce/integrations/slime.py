@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from .. import comms
+from .. import comms, patching
 from ..api import check_temperature, linear_logprobs_entropy
 from ..types import VocabParallel
 from ._common import (NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, patch_all,
@@ -55,6 +55,7 @@ LOSS_MODULE = "slime.backends.megatron_utils.loss"
 STEP_TARGETS = (LOSS_MODULE, "slime.backends.megatron_utils.actor")
 _BLOCK_OPTIONS = ("vocab_size", "logits_precision", "invariant", "check_labels")
 _LAST_STAGE: list = []  # the GPTModel built by hidden_states_provider on this process's last pipeline stage
+_OUTPUT_LAYERS: list = []  # areal_lce.patching handles of the output layers hidden_states_provider changed
 
 
 def calculate_log_probs_and_entropy(
@@ -174,7 +175,7 @@ def hidden_states_provider(provider):
     GPTModel returns the final hidden states [1, T, H] (this rank's [1, T/tp, H] under sequence parallel:
     apply(..., sequence_parallel=True)) instead of the logits, and `output_weight()` returns its weight
     shard. Refused: MuP logit scaling and multi-token prediction, which use the logits past the output
-    layer."""
+    layer. `restore_output_layers()` gives the output layers their own forward back."""
     def model_provider(pre_process, post_process, vp_stage=None):
         model = provider(pre_process, post_process, vp_stage) if vp_stage is not None else \
             provider(pre_process, post_process)
@@ -184,10 +185,20 @@ def hidden_states_provider(provider):
                 raise NotImplementedError("areal_lce.integrations.slime.hidden_states_provider: MuP logit scaling "
                                           "and multi-token prediction use the logits past the output layer, which "
                                           "this route never builds")
-            model.output_layer.forward = _hidden_out
+            _OUTPUT_LAYERS.append(patching.apply(patching.Patch(model.output_layer, "forward", _hidden_out)))
             _LAST_STAGE[:] = [model]
         return model
     return model_provider
+
+
+def restore_output_layers() -> int:
+    """Undo what hidden_states_provider did to the output layers it changed (their models return logits
+    again); returns how many were restored."""
+    n = 0
+    while _OUTPUT_LAYERS:
+        n += patching.restore(_OUTPUT_LAYERS.pop())
+    _LAST_STAGE.clear()
+    return n
 
 
 def output_weight():

@@ -280,7 +280,8 @@ def test_slime_hidden_states_provider_on_a_megatron_gpt(tied):
             step = lce_slime.log_probs_step(contract, lce_slime.output_weight, backend="torch")
             out, grads = loss_and_grads(step(hidden, **kw)[1])
         finally:
-            del model.output_layer.forward
+            assert lce_slime.restore_output_layers() == 1
+        assert "forward" not in vars(model.output_layer) and model(ids, pos, None).shape == logits.shape
     for name, a, b in zip(("log_probs", "entropy"), out, ref):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=name)  # fp32 logits both ways
     for a, b in zip(grads, ref_grads):
