@@ -30,6 +30,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -324,6 +325,12 @@ def exact_reference(h, W, y, with_ent: bool, chunk=2048) -> dict:
 
 def rel_l2(x, ref) -> float:
     return (torch.linalg.vector_norm((x.float() - ref).flatten()) / torch.linalg.vector_norm(ref.flatten())).item()
+
+
+def paired_ratios(times, base) -> tuple:
+    """(median, [min, max]) of the per-round ratios times[i] / base[i] of two timings taken round by round."""
+    ratios = [a / b for a, b in zip(times, base)]
+    return statistics.median(ratios), [min(ratios), max(ratios)]
 
 
 def checks_then_costs(name: str, shapes: dict, checks, cost, default: str = "small,qwen7b,llama8b,wide_n") -> dict:

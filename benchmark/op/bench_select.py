@@ -21,7 +21,7 @@ import torch
 from areal_lce import linear_logprobs_entropy
 
 from .bench_invariant import SHAPES, inputs, timed
-from ..harness import checks_then_costs, log
+from ..harness import checks_then_costs, log, paired_ratios
 
 
 def _sel(y, v, k, seed=1):
@@ -98,9 +98,7 @@ def cost(name, n, h, v, rounds):
             if k == "base":
                 out[f"{mode}_base_ms"] = statistics.median(base)
                 continue
-            ratios = [a / b for a, b in zip(times[k], base)]
-            out[f"{mode}_{k}_ratio"] = statistics.median(ratios)
-            out[f"{mode}_{k}_ratio_spread"] = [min(ratios), max(ratios)]
+            out[f"{mode}_{k}_ratio"], out[f"{mode}_{k}_ratio_spread"] = paired_ratios(times[k], base)
     for k, kw in variants.items():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -18,7 +18,7 @@ import torch
 from areal_lce import linear_logprobs_entropy
 
 from .bench_invariant import SHAPES, inputs, timed
-from ..harness import checks_then_costs, log
+from ..harness import checks_then_costs, log, paired_ratios
 
 CAP = 30.0
 
@@ -79,9 +79,7 @@ def cost(name, n, h, v, rounds):
     out = {f"{k}_ms": statistics.median(t) for k, t in times.items()}
     for k in ("ours", "liger"):
         if f"{k}_cap" in times:
-            ratios = [a / b for a, b in zip(times[f"{k}_cap"], times[k])]
-            out[f"{k}_softcap_ratio"] = statistics.median(ratios)
-            out[f"{k}_softcap_ratio_spread"] = [min(ratios), max(ratios)]
+            out[f"{k}_softcap_ratio"], out[f"{k}_softcap_ratio_spread"] = paired_ratios(times[f"{k}_cap"], times[k])
     log(f"{name}: {out}")
     return out
 

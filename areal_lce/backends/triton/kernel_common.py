@@ -42,12 +42,14 @@ def _cache_tile(z_cache, o_n, col0, N, BLOCK_V: tl.constexpr, CACHE_COLS: tl.con
 
 # Soft-capping's tanh, as t = 1 - 2 / (1 + 2^(2x·log2 e)) for every x (±inf and large |x| give ±1, no
 # branch, no sign fix-up): one ex2 and one reciprocal on the GPU's special-function unit, which the epilogue
-# is bound by (every logit already pays one ex2 for the softmax; a polynomial branch beside it cost ~10% of
-# a step at H = 2048). Error bound, absolute in t: the rounded argument, ex2.approx (2 ulp) and rcp.approx
-# (1 ulp) perturb q = 1 / (1 + e) by at most ~3·2^-24 relatively, and 2q <= 2, so |t - tanh x| <= 2^-21
-# (a few ulp of 1) + the final subtraction's 2^-24: the capped logit c·t is within c·2^-20 of c·tanh(x).
-# (Relative accuracy near x = 0 is not kept; the softmax only sees the absolute error.) The CPU interpreter
-# takes the same formula with numpy's exact division (tl.inline_asm_elementwise does not run there).
+# is bound by (every logit already pays one ex2 for the softmax; a polynomial branch beside it cost ~10% of a
+# step at H = 2048: benchmark/results/archive/h200_softcap_tanh_variants). Error bound, absolute in t, with
+# u = 2^-24 and e = 2^(2x·log2 e): the argument's roundings (3u relative) and ex2.approx (4u) move 2/(1 + e) by
+# at most 2e/(1 + e)^2 · (3u·|2x| + 4u) <= 1.4u + 2u, the +1 and rcp.approx (3u relative of 2/(1 + e) <= 2) by
+# 6u, the final subtraction by u: |t - tanh x| <= 11u, so the capped logit c·t is within 12u·c of c·tanh(x)
+# (tests/op/test_softcap_triton.py checks 11u on the interpreter and on CUDA). Relative accuracy near x = 0 is
+# not kept; the softmax only sees the absolute error. The CPU interpreter takes the same formula with numpy's
+# exact division (tl.inline_asm_elementwise does not run there).
 
 
 @triton.jit

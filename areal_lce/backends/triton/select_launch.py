@@ -120,7 +120,7 @@ def rank_segments(seg_max: torch.Tensor, inv_t, kk: int) -> torch.Tensor:
     if block_g <= BEST_ELEMS and kk <= KEEP_MAX:  # beyond, torch's radix top-k of the keys is the faster
         best = torch.zeros((N, kk), dtype=torch.int64, device=seg_max.device)  # a NaN row's untaken slots: 0
         if N and G and kk:
-            block_n = 1  # one row per program: 257 us for 8192 rows x 1188 segments on an H200 (2 rows: 351, 4: 525)
+            block_n = 1  # one row per program: the fastest (benchmark/results/archive/h200_select_rank_blocks)
             with _device_ctx(seg_max.device):
                 segment_best_kernel[(triton.cdiv(N, block_n),)](
                     seg_max.contiguous(), it, best, N, G, kk, scalar, HAS_INV_T=has, BLOCK_N=block_n,
