@@ -21,6 +21,16 @@ as its forward, so the same bits — and takes the k best of them, (3) the TP gr
 segments of a row chunk, O(chunk · k · 128), never [N, V]. Cost: a GEMM of N·k·128 columns (about
 k·128/V of the forward's) and, under TP, one all-gather of N·k int64.
 
+A backend with its own top-k kernels (triton) does less. Let T be the k-th largest of the k chosen
+segments' max keys: every one of the row's k largest keys is >= T (k keys reach it), so only logits >= T
+are candidates (about k of them). Its forward of a top-k call also keeps each segment's max column and
+second largest value (base.ShardStats.seg_top), which gives each chosen segment's max key without a
+recompute; a segment can hold a candidate besides its max only if its second value reaches T, and only
+those segments (about 2 per row for k = 64, almost none for k = 8 on the benchmark's rows) are
+recomputed. The row's k best candidates are then found by bisection on the keys (no sort). A flat row
+recomputes all k segments; its list may then outgrow the fixed per-row list (kk + a spill), and such rows
+are redone one program per row (exact, slower).
+
 Gradients (`sparse_grad`): d(z_j - lse)/dz = onehot_j - p. The dense part (-p per unit of upstream
 gradient) has the form of the logprob's, so the backend's backward takes it through its g_lp; what is
 left is sparse: one coefficient per (row, chosen column), applied as d_hidden += c · W_j and
@@ -124,10 +134,13 @@ def _segment_logits_torch(hidden, weight, rows, segs, params: LCEParams) -> torc
 
 
 def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor, inv_t, params: LCEParams,
-              k: int, seg_params: Optional[LCEParams] = None) -> torch.Tensor:
+              k: int, seg_params: Optional[LCEParams] = None, seg_top: Optional[torch.Tensor] = None) -> torch.Tensor:
     """sort_key of each row's k largest tempered logits over the whole vocabulary, [N, k] descending.
     seg_max [G, N]: this shard's raw segment maxima (exact.py layout, caller row order); seg_params: the
-    params the segments were cut with (their vocab_start may be this shard's own start, see function.py)."""
+    params the segments were cut with (their vocab_start may be this shard's own start, see function.py);
+    seg_top [2, G, N]: each segment's max column and second largest raw value, where the forward kept them
+    (then only the chosen segments whose second value reaches the threshold are recomputed), and the maxima
+    again as [N, G] in plane 2 (in caller row order, like the other planes)."""
     sp = seg_params or params
     n = hidden.shape[0]
     G = seg_max.shape[0]
@@ -137,28 +150,36 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
     out = pad.expand(n, k).contiguous()  # keys below every logit: what a shard without columns offers
     kk = min(k, G)
     own = _backend(sp)
-    native = own if hasattr(own, "candidate_keys") else None  # ranks and recomputes in its own kernels
+    native = own if hasattr(own, "candidate_topk") else None  # ranks, recomputes and selects in its own kernels
     if kk and native is not None:
-        segs = native.rank_segments(seg_max, inv_t if torch.is_tensor(inv_t) else it, kk)
+        rows_major = seg_top[2].view(n, G) if seg_top is not None else seg_max.t()
+        segs, thr = native.rank_segments(rows_major, inv_t if torch.is_tensor(inv_t) else it, kk)
+        if kk < k:  # fewer segments than k: every column of the shard is a candidate
+            thr = torch.full_like(thr, float("-inf"))
     elif kk:
         seg_of = torch.arange(G, device=dev)
         seg_rank = sort_key(seg_max.t() * it, seg_of[None, :].expand(n, G)).topk(kk, dim=1).values
         segs = key_id(seg_rank)  # [N, kk] local segment indices, best first
-    width = native.candidate_width(k) if native is not None else exact.SEG  # candidates per (row, segment)
-    chunk = max(1, _CHUNK_ELEMS // (max(kk, 1) * width))
+    # rows per chunk: the recompute's [rows · kk, 128] logits bound it, except on a backend that takes the
+    # forward's maxima (its per-row lists are kk + a fixed spill: one pass over every row)
+    one_pass = native is not None and seg_top is not None and kk == k
+    chunk = n if one_pass else max(1, _CHUNK_ELEMS // (max(kk, 1) * exact.SEG))
     cols = torch.arange(exact.SEG, device=dev)
     for t0 in range(0, n if kk else 0, chunk):
         t1 = min(n, t0 + chunk)
-        if native is not None:  # the keys straight from the recompute kernel
-            keys = native.candidate_keys(hidden, weight, t0, segs[t0:t1], inv_t if torch.is_tensor(inv_t) else it,
-                                         sp, params.vocab_start, k)
-        else:
-            rows = torch.arange(t0, t1, device=dev).repeat_interleave(kk)
-            recompute = getattr(own, "segment_logits", None) or _segment_logits_torch
-            r = recompute(hidden, weight, rows, segs[t0:t1].reshape(-1), sp)  # [(t1-t0)·kk, SEG], -inf past the shard
-            z = r.view(t1 - t0, kk * exact.SEG) * (it[t0:t1] if torch.is_tensor(it) else it)
-            gid = (segs[t0:t1, :, None] * exact.SEG + cols + params.vocab_start).view(t1 - t0, -1)
-            keys = sort_key(z, gid)
+        if native is not None:  # the k best keys straight from its kernels
+            stored, recompute = _stored_maxima(seg_max, seg_top, segs[t0:t1], t0, it, thr, params.vocab_start,
+                                               kk == k)
+            out[t0:t1] = native.candidate_topk(hidden, weight, t0, segs[t0:t1], thr,
+                                               inv_t if torch.is_tensor(inv_t) else it, sp, params.vocab_start, k,
+                                               stored, recompute)
+            continue
+        rows = torch.arange(t0, t1, device=dev).repeat_interleave(kk)
+        recompute = getattr(own, "segment_logits", None) or _segment_logits_torch
+        r = recompute(hidden, weight, rows, segs[t0:t1].reshape(-1), sp)  # [(t1-t0)·kk, SEG], -inf past the shard
+        z = r.view(t1 - t0, kk * exact.SEG) * (it[t0:t1] if torch.is_tensor(it) else it)
+        gid = (segs[t0:t1, :, None] * exact.SEG + cols + params.vocab_start).view(t1 - t0, -1)
+        keys = sort_key(z, gid)
         if keys.shape[1] < k:  # a shard narrower than k columns: pad with keys below every logit
             keys = torch.cat([keys, pad.expand(t1 - t0, k - keys.shape[1])], 1)
         out[t0:t1] = keys.topk(k, dim=1).values
@@ -167,6 +188,21 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
         allk = comms.all_gather_rows(out.t().contiguous(), params.tp_group)  # [tp·k, N]
         out = allk.t().topk(k, dim=1).values
     return out
+
+
+def _stored_maxima(seg_max, seg_top, segs, t0: int, it, thr, vocab_start: int, thresholded: bool):
+    """(keys [c, kk] of the chosen segments' maxima, [c, kk] True where the segment must be recomputed), or
+    (None, None) without seg_top. A row's k largest keys are all >= T, the k-th largest of its segments'
+    max keys (k keys reach T); one that is not its segment's max is at most the segment's second value, so
+    only segments whose tempered second value reaches T's value (thr) can hold one beyond their max."""
+    if seg_top is None or not thresholded:  # fewer segments than k: every column is a candidate
+        return None, None
+    c = segs.shape[0]
+    rows = torch.arange(t0, t0 + c, device=segs.device)[:, None]
+    it_rows = it[t0:t0 + c] if torch.is_tensor(it) else it
+    col = seg_top[0][segs, rows].nan_to_num(0.0).clamp(0, exact.SEG - 1).long()  # unset at skipped rows
+    stored = sort_key(seg_max[segs, rows] * it_rows, segs * exact.SEG + col + vocab_start)
+    return stored, ~(seg_top[1][segs, rows] * it_rows < thr[t0:t0 + c, None])  # NaN: recompute
 
 
 def sparse_grad(hidden: Optional[torch.Tensor], weight: torch.Tensor, ids: torch.Tensor, coef: torch.Tensor,
@@ -195,19 +231,26 @@ def sparse_grad(hidden: Optional[torch.Tensor], weight: torch.Tensor, ids: torch
 
 
 def _segment_maxima(hidden, weight, inv_t, params: LCEParams, st, part):
-    """(raw segment maxima [G, N] in caller row order, the params they were cut with): the invariant
-    forward's own, else one pass of the torch backend's segment blocks over this shard (ids relative to
-    the shard start; the top-k then recomputes with the torch blocks too)."""
+    """(raw segment maxima [G, N] in caller row order, the params they were cut with, the forward's seg_top
+    in caller row order or None): the invariant forward's own, else one pass of the torch backend's segment
+    blocks over this shard (ids relative to the shard start; the top-k then recomputes with the torch
+    blocks too)."""
     if st.seg is not None:
-        seg = st.seg[0]
-        return (seg if part is None else seg.index_select(1, part.dest)), params
+        seg, top = st.seg[0], st.seg_top
+        if part is not None:
+            G, n_c = seg.shape
+            seg = seg.index_select(1, part.dest)
+            if top is not None:
+                rows_major = top[2].view(n_c, G).index_select(0, part.dest)  # [N, G]
+                top = torch.cat([top[:2].index_select(2, part.dest), rows_major.view(1, G, -1)])
+        return seg, params, top
     import dataclasses
 
     from .backends.torch_chunked import invariant_forward
     sp = dataclasses.replace(params, vocab_start=0, invariant=True, logit_sums=False, backend="torch", tp_size=1,
                              vocab_parallel=None)
     labels = torch.full((hidden.shape[0],), -1, dtype=torch.int64, device=hidden.device)
-    return invariant_forward(hidden, weight, labels, inv_t, sp).seg[0], sp
+    return invariant_forward(hidden, weight, labels, inv_t, sp).seg[0], sp, None
 
 
 def check_selected_ids(ids: torch.Tensor, params: LCEParams) -> Optional[torch.Tensor]:
@@ -242,8 +285,8 @@ def forward_outputs(hidden, weight, labels, inv_t, params: LCEParams, st, part, 
         if bad is not None:
             sel = sel.masked_fill(bad, float("nan"))
     if params.top_k:
-        seg_max, sp = _segment_maxima(hidden, weight, inv_t, params, st, part)
-        keys = topk_keys(hidden, weight, seg_max, it, params, params.top_k, sp)
+        seg_max, sp, seg_top = _segment_maxima(hidden, weight, inv_t, params, st, part)
+        keys = topk_keys(hidden, weight, seg_max, it, params, params.top_k, sp, seg_top)
         topk_lp = torch.where(valid, (key_value(keys).double() - lse2).float(), 0.0)
         topk_ids = torch.where(valid, key_id(keys), params.ignore_index)
     return sel, topk_lp, topk_ids

@@ -56,10 +56,10 @@ Optional, for selected ids / top-k (select.py has torch defaults):
       value's bits independent of N, J and the row's position;
   segment_logits(hidden, weight, rows [P], segs [P], params) -> fp32 [P, 128] head-transformed raw logits
       of segment segs[p] for row rows[p], bitwise what the invariant forward reduced (-inf past the shard);
-  or, doing the top-k's ranking and recompute in its own kernels (triton): rank_segments(seg_max [G, N],
-      inv_t, kk) -> [N, kk] segment indices, candidate_width(k) -> w <= 128 and candidate_keys(hidden,
-      weight, row0, segs, inv_t, params, vocab_start, k) -> [c, kk·w] select.sort_key keys holding each
-      segment's k best (all 128 when w = 128).
+  or, doing the top-k's ranking, recompute and selection in its own kernels (triton): rank_segments(seg_max
+      [G, N], inv_t, kk) -> ([N, kk] segment indices, [N] fp32 the kk-th largest tempered segment maximum)
+      and candidate_topk(hidden, weight, row0, segs [c, kk], thr [N], inv_t, params, vocab_start, k) ->
+      [c, k] select.sort_key keys of the k best logits >= thr in those segments, descending.
 
 cache_spec(n, h, v_shard, dtype, params, keep_cache) -> (shape, dtype) of the cache forward() keeps for
   these sizes, or None: forward decides with it, and the op's fake (meta) implementation allocates with
@@ -118,6 +118,9 @@ class ShardStats:
     lsq: Optional[torch.Tensor] = None  # Σ raw logits², only with params.logit_sums
     seg: Optional[torch.Tensor] = None  # invariant mode: fp32 [3 or 5, G, N] segment partials (exact.py);
     #                                     then m, s, a are None and mx, mn, zy are this shard's exact values
+    seg_top: Optional[torch.Tensor] = None  # invariant mode with params.top_k, where the backend keeps it:
+    #                                     fp32 [3, G, N] each segment's max column (lowest on ties), second
+    #                                     largest raw value, and the maxima laid out [N, G] (select.py's top-k)
 
 
 class Backend(Protocol):

@@ -1,6 +1,6 @@
-"""The Triton top-k's segment ranking and candidate truncation (CPU interpreter) against torch's int64 top-k
-of select.sort_key keys: the same segment sets, ties to the lower segment (flat rows, ties at the threshold,
-per-token temperature), and the truncated candidates holding the row's top-k."""
+"""The Triton top-k's segment ranking and its thresholded candidate selection (CPU interpreter) against torch's
+int64 top-k of select.sort_key keys: the same segment sets and threshold, ties to the lower segment (flat rows,
+ties at the threshold, per-token temperature), and the k best candidates equal to the oracle's top-k."""
 from __future__ import annotations
 
 import pytest
@@ -21,10 +21,11 @@ def _reference(seg_max, it, kk):
     return select.key_id(keys.topk(kk, dim=1).values)
 
 
-@pytest.mark.parametrize("kk, temp", [(3, "scalar"), (13, "per_token"), (20, "scalar")])  # 20: torch's top-k
-def test_rank_segments_takes_the_oracles_set(kk, temp):
+@pytest.mark.parametrize("kk, temp, G", [(3, "scalar", 37), (13, "per_token", 37), (20, "scalar", 37),
+                                         (20, "per_token", 4100)])  # 4100 segments: torch's top-k of the keys
+def test_rank_segments_takes_the_oracles_set(kk, temp, G):
     g = torch.Generator().manual_seed(kk)
-    G, n = 37, 21
+    n = 21
     seg = torch.randn(G, n, generator=g).round(decimals=1)  # many ties
     seg[:, 0] = 0.5  # a flat row: segments 0..kk-1
     seg[:, 1] = -0.0  # -0.0 ties +0.0
@@ -32,28 +33,83 @@ def test_rank_segments_takes_the_oracles_set(kk, temp):
     seg[[3, 9, 30], 2] = 4.0  # a tie at the threshold for kk = 2 .. 3
     seg[7, 3] = float("inf")
     it = torch.linspace(0.5, 2.0, n) if temp == "per_token" else 1 / 0.7
-    got = select_launch.rank_segments(seg.to(DEV), it.to(DEV) if torch.is_tensor(it) else it, kk).cpu()
+    got, thr = select_launch.rank_segments(seg.t().to(DEV), it.to(DEV) if torch.is_tensor(it) else it, kk)
+    got, thr = got.cpu(), thr.cpu()
     want = _reference(seg, it, kk)
     assert got.shape == (n, kk)
+    z = seg.t() * (it[:, None] if torch.is_tensor(it) else it)
+    assert torch.equal(thr, z.topk(kk, dim=1).values[:, -1])  # the kk-th largest tempered maximum
     assert torch.equal(got.sort(1).values, want.sort(1).values)
     assert torch.equal(got[0], torch.arange(kk))
 
 
-def test_candidate_width_keeps_the_top_k(k=5):
-    """candidate_keys' kept keys per segment (candidate_width(k) of 128) hold the row's top-k keys."""
-    g = torch.Generator().manual_seed(k)
-    n, h, v = 9, 24, 700
+def test_candidate_topk_is_the_oracles_top_k():
+    """candidate_topk over every segment of a row (threshold -inf) and over its k best segments with their
+    threshold (rank_segments): the k best keys, descending, equal to torch's top-k of all the row's keys
+    (ties across segments and at the threshold, a flat row whose every column is a candidate, a row with
+    fewer columns than k: padded)."""
+    from areal_lce.types import LCEParams
+    g = torch.Generator().manual_seed(0)
+    n, h, v, k = 7, 24, 600, 4  # 5 segments, the last one 88 columns wide
     hidden = torch.randn(n, h, generator=g)
     weight = torch.randn(v, h, generator=g)
-    weight[300:305] = weight[260]  # ties inside the segment
-    from areal_lce.types import LCEParams
+    weight[140:150] = weight[5]  # ties across segments
+    hidden[1] = 0.0  # a flat row: all 600 logits tie, the top-k is ids 0..3
+    hidden[2] = weight[300] * 4  # a peaked row
     params = LCEParams(vocab_size=v, shard_valid=v)
-    segs = torch.tensor([[2]] * n)  # one segment: the interpreter's bitonic top-k is slow
-    hidden, weight, segs = hidden.to(DEV), weight.to(DEV), segs.to(DEV)
-    w = triton.next_power_of_2(k)  # what candidate_width(k) keeps on a GPU for k <= KEEP_MAX
-    keys = select_launch.candidate_keys(hidden, weight, 0, segs, 1.0, params, 0, k, keep=w)
-    assert keys.shape == (n, w)
-    assert select_launch.candidate_width(k) == (w if k <= select_launch.KEEP_MAX and DEV == "cuda" else 128)
-    full = select_launch.candidate_keys(hidden, weight, 0, segs, 1.0, params, 0, k, keep=128)
-    assert full.shape == (n, 128)
-    assert torch.equal(keys, full.topk(w, dim=1).values)  # the segment's w best, descending
+    args = [t.to(DEV) for t in (hidden, weight)]
+    rows, segs = torch.arange(n).repeat_interleave(5), torch.arange(5).repeat(n)
+    r = select_launch.segment_logits(*args, rows.to(DEV), segs.to(DEV), params).cpu().view(n, 5, 128)
+    z = r.reshape(n, 640)[:, :v]  # the forward's bits
+    want = select.sort_key(z, torch.arange(v)[None, :].expand(n, v)).topk(k, dim=1).values
+    every = torch.arange(5)[None, :].expand(n, 5).contiguous().to(DEV)
+    none = torch.full((n,), float("-inf"), device=DEV)
+    assert torch.equal(select_launch.candidate_topk(*args, 0, every, none, 1.0, params, 0, k).cpu(), want)
+    segs, thr = select_launch.rank_segments(r.amax(-1).to(DEV), 1.0, k)
+    assert torch.equal(select_launch.candidate_topk(*args, 0, segs, thr, 1.0, params, 0, k).cpu(), want)
+    few = select_launch.candidate_topk(*args, 2, every[:3, 4:], none, 1.0, LCEParams(vocab_size=v, shard_valid=516),
+                                       0, 8).cpu()  # rows 2..4, segment 4 holds 4 real columns of 516
+    assert torch.equal(few[:, :4], select.sort_key(z[2:5, 512:516], torch.arange(512, 516)[None, :].expand(3, 4))
+                       .topk(4, dim=1).values)
+    assert torch.equal(few[:, 4:], torch.full((3, 4), select_launch.PAD_KEY))
+    assert select_launch.PAD_KEY == int(select.sort_key(torch.tensor([float("-inf")]), torch.tensor([2 ** 31 - 1])))
+
+
+def test_forward_maxima_columns_spare_the_recompute(monkeypatch):
+    """A top-k forward's seg_top (each segment's max column, lowest on ties, second value, the maxima as
+    [N, G]) against the recomputed segments, and topk_keys with it (most segments taken from the forward's
+    maxima, those whose second value reaches the threshold recomputed; rows whose list overflows redone
+    one program per row) bitwise equal to topk_keys recomputing every chosen segment: spread, clustered
+    (one segment holds the top-k), flat and tied rows."""
+    from areal_lce.backends.triton.launch import TritonBackend
+    from areal_lce.types import LCEParams
+    g = torch.Generator().manual_seed(3)
+    n, h, v, k = 8, 32, 1000, 4  # 8 segments, the last 104 columns wide
+    hidden = torch.randn(n, h, generator=g)
+    weight = torch.randn(v, h, generator=g) * 0.3
+    weight[[10, 140, 520, 900]] = hidden[0] * torch.tensor([0.5, 0.6, 0.7, 0.8])[:, None]  # row 0: spread
+    weight[260:266] = hidden[1] * 0.5  # row 1: its top-k all in segment 2
+    hidden[2] = 0.0  # flat
+    weight[[5, 400, 777]] = hidden[3] * 0.4  # row 3: ties across segments at the top
+    weight[998] = hidden[4] * 0.6  # row 4: its max in the last, partial segment
+    labels = torch.randint(0, v, (n,), generator=g)
+    hidden, weight, labels = hidden.to(DEV), weight.to(DEV), labels.to(DEV)
+    params = LCEParams(vocab_size=v, shard_valid=v, invariant=True, top_k=k, backend="triton")
+    st = TritonBackend().forward(hidden, weight, labels, None, params, keep_cache=False)
+    G = st.seg.shape[1]
+    rows, segs = torch.arange(n).repeat_interleave(G), torch.arange(G).repeat(n)
+    r = select_launch.segment_logits(hidden, weight, rows.to(DEV), segs.to(DEV), params).view(n, G, 128).cpu()
+    top2 = r.topk(2, dim=-1).values
+    assert torch.equal(st.seg[0].cpu().t(), top2[..., 0])
+    col = (r == top2[..., :1]).float().argmax(-1)  # the lowest column holding the max
+    assert torch.equal(st.seg_top[0].cpu().t(), col.float())
+    second = torch.where(torch.arange(128) == col[..., None], float("-inf"), r).amax(-1)
+    assert torch.equal(st.seg_top[1].cpu().t(), second)
+    with_top = select.topk_keys(hidden, weight, st.seg[0], 1.0, params, k, None, st.seg_top)
+    assert torch.equal(with_top, select.topk_keys(hidden, weight, st.seg[0], 1.0, params, k))
+    monkeypatch.setattr(select_launch, "TOPK_SPILL", 0)  # every row with a segment to recompute overflows
+    assert torch.equal(with_top, select.topk_keys(hidden, weight, st.seg[0], 1.0, params, k, None, st.seg_top))
+    segs_k, thr = select_launch.rank_segments(st.seg[0].t(), 1.0, k)
+    assert torch.equal(st.seg_top[2].view(n, G), st.seg[0].t())  # the maxima again, rows contiguous
+    _, recompute = select._stored_maxima(st.seg[0], st.seg_top, segs_k, 0, 1.0, thr, 0, True)
+    assert bool(recompute[1].any()) and bool(recompute[2].all()) and not bool(recompute[0].any())

@@ -267,13 +267,10 @@ class TritonBackend:
         from .select_launch import rank_segments
         return rank_segments(seg_max, inv_t, kk)
 
-    def candidate_keys(self, hidden, weight, row0, segs, inv_t, params, vocab_start, k):
-        from .select_launch import candidate_keys
-        return candidate_keys(hidden, weight, row0, segs, inv_t, params, vocab_start, k)
-
-    def candidate_width(self, k):
-        from .select_launch import candidate_width
-        return candidate_width(k)
+    def candidate_topk(self, hidden, weight, row0, segs, thr, inv_t, params, vocab_start, k, stored=None,
+                       recompute=None):
+        from .select_launch import candidate_topk
+        return candidate_topk(hidden, weight, row0, segs, thr, inv_t, params, vocab_start, k, stored, recompute)
 
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,
                  need_d_hidden: bool, need_d_weight: bool, sparse=None):

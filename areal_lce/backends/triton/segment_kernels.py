@@ -82,12 +82,15 @@ def _seg_logits(h, w, d_h, d_w, o_nc, o_vc0, o_vc1, row0, col0, H,
 
 
 @triton.jit
-def _seg_fold(b_r, c0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn, b_mx, b_zy,
+def _seg_fold(b_r, c0, v_end, g, G, seg, top, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn, b_mx, b_zy,
               softcap, inv_softcap, UPCAST: tl.constexpr, MASKED: tl.constexpr, HAS_CACHE: tl.constexpr,
-              HAS_SUMS: tl.constexpr, BF16_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr, SEG: tl.constexpr,
-              CACHE_COLS: tl.constexpr):
+              HAS_SUMS: tl.constexpr, HAS_TOP: tl.constexpr, BF16_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr,
+              SEG: tl.constexpr, CACHE_COLS: tl.constexpr):
     """Reduce one [BLOCK_N, SEG] raw-logits segment (local columns c0 + [0, SEG), valid below v_end) and
-    store its partials at segment index g (only when g < G: a tile's second half may lie past the shard)."""
+    store its partials at segment index g (only when g < G: a tile's second half may lie past the shard).
+    HAS_TOP (a top-k call) also stores the column of the segment's max (the lowest one on ties), its
+    second largest raw value (-inf for a one-column segment) and the max again in a [N, G] plane (rows
+    contiguous, for the ranking): select.py's top-k reads them."""
     o_v = c0 + tl.arange(0, SEG)
     if BF16_LOGITS:
         b_r = round_bf16(b_r, UPCAST)
@@ -114,6 +117,17 @@ def _seg_fold(b_r, c0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c
     b_mx = tl.maximum(b_mx, b_max)
     b_de = tl.sum(b_d * b_e, 1)
     m_st = m_n & (g < G)
+    if HAS_TOP:
+        o_c = tl.arange(0, SEG)[None, :]
+        if MASKED:
+            b_rm = tl.where((o_v < v_end)[None, :], b_r, float("-inf"))
+        else:
+            b_rm = b_r
+        b_am = tl.min(tl.where(b_rm == b_max[:, None], o_c, SEG), 1)
+        p_t = top + g * N + o_n
+        tl.store(p_t, b_am.to(tl.float32), mask=m_st)
+        tl.store(p_t + stride_seg, tl.max(tl.where(o_c == b_am[:, None], float("-inf"), b_rm), 1), mask=m_st)
+        tl.store(top + 2 * stride_seg + o_n * G + g, b_max, mask=m_st)  # the maxima again, rows contiguous
     p = seg + g * N + o_n
     tl.store(p, b_max, mask=m_st)
     tl.store(p + stride_seg, tl.sum(b_e, 1), mask=m_st)
@@ -130,16 +144,18 @@ def _seg_fold(b_r, c0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c
 
 @triton.jit
 def lce_fwd_seg_kernel(
-    h, w, d_h, d_w, y, inv_t, seg, part, z_cache,
+    h, w, d_h, d_w, y, inv_t, seg, top, part, z_cache,
     N, H, V, G, SPLIT_V, n_splits, stride_seg, stride_part, inv_t_scalar, softcap, inv_softcap,
-    HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, BF16_LOGITS: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, HAS_TOP: tl.constexpr,
+    BF16_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     SEG: tl.constexpr, SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     CACHE_COLS: tl.constexpr,
 ):
     """seg: fp32 [3, G, N] (raw max, s, a) per 128-column segment of this shard's V valid columns,
-    [5, G, N] with HAS_SUMS. SPLIT_V is a
+    [5, G, N] with HAS_SUMS; top: fp32 [3, G, N] (the max's column, the second largest value, the maxima as
+    [N, G]) with HAS_TOP.
+    SPLIT_V is a
     multiple of SUB·SEG. part: fp32 [3, n_splits, N] (raw min, tempered label logit, raw max) per split.
     A token block whose rows are all ignored folds no tile (its values stay unset;
     the caller ignores those rows)."""
@@ -174,23 +190,25 @@ def lce_fwd_seg_kernel(
         g = col0 // SEG
         if col0 + TILE <= v_end:
             b_mn, b_mx, b_zy = _seg_fold(
-                b_r0, col0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn, b_mx, b_zy,
-                softcap, inv_softcap, UPCAST, False, HAS_CACHE, HAS_SUMS, BF16_LOGITS, SOFTCAP, SEG, CACHE_COLS)
+                b_r0, col0, v_end, g, G, seg, top, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn, b_mx,
+                b_zy, softcap, inv_softcap, UPCAST, False, HAS_CACHE, HAS_SUMS, HAS_TOP, BF16_LOGITS, SOFTCAP, SEG,
+                CACHE_COLS)
             if SUB == 2:
                 b_mn, b_mx, b_zy = _seg_fold(
-                    b_r1, col0 + SEG, v_end, g + 1, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn,
-                    b_mx, b_zy, softcap, inv_softcap, UPCAST, False, HAS_CACHE, HAS_SUMS, BF16_LOGITS, SOFTCAP, SEG,
-                    CACHE_COLS)
+                    b_r1, col0 + SEG, v_end, g + 1, G, seg, top, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache,
+                    b_mn, b_mx, b_zy, softcap, inv_softcap, UPCAST, False, HAS_CACHE, HAS_SUMS, HAS_TOP, BF16_LOGITS,
+                    SOFTCAP, SEG, CACHE_COLS)
         else:
             b_mn, b_mx, b_zy = _seg_fold(
-                b_r0, col0, v_end, g, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn, b_mx, b_zy,
-                softcap, inv_softcap, UPCAST, True, HAS_CACHE, HAS_SUMS, BF16_LOGITS, SOFTCAP, SEG, CACHE_COLS)
+                b_r0, col0, v_end, g, G, seg, top, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn, b_mx,
+                b_zy, softcap, inv_softcap, UPCAST, True, HAS_CACHE, HAS_SUMS, HAS_TOP, BF16_LOGITS, SOFTCAP, SEG,
+                CACHE_COLS)
             if SUB == 2:
                 if col0 + SEG < v_end:
                     b_mn, b_mx, b_zy = _seg_fold(
-                        b_r1, col0 + SEG, v_end, g + 1, G, seg, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache,
-                        b_mn, b_mx, b_zy, softcap, inv_softcap, UPCAST, True, HAS_CACHE, HAS_SUMS, BF16_LOGITS,
-                        SOFTCAP, SEG, CACHE_COLS)
+                        b_r1, col0 + SEG, v_end, g + 1, G, seg, top, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache,
+                        b_mn, b_mx, b_zy, softcap, inv_softcap, UPCAST, True, HAS_CACHE, HAS_SUMS, HAS_TOP,
+                        BF16_LOGITS, SOFTCAP, SEG, CACHE_COLS)
     p_part = part + i_s * N + o_n
     tl.store(p_part, b_mn, mask=m_n)
     tl.store(p_part + stride_part, b_zy * b_it, mask=m_n)

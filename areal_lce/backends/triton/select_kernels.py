@@ -9,10 +9,13 @@
                         bitwise what the forward reduced (the rows of a tensor-core tile are accumulated
                         alike, wherever they come from).
   segment_rank_kernel   each row's segment maxima as sort keys (the top-k picks the row's best segments).
-  segment_best_kernel   each row's best segments in one kernel (a bitonic top-k of the fp32 maxima for the
-                        threshold, ties to the lower segment; rows of <= 4096 segments).
-  segment_keys_kernel   segment_logits_kernel's logits, transformed as the forward transforms them and
-                        tempered, stored as sort keys in the row's candidate slots (the top-k's input).
+  segment_best_kernel   each row's best segments and its threshold (the k-th largest tempered maximum) in
+                        one kernel: an exact bisection on the maxima's 32-bit order images, ties to the
+                        lower segment (rows of <= 4096 segments).
+  segment_candidates_kernel  segment_logits_kernel's logits, transformed as the forward transforms them and
+                        tempered; those at or above the row's threshold are appended (one atomic per row and
+                        segment) as sort keys to the row's candidate list: typically about k of them.
+  candidate_topk_kernel each row's k best candidates, descending (an exact bisection for the k-th, no sort).
   sparse_dl_kernel      the backward's sparse columns into a chunk of d_logits.
 """
 import triton
@@ -83,24 +86,29 @@ def sparse_dl_kernel(dl, cols, coef, N, J, c0, width, stride_dl, BLOCK_N: tl.con
 
 
 @triton.jit
-def _sort_key(z, ids):
-    """select.sort_key in a kernel: int64 keys ordered as (z descending, id ascending) under a descending
-    order; -0.0 counts as +0.0."""
+def _mono(z):
+    """fp32 -> int64 in [0, 2^32) in the order of the values (-0.0 counts as +0.0)."""
     z = tl.where(z == 0.0, 0.0, z)
     bits = z.to(tl.int32, bitcast=True).to(tl.int64)
     u = bits & 0xFFFFFFFF
-    mono = tl.where(bits >= 0, u + 2147483648, 4294967295 - u)
-    return (mono << 31) | (2147483647 - ids.to(tl.int64))
+    return tl.where(bits >= 0, u + 2147483648, 4294967295 - u)
+
+
+@triton.jit
+def _sort_key(z, ids):
+    """select.sort_key in a kernel: int64 keys ordered as (z descending, id ascending) under a descending
+    order; -0.0 counts as +0.0."""
+    return (_mono(z) << 31) | (2147483647 - ids.to(tl.int64))
 
 
 @triton.jit
 def segment_rank_kernel(seg, inv_t, keys, N, G, inv_t_scalar, HAS_INV_T: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_G: tl.constexpr):
-    """keys[n, g] = sort_key(seg[g, n] · inv_t[n], g): the segments of each row in top-k order."""
+    """keys[n, g] = sort_key(seg[n, g] · inv_t[n], g) (seg [N, G]): the segments of each row in top-k order."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     o_g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     m = (o_n < N)[:, None] & (o_g < G)[None, :]
-    r = tl.load(seg + o_g[None, :].to(tl.int64) * N + o_n[:, None], mask=m, other=0.0)
+    r = tl.load(seg + o_n[:, None].to(tl.int64) * G + o_g[None, :], mask=m, other=0.0)
     if HAS_INV_T:
         it = tl.load(inv_t + o_n, mask=o_n < N, other=1.0)
         z = r * it[:, None]
@@ -110,46 +118,62 @@ def segment_rank_kernel(seg, inv_t, keys, N, G, inv_t_scalar, HAS_INV_T: tl.cons
 
 
 @triton.jit
-def segment_best_kernel(seg, inv_t, best, N, G, KK, inv_t_scalar, HAS_INV_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_G: tl.constexpr, KK2: tl.constexpr):
-    """best[n, :KK] = the segments of each row's KK largest tempered maxima, ties to the lower segment, in
-    segment order: T = the KK-th largest value (a bitonic top-KK2 of the fp32 values, KK2 >= KK a power of
-    two), then every segment above T and the lowest-indexed ones equal to T until KK are taken. Exactly the
-    set segment_rank_kernel's keys give under an int64 top-k, without sorting the keys."""
+def _unmono(m):
+    """The fp32 value whose _mono image is m (int64 in [0, 2^32)); -inf below the image of -inf."""
+    bits = tl.where(m >= 2147483648, m - 2147483648, -1 - m).to(tl.int32)
+    return tl.where(m <= 8388607, float("-inf"), bits.to(tl.float32, bitcast=True))  # 8388607: _mono(-inf)
+
+
+@triton.jit
+def segment_best_kernel(seg, inv_t, best, thr, N, G, KK, inv_t_scalar, HAS_INV_T: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    """best[n, :KK] = the segments of each row's KK largest tempered maxima (seg [N, G] raw, rows contiguous),
+    ties to the lower segment, in segment order, and thr[n] = the KK-th largest tempered maximum (KK <= G).
+    The threshold is found exactly by bisection on the order-preserving 32-bit images of the values (32
+    counting steps of fp32 compares, no sort); then every segment above it and the lowest-indexed ones
+    equal to it until KK are taken: exactly the set segment_rank_kernel's keys give under an int64 top-k."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     o_g = tl.arange(0, BLOCK_G)
     m_n = o_n < N
     m_g = (o_g < G)[None, :]
-    r = tl.load(seg + o_g[None, :].to(tl.int64) * N + o_n[:, None], mask=m_n[:, None] & m_g, other=float("-inf"))
+    r = tl.load(seg + o_n[:, None].to(tl.int64) * G + o_g[None, :], mask=m_n[:, None] & m_g, other=float("nan"))
     if HAS_INV_T:
         z = r * tl.load(inv_t + o_n, mask=m_n, other=1.0)[:, None]
     else:
         z = r * inv_t_scalar
-    z = tl.where(m_g, z, float("-inf"))
-    top = tl.topk(z, KK2, dim=1)
-    t = tl.max(tl.where((tl.arange(0, KK2) == KK - 1)[None, :], top, float("-inf")), 1)  # the KK-th largest
+    z = tl.where(z == 0.0, 0.0, z)  # -0.0 counts as +0.0; past G: NaN, which no compare counts
+    lo = tl.zeros([BLOCK_N], dtype=tl.int64)  # count(image >= lo) >= KK
+    hi = tl.full([BLOCK_N], 4294967296, dtype=tl.int64)  # count(image >= hi) < KK
+    for _ in range(32):
+        mid = (lo + hi) >> 1
+        enough = tl.sum((z >= _unmono(mid)[:, None]).to(tl.int32), 1) >= KK  # image(z) >= mid <=> z >= value
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    t = _unmono(lo)  # the KK-th largest value (held by at least one segment)
     above = z > t[:, None]
-    tied = (z == t[:, None]) & m_g
+    tied = z == t[:, None]
     need = KK - tl.sum(above.to(tl.int32), 1)
     take = above | (tied & (tl.cumsum(tied.to(tl.int32), 1) <= need[:, None]))
     pos = tl.cumsum(take.to(tl.int32), 1) - 1
     tl.store(best + o_n[:, None].to(tl.int64) * KK + pos, o_g[None, :].to(tl.int64) + tl.zeros_like(pos),
              mask=m_n[:, None] & take & (pos < KK))
+    tl.store(thr + o_n, t, mask=m_n)
 
 
 @triton.jit
-def segment_keys_kernel(h, w, task_rows, task_dest, task_seg, inv_t, keys, H, valid, vocab_start, inv_t_scalar,
-                        softcap, inv_softcap, SEG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        HAS_INV_T: tl.constexpr, BF16_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr,
-                        KEEP: tl.constexpr):
+def segment_candidates_kernel(h, w, task_rows, task_seg, inv_t, thr, count, cand, row0, CAP, H, valid, G,
+                              vocab_start, inv_t_scalar, softcap, inv_softcap, SEG: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+                              DOT_PRECISION: tl.constexpr, HAS_INV_T: tl.constexpr, BF16_LOGITS: tl.constexpr,
+                              SOFTCAP: tl.constexpr):
     """segment_logits_kernel's logits, head-transformed as the forward does (bf16 rounding, softcap) and
-    tempered, as sort keys (global ids; -inf past the shard): each row's KEEP best of the segment, descending,
-    at keys[task_dest[t, i] · KEEP + j] (KEEP = SEG: all of them, in column order). A row's top-k (k <= KEEP)
-    lies within its segments' KEEP best, so the row's candidates shrink by SEG / KEEP before the top-k."""
+    tempered; those >= the row's threshold thr[row] (and inside the shard) are appended as sort keys (global
+    ids) to the row's candidate list cand[row - row0, :] (CAP slots, count[row - row0] used). The slot of
+    each batch comes from one atomic add per (row, segment): the lists' order varies, their sets do not.
+    Tasks of segment -1 or >= G have nothing to do."""
     t = tl.program_id(0)
     g = tl.load(task_seg + t)
-    if g >= 0:
+    if (g >= 0) & (g < G):
         o_i = tl.arange(0, BLOCK_N)
         rows = tl.load(task_rows + t * BLOCK_N + o_i)
         live = rows >= 0
@@ -163,16 +187,111 @@ def segment_keys_kernel(h, w, task_rows, task_dest, task_seg, inv_t, keys, H, va
         if SOFTCAP:
             b_r, _ = soft_cap(b_r, softcap, inv_softcap, UPCAST)
         if HAS_INV_T:
-            it = tl.load(inv_t + o_nc, mask=live, other=1.0)
-            z = b_r * it[:, None]
+            z = b_r * tl.load(inv_t + o_nc, mask=live, other=1.0)[:, None]
         else:
             z = b_r * inv_t_scalar
-        z = tl.where((o_v < valid)[None, :], z, float("-inf"))
-        k = _sort_key(z, (o_v + vocab_start)[None, :])
-        dest = tl.load(task_dest + t * BLOCK_N + o_i)
-        o_j = tl.arange(0, KEEP)
-        p = keys + dest[:, None].to(tl.int64) * KEEP + o_j[None, :]
-        if KEEP < SEG:
-            tl.store(p, tl.topk(k, KEEP, dim=1), mask=live[:, None])  # the segment's KEEP best, bitonic
-        else:
-            tl.store(p, k, mask=live[:, None])
+        b_t = tl.load(thr + o_nc, mask=live, other=float("inf"))
+        take = live[:, None] & (o_v < valid)[None, :] & (z >= b_t[:, None])
+        take_i = take.to(tl.int32)
+        local = o_nc - row0
+        base = tl.atomic_add(count + local, tl.sum(take_i, 1), mask=live)
+        pos = base[:, None] + tl.cumsum(take_i, 1) - 1
+        tl.store(cand + local[:, None] * CAP + pos, _sort_key(z, (o_v + vocab_start)[None, :]),
+                 mask=take & (pos < CAP))
+
+
+@triton.jit
+def _lists_topk(lst, cnt, dst, m_r, K, pad, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, K2: tl.constexpr):
+    """dst[r, :K] = the K largest of the cnt[r] keys (distinct) at lst[r, :], descending, `pad` past them
+    where there are fewer (lst, dst: [BLOCK_R, 1] row pointers). The K-th largest is found exactly by
+    bisection on the int64 keys (63 counting passes over the list, no sort); the keys at or above it are
+    compacted into the row's output slots, then each goes to its rank among them."""
+    c_max = tl.max(cnt, 0)
+    o_c = tl.arange(0, CHUNK)[None, :]
+    lo = tl.zeros([BLOCK_R], dtype=tl.int64)  # count(keys >= lo) >= K, or lo = 0 when there are fewer than K
+    hi = tl.full([BLOCK_R], 9223372036854775807, dtype=tl.int64)  # count(keys >= hi) < K (keys < 2^63 - 1)
+    for _ in range(63):
+        mid = lo + ((hi - lo) >> 1)
+        c = tl.zeros([BLOCK_R], dtype=tl.int32)
+        for c0 in range(0, c_max, CHUNK):
+            x = tl.load(lst + c0 + o_c, mask=c0 + o_c < cnt[:, None], other=-1)
+            c += tl.sum((x >= mid[:, None]).to(tl.int32), 1)
+        enough = c >= K
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    taken = tl.zeros([BLOCK_R], dtype=tl.int32)
+    for c0 in range(0, c_max, CHUNK):
+        x = tl.load(lst + c0 + o_c, mask=c0 + o_c < cnt[:, None], other=-1)
+        sel = x >= lo[:, None]
+        pos = taken[:, None] + tl.cumsum(sel.to(tl.int32), 1) - 1
+        tl.store(dst + pos, x, mask=sel & (pos < K))
+        taken += tl.sum(sel.to(tl.int32), 1)
+    tl.debug_barrier()  # the compacted keys, written by other threads of the program
+    o_k = tl.arange(0, K2)[None, :]
+    nsel = tl.minimum(taken, K)[:, None]
+    y = tl.load(dst + o_k, mask=o_k < nsel, other=-1)
+    rank = tl.sum((y[:, None, :] > y[:, :, None]).to(tl.int32), 2)
+    tl.debug_barrier()  # every slot read before any is overwritten
+    tl.store(dst + rank, y, mask=o_k < nsel)
+    tl.store(dst + o_k, tl.zeros([BLOCK_R, K2], dtype=tl.int64) + pad, mask=(o_k >= nsel) & (o_k < K) & m_r[:, None])
+
+
+@triton.jit
+def candidate_topk_kernel(cand, count, out, C, CAP, K, pad, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr,
+                          K2: tl.constexpr):
+    """out[n, :K] = the K best of row n's candidate keys cand[n, :count[n]] (_lists_topk), BLOCK_R rows per
+    program. A row whose count exceeds CAP lost keys: overflow_topk_kernel rewrites it."""
+    o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    m_r = o_r < C
+    cnt = tl.minimum(tl.load(count + o_r, mask=m_r, other=0), CAP)
+    _lists_topk(cand + o_r[:, None].to(tl.int64) * CAP, cnt, out + o_r[:, None].to(tl.int64) * K, m_r, K, pad,
+                BLOCK_R, CHUNK, K2)
+
+
+@triton.jit
+def overflow_topk_kernel(h, w, segs, flags, stored, inv_t, thr, count, out, scratch, C, KK, CAP, row0, H, valid,
+                         vocab_start, inv_t_scalar, softcap, inv_softcap, K, pad, n_prog, SEG: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, HAS_INV_T: tl.constexpr, BF16_LOGITS: tl.constexpr,
+                         SOFTCAP: tl.constexpr, CHUNK: tl.constexpr, K2: tl.constexpr):
+    """out[n] for the rows whose candidate list overflowed (count[n] > CAP: many segments to recompute, e.g.
+    flat rows), each row by one program: its stored keys where flags[n, j] == 0, else the logits >= thr[n]
+    of segment segs[n, j] recomputed (a BLOCK_N-row tile of that one row: the forward's bits), gathered in
+    the program's scratch row (KK·SEG slots), then the K best (_lists_topk). Programs stride over rows."""
+    pid = tl.program_id(0)
+    lst = scratch + pid.to(tl.int64) * KK * SEG
+    o_s = tl.arange(0, SEG)
+    zero = tl.zeros([1], dtype=tl.int32)
+    for n in range(pid, C, n_prog):
+        if tl.load(count + n) > CAP:
+            row = row0 + n
+            b_t = tl.load(thr + row)
+            if HAS_INV_T:
+                b_it = tl.load(inv_t + row)
+            else:
+                b_it = inv_t_scalar
+            o_nc = tl.zeros([BLOCK_N], dtype=tl.int64) + row
+            taken = zero
+            for j in range(0, KK):
+                g = tl.load(segs + n * KK + j)
+                if tl.load(flags + n * KK + j) != 0:
+                    o_v = g * SEG + o_s
+                    o_vc = tl.minimum(o_v, valid - 1).to(tl.int64)
+                    b_r, _ = _seg_logits(h, w, None, None, o_nc, o_vc, o_vc, 0, 0, H, SEG, 1, BLOCK_N, BLOCK_K,
+                                         EVEN_K, UPCAST, DOT_PRECISION, False)
+                    r = tl.max(b_r, 0)  # the tile's rows are all this row
+                    if BF16_LOGITS:
+                        r = round_bf16(r, UPCAST)
+                    if SOFTCAP:
+                        r, _ = soft_cap(r, softcap, inv_softcap, UPCAST)
+                    z = r * b_it
+                    take = (o_v < valid) & (z >= b_t)
+                    pos = taken + tl.cumsum(take.to(tl.int32), 0) - 1
+                    tl.store(lst + pos, _sort_key(z, o_v + vocab_start), mask=take)
+                    taken += tl.sum(take.to(tl.int32), 0)
+                else:
+                    tl.store(lst + taken, tl.load(stored + n * KK + j + zero))
+                    taken += 1
+            tl.debug_barrier()  # the scratch row, written by other threads of the program
+            _lists_topk(lst + zero[:, None], taken, out + n * K + zero[:, None], zero == 0, K, pad, 1, CHUNK, K2)
+            tl.debug_barrier()  # read before the next row overwrites it

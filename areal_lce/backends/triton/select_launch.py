@@ -2,6 +2,8 @@
 contract's optional `gather_logits` and `segment_logits` (base.py)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 
@@ -9,9 +11,9 @@ from ... import exact
 from ...types import LCEParams
 from ..base import head_transform
 from . import configs
-from .launch import INTERPRET, _alloc, _cap_args, _device_ctx, _dot_precision
-from .select_kernels import (gather_logits_kernel, segment_best_kernel, segment_keys_kernel, segment_logits_kernel,
-                             segment_rank_kernel, sparse_dl_kernel)
+from .launch import INTERPRET, _alloc, _cap_args, _device_ctx, _dot_precision, _slots
+from .select_kernels import (candidate_topk_kernel, gather_logits_kernel, overflow_topk_kernel, segment_best_kernel,
+                             segment_candidates_kernel, segment_logits_kernel, segment_rank_kernel, sparse_dl_kernel)
 
 GATHER_R, GATHER_J, GATHER_H = 16, 8, 64
 
@@ -28,19 +30,20 @@ def gather_logits(hidden: torch.Tensor, weight: torch.Tensor, cols: torch.Tensor
     return out
 
 
-def _tasks(rows: torch.Tensor, segs: torch.Tensor, G: int, block: int, dest=None):
+def _tasks(rows: torch.Tensor, segs: torch.Tensor, G: int, block: int):
     """(task_rows [T, block] with -1 padding, task_seg [T] with -1 for unused tasks, flat position of each
-    pair in the [T·block] output, and with `dest` [P] the pairs' destinations laid out like task_rows): the
-    pairs grouped by segment into tasks of up to `block` rows, on the device, no host sync
-    (T = ceil(P / block) + G bounds the task count)."""
+    pair in the [T·block] output): the pairs grouped by segment (< G) into tasks of up to `block` rows, on
+    the device, no host sync (T = ceil(P / block) + G bounds the task count)."""
     p = rows.shape[0]
     dev = rows.device
-    order = torch.sort(segs, stable=True).indices
-    s_sorted = segs[order]
-    counts = torch.zeros(G, dtype=torch.int64, device=dev).index_add_(0, segs, torch.ones_like(segs))  # no sync
-    first = torch.cumsum(counts, 0) - counts
+    s_sorted, order = torch.sort(segs.to(torch.int32), stable=True)
+    bounds = torch.arange(G + 1, dtype=torch.int32, device=dev)
+    edges = torch.searchsorted(s_sorted, bounds)  # pairs before each segment: no atomics, no sync
+    first = edges[:-1]
+    counts = edges[1:] - first
     blocks = (counts + block - 1) // block
     block0 = torch.cumsum(blocks, 0) - blocks
+    s_sorted = s_sorted.long()
     rank = torch.arange(p, device=dev) - first[s_sorted]
     task = block0[s_sorted] + rank // block
     slot = rank % block
@@ -51,11 +54,7 @@ def _tasks(rows: torch.Tensor, segs: torch.Tensor, G: int, block: int, dest=None
     task_seg[task] = s_sorted
     pos = torch.empty_like(order)
     pos[order] = task * block + slot
-    task_dest = None
-    if dest is not None:
-        task_dest = torch.zeros((t_max, block), dtype=torch.int64, device=dev)
-        task_dest[task, slot] = dest[order]
-    return task_rows, task_seg, pos, task_dest
+    return task_rows, task_seg, pos
 
 
 def segment_logits(hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, segs: torch.Tensor,
@@ -67,7 +66,7 @@ def segment_logits(hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tenso
     G = exact.segments(valid)
     cfg = configs.tile("fwd", fp32=hidden.dtype == torch.float32, interpret=INTERPRET, H=h)
     block = cfg.block_n
-    task_rows, task_seg, pos, _ = _tasks(rows, segs, G, block)
+    task_rows, task_seg, pos = _tasks(rows, segs, G, block)
     out = _alloc((task_seg.shape[0] * block, exact.SEG), torch.float32, hidden.device)
     if rows.shape[0]:
         with _device_ctx(hidden.device):
@@ -106,66 +105,103 @@ def _inv_t_args(inv_t, like: torch.Tensor):
     return like, float(inv_t), False
 
 
-BEST_ELEMS = 4096  # fp32 maxima one segment_best_kernel program holds (BLOCK_N rows x BLOCK_G segments)
-KEEP_MAX = 16  # candidate_width: each segment's k best are kept for k <= KEEP_MAX (a bitonic top-k in the kernel)
+BEST_ELEMS = 4096  # fp32 maxima one segment_best_kernel program holds (one row of <= 4096 segments)
+PAD_KEY = 0x7FFFFF << 31  # select.sort_key(-inf, 2^31 - 1): below every logit's key
+TOPK_CHUNK = 128  # candidates candidate_topk_kernel counts at a time (a row has about k of them)
+TOPK_ROWS = 64 if INTERPRET else 4  # rows per candidate_topk_kernel program (4 rows, one warp: the fastest)
+TOPK_SPILL = 256  # candidate slots per row beyond its kk stored maxima (a row needs about 2 more for k = 64)
+OVERFLOW_PROGRAMS_PER_SM = 2  # overflow_topk_kernel: programs per SM striding over the rows
 
 
-def rank_segments(seg_max: torch.Tensor, inv_t, kk: int) -> torch.Tensor:
-    """[N, kk] local segment indices of each row's kk largest tempered segment maxima (seg_max [G, N] raw),
-    ties to the lower segment (select.topk_keys): in segment order from segment_best_kernel when a row's G
-    segments fit one program, else best first from torch's top-k of segment_rank_kernel's keys."""
-    G, N = seg_max.shape
-    it, scalar, has = _inv_t_args(inv_t, seg_max)
+def rank_segments(seg_rows: torch.Tensor, inv_t, kk: int):
+    """([N, kk] local segment indices of each row's kk largest tempered segment maxima (seg_rows [N, G] raw),
+    ties to the lower segment (select.topk_keys), [N] fp32 the kk-th largest tempered maximum): in segment
+    order from segment_best_kernel when a row's segments fit one program, else best first from torch's
+    top-k of segment_rank_kernel's keys."""
+    N, G = seg_rows.shape
+    seg_rows = seg_rows.contiguous()
+    it, scalar, has = _inv_t_args(inv_t, seg_rows)
     block_g = triton.next_power_of_2(max(G, 1))
-    if block_g <= BEST_ELEMS and kk <= KEEP_MAX:  # beyond, torch's radix top-k of the keys is the faster
-        best = torch.zeros((N, kk), dtype=torch.int64, device=seg_max.device)  # a NaN row's untaken slots: 0
+    if block_g <= BEST_ELEMS:
+        best = torch.zeros((N, kk), dtype=torch.int64, device=seg_rows.device)  # a NaN row's untaken slots: 0
+        thr = _alloc((N,), torch.float32, seg_rows.device)
         if N and G and kk:
-            block_n = 1  # one row per program: the fastest (benchmark/results/archive/h200_select_rank_blocks)
-            with _device_ctx(seg_max.device):
+            # GPU: one row per program on one warp, the fastest (1, 2, 4, 8 warps: 776, 865, 868, 1111 us at
+            # 32768 x 1187 segments on an H100); the interpreter: many rows per program
+            block_n = max(1, BEST_ELEMS // block_g) if INTERPRET else 1
+            with _device_ctx(seg_rows.device):
                 segment_best_kernel[(triton.cdiv(N, block_n),)](
-                    seg_max.contiguous(), it, best, N, G, kk, scalar, HAS_INV_T=has, BLOCK_N=block_n,
-                    BLOCK_G=block_g, KK2=triton.next_power_of_2(kk), num_warps=4)
-        return best
-    keys = _alloc((N, G), torch.int64, seg_max.device)
+                    seg_rows, it, best, thr, N, G, kk, scalar, HAS_INV_T=has, BLOCK_N=block_n, BLOCK_G=block_g,
+                    num_warps=4 if INTERPRET else 1)
+        return best, thr
+    keys = _alloc((N, G), torch.int64, seg_rows.device)
     if N and G:
-        with _device_ctx(seg_max.device):
+        with _device_ctx(seg_rows.device):
             segment_rank_kernel[(triton.cdiv(N, RANK_N), triton.cdiv(G, RANK_G))](
-                seg_max.contiguous(), it, keys, N, G, scalar, HAS_INV_T=has, BLOCK_N=RANK_N, BLOCK_G=RANK_G,
-                num_warps=4)
-    return _ID_MASK - (keys.topk(kk, dim=1).values & _ID_MASK)
+                seg_rows, it, keys, N, G, scalar, HAS_INV_T=has, BLOCK_N=RANK_N, BLOCK_G=RANK_G, num_warps=4)
+    thr = (seg_rows * (it[:, None] if has else scalar)).topk(kk, dim=1).values[:, -1]  # the kernel's products
+    return _ID_MASK - (keys.topk(kk, dim=1).values & _ID_MASK), thr
 
 
-def candidate_width(k: int) -> int:
-    """Candidate keys candidate_keys keeps per (row, segment) for a top-k: for k <= KEEP_MAX the segment's
-    k best (a power of two >= k), else all 128. Under the CPU interpreter all 128 (its bitonic top-k is numpy
-    over a 2^12-point hypercube per program, minutes per call; tests drive the truncation directly)."""
-    return triton.next_power_of_2(max(k, 1)) if k <= KEEP_MAX and not INTERPRET else exact.SEG
+def _recompute_tile(h: int, dtype: torch.dtype):
+    """The forward's tile, with 64-row tasks (one warpgroup) where it has 128 rows in two: the same
+    tensor-core accumulation per row (tests/backends/test_triton_select_rank.py checks the bits on a GPU),
+    half the work for the few rows a segment's recompute usually has."""
+    cfg = configs.tile("fwd", fp32=dtype == torch.float32, interpret=INTERPRET, H=h)
+    if cfg.block_n == 128 and cfg.num_warps == 8:
+        cfg = replace(cfg, block_n=64, num_warps=4)
+    return cfg
 
 
-def candidate_keys(hidden: torch.Tensor, weight: torch.Tensor, row0: int, segs: torch.Tensor, inv_t,
-                   params: LCEParams, vocab_start: int, k: int = exact.SEG, keep: int = 0) -> torch.Tensor:
-    """[c, kk·candidate_width(k)] sort keys (select.sort_key of the tempered logit and the global id) of the
-    segments segs [c, kk] of rows [row0, row0 + c), computed with the forward's bits (segment_keys_kernel):
-    per segment its candidate_width(k) best (or `keep`, a power of two >= k), which hold every key of the
-    row's top-k from that segment."""
+def candidate_topk(hidden: torch.Tensor, weight: torch.Tensor, row0: int, segs: torch.Tensor, thr: torch.Tensor,
+                   inv_t, params: LCEParams, vocab_start: int, k: int, stored: torch.Tensor = None,
+                   recompute: torch.Tensor = None) -> torch.Tensor:
+    """[c, k] select.sort_key keys of the k largest tempered logits of rows [row0, row0 + c) within their
+    segments segs [c, kk], descending (keys below every logit where a row has fewer than k columns).
+    Candidates: `stored` [c, kk] keys where `recompute` [c, kk] is False (select.topk_keys: each segment's
+    max, from the forward), and the logits >= thr[row] of the segments recomputed with the forward's bits
+    (all of them without `stored`); then the k best of those. With `stored` a row's list holds kk +
+    TOPK_SPILL keys; the rows that need more (overflow_topk_kernel) are redone one program per row."""
     c, kk = segs.shape
     n, h = hidden.shape
     dev = hidden.device
     valid = params.shard_valid
-    cfg = configs.tile("fwd", fp32=hidden.dtype == torch.float32, interpret=INTERPRET, H=h)
-    block = cfg.block_n
+    G = exact.segments(valid)
+    cfg = _recompute_tile(h, hidden.dtype)
     rows = torch.arange(row0, row0 + c, device=dev).repeat_interleave(kk)
-    dest = torch.arange(c * kk, device=dev)
-    task_rows, task_seg, _, task_dest = _tasks(rows, segs.reshape(-1), exact.segments(valid), block, dest)
-    keep = keep or candidate_width(k)
-    keys = _alloc((c, kk * keep), torch.int64, dev)
-    it, scalar, has = _inv_t_args(inv_t, keys)
-    if c and kk:
-        with _device_ctx(dev):
-            segment_keys_kernel[(task_seg.shape[0],)](
-                hidden, weight, task_rows, task_dest, task_seg, it, keys, h, valid, vocab_start, scalar,
-                *_cap_args(params), SEG=exact.SEG, BLOCK_N=block, BLOCK_K=cfg.block_k, EVEN_K=h % cfg.block_k == 0,
-                UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), HAS_INV_T=has,
-                BF16_LOGITS=params.bf16_logits, SOFTCAP=bool(params.softcap), KEEP=keep, num_warps=cfg.num_warps,
+    if stored is None:
+        cap = kk * exact.SEG  # every column of the row's segments: the list cannot overflow
+        cand = _alloc((c, cap), torch.int64, dev)
+        count = torch.zeros(c, dtype=torch.int32, device=dev)
+        pair_segs = segs.reshape(-1)
+    else:
+        cap = kk + TOPK_SPILL
+        cand = _alloc((c, cap), torch.int64, dev)
+        cand[:, :kk] = torch.where(recompute, PAD_KEY, stored)
+        count = torch.full((c,), kk, dtype=torch.int32, device=dev)
+        pair_segs = torch.where(recompute, segs, G).reshape(-1)  # segment G: a task with nothing to do
+    task_rows, task_seg, _ = _tasks(rows, pair_segs, G + 1, cfg.block_n)
+    out = _alloc((c, k), torch.int64, dev)
+    it, scalar, has = _inv_t_args(inv_t, cand)
+    thr = thr.contiguous()
+    common = dict(SEG=exact.SEG, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=h % cfg.block_k == 0,
+                  UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), HAS_INV_T=has,
+                  BF16_LOGITS=params.bf16_logits, SOFTCAP=bool(params.softcap))
+    if not (c and kk):
+        return out.fill_(PAD_KEY)
+    with _device_ctx(dev):
+        segment_candidates_kernel[(task_seg.shape[0],)](
+            hidden, weight, task_rows, task_seg, it, thr, count, cand, row0, cap, h, valid, G, vocab_start, scalar,
+            *_cap_args(params), **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        candidate_topk_kernel[(triton.cdiv(c, TOPK_ROWS),)](
+            cand, count, out, c, cap, k, PAD_KEY, BLOCK_R=TOPK_ROWS, CHUNK=TOPK_CHUNK, K2=triton.next_power_of_2(k),
+            num_warps=1)
+        if stored is not None:
+            n_prog = min(c, _slots(dev) * OVERFLOW_PROGRAMS_PER_SM)
+            scratch = _alloc((n_prog, kk * exact.SEG), torch.int64, dev)
+            overflow_topk_kernel[(n_prog,)](
+                hidden, weight, segs.contiguous(), recompute.to(torch.int8).contiguous(), stored.contiguous(), it,
+                thr, count, out, scratch, c, kk, cap, row0, h, valid, vocab_start, scalar, *_cap_args(params), k,
+                PAD_KEY, n_prog, **common, CHUNK=TOPK_CHUNK, K2=triton.next_power_of_2(k), num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
-    return keys
+    return out
