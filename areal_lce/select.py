@@ -138,9 +138,9 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
     """sort_key of each row's k largest tempered logits over the whole vocabulary, [N, k] descending.
     seg_max [G, N]: this shard's raw segment maxima (exact.py layout, caller row order); seg_params: the
     params the segments were cut with (their vocab_start may be this shard's own start, see function.py);
-    seg_top [2, G, N]: each segment's max column and second largest raw value, where the forward kept them
-    (then only the chosen segments whose second value reaches the threshold are recomputed), and the maxima
-    again as [N, G] in plane 2 (in caller row order, like the other planes)."""
+    seg_top: (int8 [G, N] each segment's max column, fp32 [2, G, N] its second largest raw value and the
+    maxima again as [N, G]), in caller row order, where the forward kept them (then only the chosen
+    segments whose second value reaches the threshold are recomputed)."""
     sp = seg_params or params
     n = hidden.shape[0]
     G = seg_max.shape[0]
@@ -152,7 +152,7 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
     own = _backend(sp)
     native = own if hasattr(own, "candidate_topk") else None  # ranks, recomputes and selects in its own kernels
     if kk and native is not None:
-        rows_major = seg_top[2].view(n, G) if seg_top is not None else seg_max.t()
+        rows_major = seg_top[1][1].view(n, G) if seg_top is not None else seg_max.t()
         segs, thr = native.rank_segments(rows_major, inv_t if torch.is_tensor(inv_t) else it, kk)
         if kk < k:  # fewer segments than k: every column of the shard is a candidate
             thr = torch.full_like(thr, float("-inf"))
@@ -200,9 +200,9 @@ def _stored_maxima(seg_max, seg_top, segs, t0: int, it, thr, vocab_start: int, t
     c = segs.shape[0]
     rows = torch.arange(t0, t0 + c, device=segs.device)[:, None]
     it_rows = it[t0:t0 + c] if torch.is_tensor(it) else it
-    col = seg_top[0][segs, rows].nan_to_num(0.0).clamp(0, exact.SEG - 1).long()  # unset at skipped rows
+    col = seg_top[0][segs, rows].long().clamp(0, exact.SEG - 1)  # unset at skipped rows
     stored = sort_key(seg_max[segs, rows] * it_rows, segs * exact.SEG + col + vocab_start)
-    return stored, ~(seg_top[1][segs, rows] * it_rows < thr[t0:t0 + c, None])  # NaN: recompute
+    return stored, ~(seg_top[1][0][segs, rows] * it_rows < thr[t0:t0 + c, None])  # NaN: recompute
 
 
 def sparse_grad(hidden: Optional[torch.Tensor], weight: torch.Tensor, ids: torch.Tensor, coef: torch.Tensor,
@@ -241,8 +241,10 @@ def _segment_maxima(hidden, weight, inv_t, params: LCEParams, st, part):
             G, n_c = seg.shape
             seg = seg.index_select(1, part.dest)
             if top is not None:
-                rows_major = top[2].view(n_c, G).index_select(0, part.dest)  # [N, G]
-                top = torch.cat([top[:2].index_select(2, part.dest), rows_major.view(1, G, -1)])
+                col, vals = top
+                rows_major = vals[1].view(n_c, G).index_select(0, part.dest)  # [N, G]
+                top = (col.index_select(1, part.dest),
+                       torch.stack([vals[0].index_select(1, part.dest), rows_major.view(G, -1)]))
         return seg, params, top
     import dataclasses
 

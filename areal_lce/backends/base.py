@@ -118,9 +118,9 @@ class ShardStats:
     lsq: Optional[torch.Tensor] = None  # Σ raw logits², only with params.logit_sums
     seg: Optional[torch.Tensor] = None  # invariant mode: fp32 [3 or 5, G, N] segment partials (exact.py);
     #                                     then m, s, a are None and mx, mn, zy are this shard's exact values
-    seg_top: Optional[torch.Tensor] = None  # invariant mode with params.top_k, where the backend keeps it:
-    #                                     fp32 [3, G, N] each segment's max column (lowest on ties), second
-    #                                     largest raw value, and the maxima laid out [N, G] (select.py's top-k)
+    seg_top: Optional[tuple] = None  # invariant mode with params.top_k, where the backend keeps it: (int8 [G, N]
+    #                                  each segment's max column (lowest on ties), fp32 [2, G, N] its second
+    #                                  largest raw value and the maxima laid out [N, G]) (select.py's top-k)
 
 
 class Backend(Protocol):

@@ -82,8 +82,8 @@ def _seg_logits(h, w, d_h, d_w, o_nc, o_vc0, o_vc1, row0, col0, H,
 
 
 @triton.jit
-def _seg_fold(b_r, c0, v_end, g, G, seg, top, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn, b_mx, b_zy,
-              softcap, inv_softcap, UPCAST: tl.constexpr, MASKED: tl.constexpr, HAS_CACHE: tl.constexpr,
+def _seg_fold(b_r, c0, v_end, g, G, seg, top, top_col, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn, b_mx,
+              b_zy, softcap, inv_softcap, UPCAST: tl.constexpr, MASKED: tl.constexpr, HAS_CACHE: tl.constexpr,
               HAS_SUMS: tl.constexpr, HAS_TOP: tl.constexpr, BF16_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr,
               SEG: tl.constexpr, CACHE_COLS: tl.constexpr):
     """Reduce one [BLOCK_N, SEG] raw-logits segment (local columns c0 + [0, SEG), valid below v_end) and
@@ -124,10 +124,9 @@ def _seg_fold(b_r, c0, v_end, g, G, seg, top, stride_seg, o_n, m_n, N, b_y, b_it
         else:
             b_rm = b_r
         b_am = tl.min(tl.where(b_rm == b_max[:, None], o_c, SEG), 1)
-        p_t = top + g * N + o_n
-        tl.store(p_t, b_am.to(tl.float32), mask=m_st)
-        tl.store(p_t + stride_seg, tl.max(tl.where(o_c == b_am[:, None], float("-inf"), b_rm), 1), mask=m_st)
-        tl.store(top + 2 * stride_seg + o_n * G + g, b_max, mask=m_st)  # the maxima again, rows contiguous
+        tl.store(top_col + g * N + o_n, b_am.to(tl.int8), mask=m_st)
+        tl.store(top + g * N + o_n, tl.max(tl.where(o_c == b_am[:, None], float("-inf"), b_rm), 1), mask=m_st)
+        tl.store(top + stride_seg + o_n * G + g, b_max, mask=m_st)  # the maxima again, rows contiguous
     p = seg + g * N + o_n
     tl.store(p, b_max, mask=m_st)
     tl.store(p + stride_seg, tl.sum(b_e, 1), mask=m_st)
@@ -144,7 +143,7 @@ def _seg_fold(b_r, c0, v_end, g, G, seg, top, stride_seg, o_n, m_n, N, b_y, b_it
 
 @triton.jit
 def lce_fwd_seg_kernel(
-    h, w, d_h, d_w, y, inv_t, seg, top, part, z_cache,
+    h, w, d_h, d_w, y, inv_t, seg, top, top_col, part, z_cache,
     N, H, V, G, SPLIT_V, n_splits, stride_seg, stride_part, inv_t_scalar, softcap, inv_softcap,
     HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, HAS_TOP: tl.constexpr,
     BF16_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -153,8 +152,8 @@ def lce_fwd_seg_kernel(
     CACHE_COLS: tl.constexpr,
 ):
     """seg: fp32 [3, G, N] (raw max, s, a) per 128-column segment of this shard's V valid columns,
-    [5, G, N] with HAS_SUMS; top: fp32 [3, G, N] (the max's column, the second largest value, the maxima as
-    [N, G]) with HAS_TOP.
+    [5, G, N] with HAS_SUMS; with HAS_TOP top: fp32 [2, G, N] (the second largest value, the maxima as
+    [N, G]) and top_col: int8 [G, N] (the max's column).
     SPLIT_V is a
     multiple of SUB·SEG. part: fp32 [3, n_splits, N] (raw min, tempered label logit, raw max) per split.
     A token block whose rows are all ignored folds no tile (its values stay unset;
@@ -190,25 +189,25 @@ def lce_fwd_seg_kernel(
         g = col0 // SEG
         if col0 + TILE <= v_end:
             b_mn, b_mx, b_zy = _seg_fold(
-                b_r0, col0, v_end, g, G, seg, top, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn, b_mx,
-                b_zy, softcap, inv_softcap, UPCAST, False, HAS_CACHE, HAS_SUMS, HAS_TOP, BF16_LOGITS, SOFTCAP, SEG,
-                CACHE_COLS)
+                b_r0, col0, v_end, g, G, seg, top, top_col, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn,
+                b_mx, b_zy, softcap, inv_softcap, UPCAST, False, HAS_CACHE, HAS_SUMS, HAS_TOP, BF16_LOGITS, SOFTCAP,
+                SEG, CACHE_COLS)
             if SUB == 2:
                 b_mn, b_mx, b_zy = _seg_fold(
-                    b_r1, col0 + SEG, v_end, g + 1, G, seg, top, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache,
-                    b_mn, b_mx, b_zy, softcap, inv_softcap, UPCAST, False, HAS_CACHE, HAS_SUMS, HAS_TOP, BF16_LOGITS,
-                    SOFTCAP, SEG, CACHE_COLS)
+                    b_r1, col0 + SEG, v_end, g + 1, G, seg, top, top_col, stride_seg, o_n, m_n, N, b_y, b_it, b_c,
+                    z_cache, b_mn, b_mx, b_zy, softcap, inv_softcap, UPCAST, False, HAS_CACHE, HAS_SUMS, HAS_TOP,
+                    BF16_LOGITS, SOFTCAP, SEG, CACHE_COLS)
         else:
             b_mn, b_mx, b_zy = _seg_fold(
-                b_r0, col0, v_end, g, G, seg, top, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn, b_mx,
-                b_zy, softcap, inv_softcap, UPCAST, True, HAS_CACHE, HAS_SUMS, HAS_TOP, BF16_LOGITS, SOFTCAP, SEG,
-                CACHE_COLS)
+                b_r0, col0, v_end, g, G, seg, top, top_col, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn,
+                b_mx, b_zy, softcap, inv_softcap, UPCAST, True, HAS_CACHE, HAS_SUMS, HAS_TOP, BF16_LOGITS, SOFTCAP,
+                SEG, CACHE_COLS)
             if SUB == 2:
                 if col0 + SEG < v_end:
                     b_mn, b_mx, b_zy = _seg_fold(
-                        b_r1, col0 + SEG, v_end, g + 1, G, seg, top, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache,
-                        b_mn, b_mx, b_zy, softcap, inv_softcap, UPCAST, True, HAS_CACHE, HAS_SUMS, HAS_TOP,
-                        BF16_LOGITS, SOFTCAP, SEG, CACHE_COLS)
+                        b_r1, col0 + SEG, v_end, g + 1, G, seg, top, top_col, stride_seg, o_n, m_n, N, b_y, b_it,
+                        b_c, z_cache, b_mn, b_mx, b_zy, softcap, inv_softcap, UPCAST, True, HAS_CACHE, HAS_SUMS,
+                        HAS_TOP, BF16_LOGITS, SOFTCAP, SEG, CACHE_COLS)
     p_part = part + i_s * N + o_n
     tl.store(p_part, b_mn, mask=m_n)
     tl.store(p_part + stride_part, b_zy * b_it, mask=m_n)

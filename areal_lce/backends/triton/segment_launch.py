@@ -34,14 +34,16 @@ def forward_segments(hidden, weight, y, it, inv_t_scalar, params: LCEParams, cfg
         raise ValueError(f"triton backend: invariant mode's segment partials ({k} x {G} x {N}) exceed int32 "
                          "offsets: split the call into fewer rows")
     seg = _alloc((k, G, N), torch.float32, dev)
-    top = _alloc((3, G, N), torch.float32, dev) if params.top_k else None
+    top = _alloc((2, G, N), torch.float32, dev) if params.top_k else None
+    top_col = _alloc((G, N), torch.int8, dev) if params.top_k else None
     part = _alloc((3, n_splits, N), torch.float32, dev)
     d_h = d_w = None
     if configs.USE_TMA and TensorDescriptor is not None:
         d_h, d_w = _descriptors(hidden, weight[:valid], replace(cfg, block_v=seg_w))
     with _device_ctx(dev):
         lce_fwd_seg_kernel[(triton.cdiv(N, cfg.block_n) * n_splits,)](
-            hidden, weight, d_h, d_w, y, it if it is not None else part, seg, top if top is not None else part, part,
+            hidden, weight, d_h, d_w, y, it if it is not None else part, seg, top if top is not None else part,
+            top_col if top_col is not None else part, part,
             cache if cache is not None else part,
             N, H, valid, G, split_v, n_splits, G * N, n_splits * N, inv_t_scalar, *_cap_args(params),
             HAS_INV_T=it is not None, HAS_CACHE=cache is not None, HAS_SUMS=sums, HAS_TOP=top is not None,
@@ -53,7 +55,8 @@ def forward_segments(hidden, weight, y, it, inv_t_scalar, params: LCEParams, cfg
         out = _alloc((3, N), torch.float32, dev)
         lce_seg_reduce_kernel[(triton.cdiv(N, configs.MERGE_BLOCK_N),)](
             part, out, N, n_splits, n_splits * N, BLOCK_N=configs.MERGE_BLOCK_N, num_warps=4)
-    return ShardStats(m=None, s=None, a=None, zy=out[2], mn=out[1], mx=out[0], cache=cache, seg=seg, seg_top=top)
+    return ShardStats(m=None, s=None, a=None, zy=out[2], mn=out[1], mx=out[0], cache=cache, seg=seg,
+                      seg_top=(top_col, top) if top is not None else None)
 
 def fold_segments(seg, mx, inv_t, scales):
     """exact.fold_segments in one launch: int64 [3 or 5, N]."""

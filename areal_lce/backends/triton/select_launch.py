@@ -109,7 +109,7 @@ BEST_ELEMS = 4096  # fp32 maxima one segment_best_kernel program holds (one row 
 PAD_KEY = 0x7FFFFF << 31  # select.sort_key(-inf, 2^31 - 1): below every logit's key
 TOPK_CHUNK = 128  # candidates candidate_topk_kernel counts at a time (a row has about k of them)
 TOPK_ROWS = 64 if INTERPRET else 4  # rows per candidate_topk_kernel program (4 rows, one warp: the fastest)
-TOPK_SPILL = 256  # candidate slots per row beyond its kk stored maxima (a row needs about 2 more for k = 64)
+TOPK_SPILL = 128  # candidate slots per row beyond its kk stored maxima (a row needs about 2 more for k = 64)
 OVERFLOW_PROGRAMS_PER_SM = 2  # overflow_topk_kernel: programs per SM striding over the rows
 
 
