@@ -188,6 +188,8 @@ def lce_forward(hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bo
     st = get_backend(params.backend).forward(h_c, weight, y_c, t_c, params, keep_cache=keep_cache)
     if params.invariant:
         fin = exact.merge(st, params, params.inv_t if t_c is None else t_c)
+        if st.seg_top is not None:  # merged: the top-k reads the maxima from seg_top, the partials can go
+            st = dataclasses.replace(st, seg=None)
         vals = dict(logprobs=fin.lp, entropy=fin.ent, lse=fin.lse, max_logit=fin.mx, min_logit=fin.mn,
                     sum_logit=fin.lsum, sumsq_logit=fin.lsq)
     else:

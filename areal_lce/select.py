@@ -235,17 +235,19 @@ def _segment_maxima(hidden, weight, inv_t, params: LCEParams, st, part):
     in caller row order or None): the invariant forward's own, else one pass of the torch backend's segment
     blocks over this shard (ids relative to the shard start; the top-k then recomputes with the torch
     blocks too)."""
-    if st.seg is not None:
-        seg, top = st.seg[0], st.seg_top
+    if st.seg_top is not None:  # the maxima from seg_top's row-major plane (the partials are gone)
+        col, vals = st.seg_top
+        G, n_c = col.shape
+        rows_major = vals[1].view(n_c, G)
+        top = st.seg_top
         if part is not None:
-            G, n_c = seg.shape
-            seg = seg.index_select(1, part.dest)
-            if top is not None:
-                col, vals = top
-                rows_major = vals[1].view(n_c, G).index_select(0, part.dest)  # [N, G]
-                top = (col.index_select(1, part.dest),
-                       torch.stack([vals[0].index_select(1, part.dest), rows_major.view(G, -1)]))
-        return seg, params, top
+            rows_major = rows_major.index_select(0, part.dest)  # [N, G]
+            top = (col.index_select(1, part.dest),
+                   torch.stack([vals[0].index_select(1, part.dest), rows_major.view(G, -1)]))
+        return rows_major.t(), params, top
+    if st.seg is not None:
+        seg = st.seg[0]
+        return (seg if part is None else seg.index_select(1, part.dest)), params, None
     import dataclasses
 
     from .backends.torch_chunked import invariant_forward
