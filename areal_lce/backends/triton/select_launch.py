@@ -108,7 +108,8 @@ def _inv_t_args(inv_t, like: torch.Tensor):
 BEST_ELEMS = 4096  # fp32 maxima one segment_best_kernel program holds (one row of <= 4096 segments)
 PAD_KEY = 0x7FFFFF << 31  # select.sort_key(-inf, 2^31 - 1): below every logit's key
 TOPK_CHUNK = 128  # candidates candidate_topk_kernel counts at a time (a row has about k of them)
-TOPK_ROWS = 64 if INTERPRET else 4  # rows per candidate_topk_kernel program (4 rows, one warp: the fastest)
+TOPK_ROWS = 64 if INTERPRET else 4  # rows per candidate_topk_kernel program (4 rows on one warp: the fastest,
+#                                      results/archive/h100_select_topk_profiles)
 TOPK_SPILL = 128  # candidate slots per row beyond its kk stored maxima (a row needs about 2 more for k = 64)
 OVERFLOW_PROGRAMS_PER_SM = 2  # overflow_topk_kernel: programs per SM striding over the rows
 
@@ -127,7 +128,7 @@ def rank_segments(seg_rows: torch.Tensor, inv_t, kk: int):
         thr = _alloc((N,), torch.float32, seg_rows.device)
         if N and G and kk:
             # GPU: one row per program on one warp, the fastest (1, 2, 4, 8 warps: 776, 865, 868, 1111 us at
-            # 32768 x 1187 segments on an H100); the interpreter: many rows per program
+            # 32768 x 1187 segments, results/archive/h100_select_topk_profiles); the interpreter: many rows
             block_n = max(1, BEST_ELEMS // block_g) if INTERPRET else 1
             with _device_ctx(seg_rows.device):
                 segment_best_kernel[(triton.cdiv(N, block_n),)](
@@ -165,6 +166,9 @@ def candidate_topk(hidden: torch.Tensor, weight: torch.Tensor, row0: int, segs: 
     c, kk = segs.shape
     n, h = hidden.shape
     dev = hidden.device
+    out = _alloc((c, k), torch.int64, dev)
+    if not (c and kk):
+        return out.fill_(PAD_KEY)
     valid = params.shard_valid
     G = exact.segments(valid)
     cfg = _recompute_tile(h, hidden.dtype)
@@ -181,14 +185,11 @@ def candidate_topk(hidden: torch.Tensor, weight: torch.Tensor, row0: int, segs: 
         count = torch.full((c,), kk, dtype=torch.int32, device=dev)
         pair_segs = torch.where(recompute, segs, G).reshape(-1)  # segment G: a task with nothing to do
     task_rows, task_seg, _ = _tasks(rows, pair_segs, G + 1, cfg.block_n)
-    out = _alloc((c, k), torch.int64, dev)
     it, scalar, has = _inv_t_args(inv_t, cand)
     thr = thr.contiguous()
     common = dict(SEG=exact.SEG, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=h % cfg.block_k == 0,
                   UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), HAS_INV_T=has,
                   BF16_LOGITS=params.bf16_logits, SOFTCAP=bool(params.softcap))
-    if not (c and kk):
-        return out.fill_(PAD_KEY)
     with _device_ctx(dev):
         segment_candidates_kernel[(task_seg.shape[0],)](
             hidden, weight, task_rows, task_seg, it, thr, count, cand, row0, cap, h, valid, G, vocab_start, scalar,
