@@ -22,7 +22,7 @@ import torch
 from areal_lce import linear_logprobs_entropy
 
 from .bench_invariant import SHAPES, inputs, timed
-from ..harness import checks_then_costs, log, paired_ratios
+from ..harness import PeakMemory, checks_then_costs, log, paired_ratios
 
 
 def _sel(y, v, k, seed=1):
@@ -103,11 +103,9 @@ def cost(name, n, h, v, rounds):
     for mode, fn in (("", fwd_bwd), ("fwd_", fwd)):
         for k, kw in variants.items():
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-            fn(kw)
-            torch.cuda.synchronize()
-            out[f"{mode}peak_extra_gib_{k}"] = (torch.cuda.max_memory_allocated() - before) / 2 ** 30
+            with PeakMemory() as pm:
+                fn(kw)
+            out[f"{mode}peak_extra_gib_{k}"] = pm.extra_gib
         for k in variants:
             if k != "base":
                 out[f"{mode}peak_extra_gib_{k}"] -= out[f"{mode}peak_extra_gib_base"]
