@@ -151,9 +151,17 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
     kk = min(k, G)
     own = _backend(sp)
     native = own if hasattr(own, "candidate_topk") else None  # ranks, recomputes and selects in its own kernels
+    one_pass = native is not None and seg_top is not None and kk == k
     if kk and native is not None:
         rows_major = seg_top[1][1].view(n, G) if seg_top is not None else seg_max.t()
-        segs, thr = native.rank_segments(rows_major, inv_t if torch.is_tensor(inv_t) else it, kk)
+        # with the forward's maxima (and k segments: else every column is a candidate) the ranking also gives
+        # each chosen segment's max key and whether the segment must be recomputed: a row's k largest keys
+        # are all >= T, the k-th largest of its segments' max keys (k keys reach T); one that is not its
+        # segment's max is at most the segment's second value, so only segments whose tempered second
+        # value reaches T's value (thr) can hold one beyond their max
+        top = (seg_top[0], seg_top[1][0]) if one_pass else None
+        segs, thr, stored, recompute = native.rank_segments(rows_major, inv_t if torch.is_tensor(inv_t) else it,
+                                                            kk, top, params.vocab_start)
         if kk < k:  # fewer segments than k: every column of the shard is a candidate
             thr = torch.full_like(thr, float("-inf"))
     elif kk:
@@ -162,14 +170,11 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
         segs = key_id(seg_rank)  # [N, kk] local segment indices, best first
     # rows per chunk: the recompute's [rows · kk, 128] logits bound it, except on a backend that takes the
     # forward's maxima (its per-row lists are kk + a fixed spill: one pass over every row)
-    one_pass = native is not None and seg_top is not None and kk == k
     chunk = n if one_pass else max(1, _CHUNK_ELEMS // (max(kk, 1) * exact.SEG))
     cols = torch.arange(exact.SEG, device=dev)
     for t0 in range(0, n if kk else 0, chunk):
         t1 = min(n, t0 + chunk)
         if native is not None:  # the k best keys straight from its kernels
-            stored, recompute = _stored_maxima(seg_max, seg_top, segs[t0:t1], t0, it, thr, params.vocab_start,
-                                               kk == k)
             out[t0:t1] = native.candidate_topk(hidden, weight, t0, segs[t0:t1], thr,
                                                inv_t if torch.is_tensor(inv_t) else it, sp, params.vocab_start, k,
                                                stored, recompute)
@@ -188,21 +193,6 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
         allk = comms.all_gather_rows(out.t().contiguous(), params.tp_group)  # [tp·k, N]
         out = allk.t().topk(k, dim=1).values
     return out
-
-
-def _stored_maxima(seg_max, seg_top, segs, t0: int, it, thr, vocab_start: int, thresholded: bool):
-    """(keys [c, kk] of the chosen segments' maxima, [c, kk] True where the segment must be recomputed), or
-    (None, None) without seg_top. A row's k largest keys are all >= T, the k-th largest of its segments'
-    max keys (k keys reach T); one that is not its segment's max is at most the segment's second value, so
-    only segments whose tempered second value reaches T's value (thr) can hold one beyond their max."""
-    if seg_top is None or not thresholded:  # fewer segments than k: every column is a candidate
-        return None, None
-    c = segs.shape[0]
-    rows = torch.arange(t0, t0 + c, device=segs.device)[:, None]
-    it_rows = it[t0:t0 + c] if torch.is_tensor(it) else it
-    col = seg_top[0][segs, rows].long().clamp(0, exact.SEG - 1)  # unset at skipped rows
-    stored = sort_key(seg_max[segs, rows] * it_rows, segs * exact.SEG + col + vocab_start)
-    return stored, ~(seg_top[1][0][segs, rows] * it_rows < thr[t0:t0 + c, None])  # NaN: recompute
 
 
 def sparse_grad(hidden: Optional[torch.Tensor], weight: torch.Tensor, ids: torch.Tensor, coef: torch.Tensor,

@@ -22,7 +22,7 @@ def _reference(seg_max, it, kk):
 
 
 @pytest.mark.parametrize("kk, temp, G", [(3, "scalar", 37), (13, "per_token", 37), (20, "scalar", 37),
-                                         (20, "per_token", 4100)])  # 4100 segments: torch's top-k of the keys
+                                         (20, "per_token", 4100)])  # 4100 segments: many chunks of a row
 def test_rank_segments_takes_the_oracles_set(kk, temp, G):
     g = torch.Generator().manual_seed(kk)
     n = 21
@@ -32,8 +32,10 @@ def test_rank_segments_takes_the_oracles_set(kk, temp, G):
     seg[5, 1] = 0.0
     seg[[3, 9, 30], 2] = 4.0  # a tie at the threshold for kk = 2 .. 3
     seg[7, 3] = float("inf")
+    seg[:, 4] = torch.randn(G, generator=g)  # distinct values: the bisection stops once exactly kk reach it
+    seg[:, 5] = torch.linspace(-3.0, 2.0, G)  # ... and a row of evenly spaced ones
     it = torch.linspace(0.5, 2.0, n) if temp == "per_token" else 1 / 0.7
-    got, thr = select_launch.rank_segments(seg.t().to(DEV), it.to(DEV) if torch.is_tensor(it) else it, kk)
+    got, thr, _, _ = select_launch.rank_segments(seg.t().to(DEV), it.to(DEV) if torch.is_tensor(it) else it, kk)
     got, thr = got.cpu(), thr.cpu()
     want = _reference(seg, it, kk)
     assert got.shape == (n, kk)
@@ -65,7 +67,7 @@ def test_candidate_topk_is_the_oracles_top_k():
     every = torch.arange(5)[None, :].expand(n, 5).contiguous().to(DEV)
     none = torch.full((n,), float("-inf"), device=DEV)
     assert torch.equal(select_launch.candidate_topk(*args, 0, every, none, 1.0, params, 0, k).cpu(), want)
-    segs, thr = select_launch.rank_segments(r.amax(-1).to(DEV), 1.0, k)
+    segs, thr, _, _ = select_launch.rank_segments(r.amax(-1).to(DEV), 1.0, k)
     assert torch.equal(select_launch.candidate_topk(*args, 0, segs, thr, 1.0, params, 0, k).cpu(), want)
     few = select_launch.candidate_topk(*args, 2, every[:3, 4:], none, 1.0, LCEParams(vocab_size=v, shard_valid=516),
                                        0, 8).cpu()  # rows 2..4, segment 4 holds 4 real columns of 516
@@ -109,7 +111,11 @@ def test_forward_maxima_columns_spare_the_recompute(monkeypatch):
     assert torch.equal(with_top, select.topk_keys(hidden, weight, st.seg[0], 1.0, params, k))
     monkeypatch.setattr(select_launch, "TOPK_SPILL", 0)  # every row with a segment to recompute overflows
     assert torch.equal(with_top, select.topk_keys(hidden, weight, st.seg[0], 1.0, params, k, None, st.seg_top))
-    segs_k, thr = select_launch.rank_segments(st.seg[0].t(), 1.0, k)
+    segs_k, thr, stored, recompute = select_launch.rank_segments(st.seg[0].t(), 1.0, k,
+                                                                 (st.seg_top[0], st.seg_top[1][0]), 7)
     assert torch.equal(st.seg_top[1][1].view(n, G), st.seg[0].t())  # the maxima again, rows contiguous
-    _, recompute = select._stored_maxima(st.seg[0], st.seg_top, segs_k, 0, 1.0, thr, 0, True)
+    rows_k = torch.arange(n, device=DEV)[:, None]
+    want = select.sort_key(st.seg[0][segs_k, rows_k], segs_k * 128 + st.seg_top[0][segs_k, rows_k].long() + 7)
+    assert torch.equal(stored, want)  # each chosen segment's max key, ids shifted by the shard start (7)
+    assert torch.equal(recompute, st.seg_top[1][0][segs_k, rows_k] >= thr[:, None])
     assert bool(recompute[1].any()) and bool(recompute[2].all()) and not bool(recompute[0].any())

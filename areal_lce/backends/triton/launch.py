@@ -263,9 +263,9 @@ class TritonBackend:
         from .select_launch import gather_logits
         return gather_logits(hidden, weight, cols)
 
-    def rank_segments(self, seg_max, inv_t, kk):
+    def rank_segments(self, seg_max, inv_t, kk, top=None, vocab_start=0):
         from .select_launch import rank_segments
-        return rank_segments(seg_max, inv_t, kk)
+        return rank_segments(seg_max, inv_t, kk, top, vocab_start)
 
     def candidate_topk(self, hidden, weight, row0, segs, thr, inv_t, params, vocab_start, k, stored=None,
                        recompute=None):

@@ -8,10 +8,10 @@
                         forward, with the forward's BLOCK_K, precision and operand types, so every value is
                         bitwise what the forward reduced (the rows of a tensor-core tile are accumulated
                         alike, wherever they come from).
-  segment_rank_kernel   each row's segment maxima as sort keys (the top-k picks the row's best segments).
   segment_best_kernel   each row's best segments and its threshold (the k-th largest tempered maximum) in
                         one kernel: an exact bisection on the maxima's 32-bit order images, ties to the
-                        lower segment (rows of <= 4096 segments).
+                        lower segment; with the forward's max columns and second values also the chosen
+                        segments' max keys and which of them must be recomputed.
   segment_candidates_kernel  segment_logits_kernel's logits, transformed as the forward transforms them and
                         tempered; those at or above the row's threshold are appended (one atomic per row and
                         segment) as sort keys to the row's candidate list: typically about k of them.
@@ -102,22 +102,6 @@ def _sort_key(z, ids):
 
 
 @triton.jit
-def segment_rank_kernel(seg, inv_t, keys, N, G, inv_t_scalar, HAS_INV_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_G: tl.constexpr):
-    """keys[n, g] = sort_key(seg[n, g] · inv_t[n], g) (seg [N, G]): the segments of each row in top-k order."""
-    o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-    m = (o_n < N)[:, None] & (o_g < G)[None, :]
-    r = tl.load(seg + o_n[:, None].to(tl.int64) * G + o_g[None, :], mask=m, other=0.0)
-    if HAS_INV_T:
-        it = tl.load(inv_t + o_n, mask=o_n < N, other=1.0)
-        z = r * it[:, None]
-    else:
-        z = r * inv_t_scalar
-    tl.store(keys + o_n[:, None].to(tl.int64) * G + o_g[None, :], _sort_key(z, o_g[None, :]), mask=m)
-
-
-@triton.jit
 def _unmono(m):
     """The fp32 value whose _mono image is m (int64 in [0, 2^32)); -inf below the image of -inf."""
     bits = tl.where(m >= 2147483648, m - 2147483648, -1 - m).to(tl.int32)
@@ -125,38 +109,99 @@ def _unmono(m):
 
 
 @triton.jit
-def segment_best_kernel(seg, inv_t, best, thr, N, G, KK, inv_t_scalar, HAS_INV_T: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+def _tempered(seg, rows, c0, m_n, it, inv_t_scalar, G, HAS_INV_T: tl.constexpr, CHUNK: tl.constexpr):
+    """Tempered maxima of segments c0 + [0, CHUNK) of rows `rows` (seg [N, G]), NaN past G."""
+    o_c = c0 + tl.arange(0, CHUNK)
+    r = tl.load(seg + rows[:, None] * G + o_c[None, :], mask=m_n[:, None] & (o_c < G)[None, :], other=float("nan"))
+    if HAS_INV_T:
+        return r * it[:, None], o_c
+    return r * inv_t_scalar, o_c
+
+
+@triton.jit
+def segment_best_kernel(seg, inv_t, best, thr, top_col, top_second, stored, flags, N, G, KK, inv_t_scalar,
+                        vocab_start, HAS_INV_T: tl.constexpr, HAS_TOP: tl.constexpr, BLOCK_N: tl.constexpr,
+                        CHUNK: tl.constexpr):
     """best[n, :KK] = the segments of each row's KK largest tempered maxima (seg [N, G] raw, rows contiguous),
     ties to the lower segment, in segment order, and thr[n] = the KK-th largest tempered maximum (KK <= G).
-    The threshold is found exactly by bisection on the order-preserving 32-bit images of the values (32
-    counting steps of fp32 compares, no sort); then every segment above it and the lowest-indexed ones
-    equal to it until KK are taken: exactly the set segment_rank_kernel's keys give under an int64 top-k."""
+    The threshold is found exactly by bisection on the order-preserving 32-bit images of the values (counting
+    passes of fp32 compares over the row, CHUNK maxima at a time: few registers, many rows in flight; no
+    sort), between the images of the row's smallest and largest values, stopping early once exactly KK
+    values reach the midpoint (the smallest of them is then the threshold); then every segment above it and
+    the lowest-indexed ones equal to it until KK are taken: exactly the set an int64 top-k of select.sort_key
+    keys gives. HAS_TOP (the forward's top_col int8 [G, N] and second values top_second fp32 [G, N]): also
+    stored[n, j] = the sort key of chosen segment j's max and flags[n, j] = 1 where its tempered second value
+    reaches thr[n] (or is NaN), i.e. where it must be recomputed (select.py)."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_g = tl.arange(0, BLOCK_G)
     m_n = o_n < N
-    m_g = (o_g < G)[None, :]
-    r = tl.load(seg + o_n[:, None].to(tl.int64) * G + o_g[None, :], mask=m_n[:, None] & m_g, other=float("nan"))
+    rows = o_n.to(tl.int64)
     if HAS_INV_T:
-        z = r * tl.load(inv_t + o_n, mask=m_n, other=1.0)[:, None]
+        it = tl.load(inv_t + o_n, mask=m_n, other=1.0)
     else:
-        z = r * inv_t_scalar
-    z = tl.where(z == 0.0, 0.0, z)  # -0.0 counts as +0.0; past G: NaN, which no compare counts
-    lo = tl.zeros([BLOCK_N], dtype=tl.int64)  # count(image >= lo) >= KK
-    hi = tl.full([BLOCK_N], 4294967296, dtype=tl.int64)  # count(image >= hi) < KK
-    for _ in range(32):
+        it = tl.zeros([BLOCK_N], dtype=tl.float32) + inv_t_scalar
+    n_real = tl.zeros([BLOCK_N], dtype=tl.int32)
+    z_min = tl.full([BLOCK_N], float("inf"), dtype=tl.float32)
+    z_max = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    for c0 in range(0, G, CHUNK):
+        z, _ = _tempered(seg, rows, c0, m_n, it, inv_t_scalar, G, HAS_INV_T, CHUNK)
+        real = z == z  # past G: NaN, which no compare counts
+        n_real += tl.sum(real.to(tl.int32), 1)
+        z_min = tl.minimum(z_min, tl.min(tl.where(real, z, float("inf")), 1))
+        z_max = tl.maximum(z_max, tl.max(tl.where(real, z, float("-inf")), 1))
+    ok = n_real >= KK  # else (NaN maxima): the whole 32-bit range, as if nothing were known
+    # count(image >= lo) >= KK and count(image >= hi) < KK throughout; c_lo = count(image >= lo). -0.0 compares
+    # as +0.0, and _mono maps both to one image
+    lo = tl.where(ok, _mono(z_min), 0)
+    hi = tl.where(ok, _mono(z_max) + 1, 4294967296)
+    c_lo = tl.where(ok, n_real, KK + 1)
+    live = m_n & (hi - lo > 1) & (c_lo != KK)
+    while tl.max(live.to(tl.int32), 0) > 0:
         mid = (lo + hi) >> 1
-        enough = tl.sum((z >= _unmono(mid)[:, None]).to(tl.int32), 1) >= KK  # image(z) >= mid <=> z >= value
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid)
-    t = _unmono(lo)  # the KK-th largest value (held by at least one segment)
-    above = z > t[:, None]
-    tied = z == t[:, None]
-    need = KK - tl.sum(above.to(tl.int32), 1)
-    take = above | (tied & (tl.cumsum(tied.to(tl.int32), 1) <= need[:, None]))
-    pos = tl.cumsum(take.to(tl.int32), 1) - 1
-    tl.store(best + o_n[:, None].to(tl.int64) * KK + pos, o_g[None, :].to(tl.int64) + tl.zeros_like(pos),
-             mask=m_n[:, None] & take & (pos < KK))
+        v = _unmono(mid)[:, None]  # image(z) >= mid <=> z >= v
+        c = tl.zeros([BLOCK_N], dtype=tl.int32)
+        for c0 in range(0, G, CHUNK):
+            z, _ = _tempered(seg, rows, c0, m_n, it, inv_t_scalar, G, HAS_INV_T, CHUNK)
+            c += tl.sum((z >= v).to(tl.int32), 1)
+        up = live & (c >= KK)
+        lo = tl.where(up, mid, lo)
+        c_lo = tl.where(up, c, c_lo)
+        hi = tl.where(live & (c < KK), mid, hi)
+        live = live & (hi - lo > 1) & (c_lo != KK)
+    # exactly KK values reach lo: the threshold is the smallest of them; else lo is the threshold's image
+    low = _unmono(lo)
+    t_min = tl.full([BLOCK_N], float("inf"), dtype=tl.float32)
+    for c0 in range(0, G, CHUNK):
+        z, _ = _tempered(seg, rows, c0, m_n, it, inv_t_scalar, G, HAS_INV_T, CHUNK)
+        t_min = tl.minimum(t_min, tl.min(tl.where(z >= low[:, None], z, float("inf")), 1))
+    t = tl.where(c_lo == KK, t_min, low)
+    t = tl.where(t == 0.0, 0.0, t)
+    n_above = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for c0 in range(0, G, CHUNK):
+        z, _ = _tempered(seg, rows, c0, m_n, it, inv_t_scalar, G, HAS_INV_T, CHUNK)
+        n_above += tl.sum((z > t[:, None]).to(tl.int32), 1)
+    need = KK - n_above
+    taken = tl.zeros([BLOCK_N], dtype=tl.int32)
+    tied_seen = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for c0 in range(0, G, CHUNK):
+        z, o_c = _tempered(seg, rows, c0, m_n, it, inv_t_scalar, G, HAS_INV_T, CHUNK)
+        tied = z == t[:, None]
+        tied_i = tied.to(tl.int32)
+        take = (z > t[:, None]) | (tied & (tied_seen[:, None] + tl.cumsum(tied_i, 1) <= need[:, None]))
+        take_i = take.to(tl.int32)
+        pos = taken[:, None] + tl.cumsum(take_i, 1) - 1
+        m_take = m_n[:, None] & take & (pos < KK)
+        p_out = rows[:, None] * KK + pos
+        g = o_c[None, :].to(tl.int64) + tl.zeros_like(pos).to(tl.int64)
+        tl.store(best + p_out, g, mask=m_take)
+        if HAS_TOP:
+            p_top = g * N + rows[:, None]
+            col = tl.load(top_col + p_top, mask=m_take, other=0).to(tl.int32)
+            col = tl.minimum(tl.maximum(col, 0), 127)  # unset at skipped (all-ignored) rows
+            second = tl.load(top_second + p_top, mask=m_take, other=0.0) * it[:, None]
+            tl.store(stored + p_out, _sort_key(z, g * 128 + col + vocab_start), mask=m_take)
+            tl.store(flags + p_out, (~(second < t[:, None])).to(tl.int8), mask=m_take)  # NaN: recompute
+        taken += tl.sum(take_i, 1)
+        tied_seen += tl.sum(tied_i, 1)
     tl.store(thr + o_n, t, mask=m_n)
 
 

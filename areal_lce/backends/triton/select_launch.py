@@ -13,7 +13,7 @@ from ..base import head_transform
 from . import configs
 from .launch import INTERPRET, _alloc, _cap_args, _device_ctx, _dot_precision, _slots
 from .select_kernels import (candidate_topk_kernel, gather_logits_kernel, overflow_topk_kernel, segment_best_kernel,
-                             segment_candidates_kernel, segment_logits_kernel, segment_rank_kernel, sparse_dl_kernel)
+                             segment_candidates_kernel, segment_logits_kernel, sparse_dl_kernel)
 
 GATHER_R, GATHER_J, GATHER_H = 16, 8, 64
 
@@ -95,17 +95,14 @@ def add_sparse_columns(dl: torch.Tensor, sparse, c0: int, width: int) -> None:
             num_warps=4)
 
 
-RANK_N, RANK_G = 32, 128
-_ID_MASK = (1 << 31) - 1
-
-
 def _inv_t_args(inv_t, like: torch.Tensor):
     if torch.is_tensor(inv_t):
         return inv_t.to(torch.float32).contiguous(), 1.0, True
     return like, float(inv_t), False
 
 
-BEST_ELEMS = 4096  # fp32 maxima one segment_best_kernel program holds (one row of <= 4096 segments)
+BEST_CHUNK = 256  # maxima segment_best_kernel compares per row and step
+BEST_ROWS = 16 if INTERPRET else 1  # rows per segment_best_kernel program (GPU: one row on one warp)
 PAD_KEY = 0x7FFFFF << 31  # select.sort_key(-inf, 2^31 - 1): below every logit's key
 TOPK_CHUNK = 128  # candidates candidate_topk_kernel counts at a time (a row has about k of them)
 TOPK_ROWS = 64 if INTERPRET else 4  # rows per candidate_topk_kernel program (4 rows on one warp: the fastest,
@@ -114,34 +111,30 @@ TOPK_SPILL = 128  # candidate slots per row beyond its kk stored maxima (a row n
 OVERFLOW_PROGRAMS_PER_SM = 2  # overflow_topk_kernel: programs per SM striding over the rows
 
 
-def rank_segments(seg_rows: torch.Tensor, inv_t, kk: int):
+def rank_segments(seg_rows: torch.Tensor, inv_t, kk: int, top=None, vocab_start: int = 0):
     """([N, kk] local segment indices of each row's kk largest tempered segment maxima (seg_rows [N, G] raw),
-    ties to the lower segment (select.topk_keys), [N] fp32 the kk-th largest tempered maximum): in segment
-    order from segment_best_kernel when a row's segments fit one program, else best first from torch's
-    top-k of segment_rank_kernel's keys."""
+    ties to the lower segment (select.topk_keys), in segment order, [N] fp32 the kk-th largest tempered
+    maximum, and with top = (the forward's max columns int8 [G, N], second values fp32 [G, N]) the chosen
+    segments' max keys [N, kk] and bool [N, kk] True where the segment must be recomputed, else None, None):
+    segment_best_kernel."""
     N, G = seg_rows.shape
     seg_rows = seg_rows.contiguous()
+    dev = seg_rows.device
     it, scalar, has = _inv_t_args(inv_t, seg_rows)
-    block_g = triton.next_power_of_2(max(G, 1))
-    if block_g <= BEST_ELEMS:
-        best = torch.zeros((N, kk), dtype=torch.int64, device=seg_rows.device)  # a NaN row's untaken slots: 0
-        thr = _alloc((N,), torch.float32, seg_rows.device)
-        if N and G and kk:
-            # GPU: one row per program on one warp, the fastest (1, 2, 4, 8 warps: 776, 865, 868, 1111 us at
-            # 32768 x 1187 segments, results/archive/h100_select_topk_profiles); the interpreter: many rows
-            block_n = max(1, BEST_ELEMS // block_g) if INTERPRET else 1
-            with _device_ctx(seg_rows.device):
-                segment_best_kernel[(triton.cdiv(N, block_n),)](
-                    seg_rows, it, best, thr, N, G, kk, scalar, HAS_INV_T=has, BLOCK_N=block_n, BLOCK_G=block_g,
-                    num_warps=4 if INTERPRET else 1)
-        return best, thr
-    keys = _alloc((N, G), torch.int64, seg_rows.device)
-    if N and G:
-        with _device_ctx(seg_rows.device):
-            segment_rank_kernel[(triton.cdiv(N, RANK_N), triton.cdiv(G, RANK_G))](
-                seg_rows, it, keys, N, G, scalar, HAS_INV_T=has, BLOCK_N=RANK_N, BLOCK_G=RANK_G, num_warps=4)
-    thr = (seg_rows * (it[:, None] if has else scalar)).topk(kk, dim=1).values[:, -1]  # the kernel's products
-    return _ID_MASK - (keys.topk(kk, dim=1).values & _ID_MASK), thr
+    best = torch.zeros((N, kk), dtype=torch.int64, device=dev)  # a NaN row's untaken slots: 0
+    thr = _alloc((N,), torch.float32, dev)
+    stored = flags = None
+    if top is not None:
+        stored = _alloc((N, kk), torch.int64, dev)
+        flags = torch.ones((N, kk), dtype=torch.int8, device=dev)
+    if N and G and kk:
+        with _device_ctx(dev):
+            segment_best_kernel[(triton.cdiv(N, BEST_ROWS),)](
+                seg_rows, it, best, thr, top[0] if top is not None else best, top[1] if top is not None else thr,
+                stored if top is not None else best, flags if top is not None else best, N, G, kk, scalar,
+                vocab_start, HAS_INV_T=has, HAS_TOP=top is not None, BLOCK_N=BEST_ROWS, CHUNK=BEST_CHUNK,
+                num_warps=4 if INTERPRET else 1)
+    return best, thr, stored, flags.bool() if flags is not None else None
 
 
 def _recompute_tile(h: int, dtype: torch.dtype):
