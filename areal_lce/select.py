@@ -160,8 +160,8 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
         # segment's max is at most the segment's second value, so only segments whose tempered second
         # value reaches T's value (thr) can hold one beyond their max
         top = (seg_top[0], seg_top[1][0]) if one_pass else None
-        segs, thr, stored, recompute = native.rank_segments(rows_major, inv_t if torch.is_tensor(inv_t) else it,
-                                                            kk, top, params.vocab_start)
+        segs, thr, plan = native.rank_segments(rows_major, inv_t if torch.is_tensor(inv_t) else it, kk, top,
+                                               params.vocab_start)
         if kk < k:  # fewer segments than k: every column of the shard is a candidate
             thr = torch.full_like(thr, float("-inf"))
     elif kk:
@@ -177,7 +177,7 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
         if native is not None:  # the k best keys straight from its kernels
             out[t0:t1] = native.candidate_topk(hidden, weight, t0, segs[t0:t1], thr,
                                                inv_t if torch.is_tensor(inv_t) else it, sp, params.vocab_start, k,
-                                               stored, recompute)
+                                               plan)
             continue
         rows = torch.arange(t0, t1, device=dev).repeat_interleave(kk)
         recompute = getattr(own, "segment_logits", None) or _segment_logits_torch

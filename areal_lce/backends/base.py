@@ -58,10 +58,10 @@ Optional, for selected ids / top-k (select.py has torch defaults):
       of segment segs[p] for row rows[p], bitwise what the invariant forward reduced (-inf past the shard);
   or, doing the top-k's ranking, recompute and selection in its own kernels (triton): rank_segments(seg_rows
       [N, G], inv_t, kk, top=None, vocab_start=0) -> ([N, kk] segment indices, [N] fp32 the kk-th largest
-      tempered segment maximum, and with top = ShardStats.seg_top's (max columns, second values) the chosen
-      segments' max keys [N, kk] and bool [N, kk] which of them to recompute, else None, None) and
-      candidate_topk(hidden, weight, row0, segs [c, kk], thr [N], inv_t, params, vocab_start, k, stored=None,
-      recompute=None) -> [c, k] select.sort_key keys of the k best logits >= thr in those segments, descending.
+      tempered segment maximum, and with top = ShardStats.seg_top's (max columns, second values) an opaque
+      plan for candidate_topk (which chosen segments need no recompute, and their max keys), else None) and
+      candidate_topk(hidden, weight, row0, segs [c, kk], thr [N], inv_t, params, vocab_start, k, plan=None)
+      -> [c, k] select.sort_key keys of the k best logits >= thr in those segments, descending.
 
 cache_spec(n, h, v_shard, dtype, params, keep_cache) -> (shape, dtype) of the cache forward() keeps for
   these sizes, or None: forward decides with it, and the op's fake (meta) implementation allocates with

@@ -35,7 +35,7 @@ def test_rank_segments_takes_the_oracles_set(kk, temp, G):
     seg[:, 4] = torch.randn(G, generator=g)  # distinct values: the bisection stops once exactly kk reach it
     seg[:, 5] = torch.linspace(-3.0, 2.0, G)  # ... and a row of evenly spaced ones
     it = torch.linspace(0.5, 2.0, n) if temp == "per_token" else 1 / 0.7
-    got, thr, _, _ = select_launch.rank_segments(seg.t().to(DEV), it.to(DEV) if torch.is_tensor(it) else it, kk)
+    got, thr, _ = select_launch.rank_segments(seg.t().to(DEV), it.to(DEV) if torch.is_tensor(it) else it, kk)
     got, thr = got.cpu(), thr.cpu()
     want = _reference(seg, it, kk)
     assert got.shape == (n, kk)
@@ -67,7 +67,7 @@ def test_candidate_topk_is_the_oracles_top_k():
     every = torch.arange(5)[None, :].expand(n, 5).contiguous().to(DEV)
     none = torch.full((n,), float("-inf"), device=DEV)
     assert torch.equal(select_launch.candidate_topk(*args, 0, every, none, 1.0, params, 0, k).cpu(), want)
-    segs, thr, _, _ = select_launch.rank_segments(r.amax(-1).to(DEV), 1.0, k)
+    segs, thr, _ = select_launch.rank_segments(r.amax(-1).to(DEV), 1.0, k)
     assert torch.equal(select_launch.candidate_topk(*args, 0, segs, thr, 1.0, params, 0, k).cpu(), want)
     few = select_launch.candidate_topk(*args, 2, every[:3, 4:], none, 1.0, LCEParams(vocab_size=v, shard_valid=516),
                                        0, 8).cpu()  # rows 2..4, segment 4 holds 4 real columns of 516
@@ -111,11 +111,25 @@ def test_forward_maxima_columns_spare_the_recompute(monkeypatch):
     assert torch.equal(with_top, select.topk_keys(hidden, weight, st.seg[0], 1.0, params, k))
     monkeypatch.setattr(select_launch, "TOPK_SPILL", 0)  # every row with a segment to recompute overflows
     assert torch.equal(with_top, select.topk_keys(hidden, weight, st.seg[0], 1.0, params, k, None, st.seg_top))
-    segs_k, thr, stored, recompute = select_launch.rank_segments(st.seg[0].t(), 1.0, k,
-                                                                 (st.seg_top[0], st.seg_top[1][0]), 7)
+    segs_k, thr, plan = select_launch.rank_segments(st.seg[0].t(), 1.0, k, (st.seg_top[0], st.seg_top[1][0]), 7)
     assert torch.equal(st.seg_top[1][1].view(n, G), st.seg[0].t())  # the maxima again, rows contiguous
     rows_k = torch.arange(n, device=DEV)[:, None]
-    want = select.sort_key(st.seg[0][segs_k, rows_k], segs_k * 128 + st.seg_top[0][segs_k, rows_k].long() + 7)
-    assert torch.equal(stored, want)  # each chosen segment's max key, ids shifted by the shard start (7)
+    recompute = plan.flags.bool()
     assert torch.equal(recompute, st.seg_top[1][0][segs_k, rows_k] >= thr[:, None])
+    want = select.sort_key(st.seg[0][segs_k, rows_k], segs_k * 128 + st.seg_top[0][segs_k, rows_k].long() + 7)
+    want = torch.where(recompute, select_launch.PAD_KEY, want)  # each chosen segment's max key (ids + shard start 7)
+    assert torch.equal(plan.cand[:, :k], want) and torch.all(plan.cand[:, k:] == select_launch.PAD_KEY)
+    listed = torch.zeros(G, n, dtype=torch.bool, device=DEV)  # the per-segment row lists: exactly the flagged pairs
+    for g in range(G):
+        rows_g = plan.seg_list[g, :int(plan.seg_count[g])].long()
+        assert rows_g.unique().numel() == rows_g.numel()
+        listed[g, rows_g] = True
+    want_listed = torch.zeros(G, n, dtype=torch.bool, device=DEV)
+    want_listed[segs_k[recompute], rows_k.expand(n, k)[recompute]] = True
+    assert torch.equal(listed, want_listed)
+    task_seg, first, n_tasks = select_launch._listed_tasks(plan, 2)  # tasks of 2 rows: segment g owns tasks
+    blocks = (plan.seg_count + 1) // 2  # first[g] .. first[g] + blocks[g] - 1
+    assert int(n_tasks) == int(blocks.sum())
+    for g in range(G):
+        assert torch.all(task_seg[int(first[g]):int(first[g] + blocks[g])] == g)
     assert bool(recompute[1].any()) and bool(recompute[2].all()) and not bool(recompute[0].any())

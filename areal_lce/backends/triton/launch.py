@@ -267,10 +267,9 @@ class TritonBackend:
         from .select_launch import rank_segments
         return rank_segments(seg_max, inv_t, kk, top, vocab_start)
 
-    def candidate_topk(self, hidden, weight, row0, segs, thr, inv_t, params, vocab_start, k, stored=None,
-                       recompute=None):
+    def candidate_topk(self, hidden, weight, row0, segs, thr, inv_t, params, vocab_start, k, plan=None):
         from .select_launch import candidate_topk
-        return candidate_topk(hidden, weight, row0, segs, thr, inv_t, params, vocab_start, k, stored, recompute)
+        return candidate_topk(hidden, weight, row0, segs, thr, inv_t, params, vocab_start, k, plan)
 
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,
                  need_d_hidden: bool, need_d_weight: bool, sparse=None):

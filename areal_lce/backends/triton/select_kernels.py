@@ -15,6 +15,8 @@
   segment_candidates_kernel  segment_logits_kernel's logits, transformed as the forward transforms them and
                         tempered; those at or above the row's threshold are appended (one atomic per row and
                         segment) as sort keys to the row's candidate list: typically about k of them.
+  listed_candidates_kernel the same over segment_best_kernel's per-segment lists of rows to recompute
+                        (a persistent grid over a task count held on the device).
   candidate_topk_kernel each row's k best candidates, descending (an exact bisection for the k-th, no sort).
   sparse_dl_kernel      the backward's sparse columns into a chunk of d_logits.
 """
@@ -119,9 +121,9 @@ def _tempered(seg, rows, c0, m_n, it, inv_t_scalar, G, HAS_INV_T: tl.constexpr, 
 
 
 @triton.jit
-def segment_best_kernel(seg, inv_t, best, thr, top_col, top_second, stored, flags, N, G, KK, inv_t_scalar,
-                        vocab_start, HAS_INV_T: tl.constexpr, HAS_TOP: tl.constexpr, BLOCK_N: tl.constexpr,
-                        CHUNK: tl.constexpr):
+def segment_best_kernel(seg, inv_t, best, thr, top_col, top_second, cand, flags, seg_count, seg_list, N, G, KK, CAP,
+                        inv_t_scalar, vocab_start, pad, HAS_INV_T: tl.constexpr, HAS_TOP: tl.constexpr,
+                        BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
     """best[n, :KK] = the segments of each row's KK largest tempered maxima (seg [N, G] raw, rows contiguous),
     ties to the lower segment, in segment order, and thr[n] = the KK-th largest tempered maximum (KK <= G).
     The threshold is found exactly by bisection on the order-preserving 32-bit images of the values (counting
@@ -129,9 +131,11 @@ def segment_best_kernel(seg, inv_t, best, thr, top_col, top_second, stored, flag
     sort), between the images of the row's smallest and largest values, stopping early once exactly KK
     values reach the midpoint (the smallest of them is then the threshold); then every segment above it and
     the lowest-indexed ones equal to it until KK are taken: exactly the set an int64 top-k of select.sort_key
-    keys gives. HAS_TOP (the forward's top_col int8 [G, N] and second values top_second fp32 [G, N]): also
-    stored[n, j] = the sort key of chosen segment j's max and flags[n, j] = 1 where its tempered second value
-    reaches thr[n] (or is NaN), i.e. where it must be recomputed (select.py)."""
+    keys gives. HAS_TOP (the forward's top_col int8 [G, N] and second values top_second fp32 [G, N]): chosen
+    segment j must be recomputed where its tempered second value reaches thr[n] (or is NaN) (select.py):
+    then flags[n, j] = 1, cand[n, j] = pad and row n joins segment g's list (seg_list[g, :seg_count[g]],
+    one atomic slot per pair: the order varies, the set does not); else cand[n, j] = the sort key of the
+    segment's max (cand's rows CAP long)."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     rows = o_n.to(tl.int64)
@@ -198,11 +202,57 @@ def segment_best_kernel(seg, inv_t, best, thr, top_col, top_second, stored, flag
             col = tl.load(top_col + p_top, mask=m_take, other=0).to(tl.int32)
             col = tl.minimum(tl.maximum(col, 0), 127)  # unset at skipped (all-ignored) rows
             second = tl.load(top_second + p_top, mask=m_take, other=0.0) * it[:, None]
-            tl.store(stored + p_out, _sort_key(z, g * 128 + col + vocab_start), mask=m_take)
-            tl.store(flags + p_out, (~(second < t[:, None])).to(tl.int8), mask=m_take)  # NaN: recompute
+            redo = ~(second < t[:, None])  # NaN: recompute
+            key = tl.where(redo, pad, _sort_key(z, g * 128 + col + vocab_start))
+            tl.store(cand + rows[:, None] * CAP + pos, key, mask=m_take)
+            tl.store(flags + p_out, redo.to(tl.int8), mask=m_take)
+            m_list = m_take & redo
+            slot = tl.atomic_add(seg_count + g, 1, mask=m_list)
+            tl.store(seg_list + g * N + slot, rows[:, None].to(tl.int32) + tl.zeros_like(pos), mask=m_list)
         taken += tl.sum(take_i, 1)
         tied_seen += tl.sum(tied_i, 1)
     tl.store(thr + o_n, t, mask=m_n)
+
+
+@triton.jit
+def _append_candidates(h, w, rows, g, inv_t, thr, count, cand, row0, CAP, H, valid, vocab_start, inv_t_scalar,
+                       softcap, inv_softcap, SEG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       HAS_INV_T: tl.constexpr, BF16_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Segment g's logits for rows `rows` ([BLOCK_N], -1: none), head-transformed as the forward does (bf16
+    rounding, softcap) and tempered; those >= the row's threshold thr[row] (and inside the shard) are
+    appended as sort keys (global ids) to the row's candidate list cand[row - row0, :] (CAP slots,
+    count[row - row0] used). The slot of each batch comes from one atomic add per (row, segment): the lists'
+    order varies, their sets do not."""
+    live = rows >= 0
+    o_nc = tl.where(live, rows, 0).to(tl.int64)
+    o_v = g * SEG + tl.arange(0, SEG)
+    o_vc = tl.minimum(o_v, valid - 1).to(tl.int64)
+    b_r, _ = _seg_logits(h, w, None, None, o_nc, o_vc, o_vc, 0, 0, H, SEG, 1, BLOCK_N, BLOCK_K, EVEN_K,
+                         UPCAST, DOT_PRECISION, False)
+    if BF16_LOGITS:
+        b_r = round_bf16(b_r, UPCAST)
+    if SOFTCAP:
+        b_r, _ = soft_cap(b_r, softcap, inv_softcap, UPCAST)
+    if HAS_INV_T:
+        z = b_r * tl.load(inv_t + o_nc, mask=live, other=1.0)[:, None]
+    else:
+        z = b_r * inv_t_scalar
+    b_t = tl.load(thr + o_nc, mask=live, other=float("inf"))[:, None]
+    local = o_nc - row0
+    # the even and the odd columns one after the other (a thread holds pairs of adjacent columns, so the split
+    # moves no data): half the int64 keys live at a time
+    z0, z1 = tl.split(tl.reshape(z, [BLOCK_N, SEG // 2, 2]))
+    c0 = g * SEG + 2 * tl.arange(0, SEG // 2)[None, :]  # the local column of z0's entries (z1's: + 1)
+    take0 = live[:, None] & (c0 < valid) & (z0 >= b_t)
+    take1 = live[:, None] & (c0 + 1 < valid) & (z1 >= b_t)
+    n0 = tl.sum(take0.to(tl.int32), 1)
+    base = tl.atomic_add(count + local, n0 + tl.sum(take1.to(tl.int32), 1), mask=live)
+    p_row = cand + local[:, None] * CAP
+    pos0 = base[:, None] + tl.cumsum(take0.to(tl.int32), 1) - 1
+    tl.store(p_row + pos0, _sort_key(z0, c0 + vocab_start), mask=take0 & (pos0 < CAP))
+    pos1 = (base + n0)[:, None] + tl.cumsum(take1.to(tl.int32), 1) - 1
+    tl.store(p_row + pos1, _sort_key(z1, c0 + 1 + vocab_start), mask=take1 & (pos1 < CAP))
 
 
 @triton.jit
@@ -211,38 +261,34 @@ def segment_candidates_kernel(h, w, task_rows, task_seg, inv_t, thr, count, cand
                               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
                               DOT_PRECISION: tl.constexpr, HAS_INV_T: tl.constexpr, BF16_LOGITS: tl.constexpr,
                               SOFTCAP: tl.constexpr):
-    """segment_logits_kernel's logits, head-transformed as the forward does (bf16 rounding, softcap) and
-    tempered; those >= the row's threshold thr[row] (and inside the shard) are appended as sort keys (global
-    ids) to the row's candidate list cand[row - row0, :] (CAP slots, count[row - row0] used). The slot of
-    each batch comes from one atomic add per (row, segment): the lists' order varies, their sets do not.
-    Tasks of segment -1 or >= G have nothing to do."""
+    """Task t: _append_candidates of segment task_seg[t] for rows task_rows[t, :]. Tasks of segment -1 or
+    >= G have nothing to do."""
     t = tl.program_id(0)
     g = tl.load(task_seg + t)
     if (g >= 0) & (g < G):
-        o_i = tl.arange(0, BLOCK_N)
-        rows = tl.load(task_rows + t * BLOCK_N + o_i)
-        live = rows >= 0
-        o_nc = tl.where(live, rows, 0).to(tl.int64)
-        o_v = g * SEG + tl.arange(0, SEG)
-        o_vc = tl.minimum(o_v, valid - 1).to(tl.int64)
-        b_r, _ = _seg_logits(h, w, None, None, o_nc, o_vc, o_vc, 0, 0, H, SEG, 1, BLOCK_N, BLOCK_K, EVEN_K,
-                             UPCAST, DOT_PRECISION, False)
-        if BF16_LOGITS:
-            b_r = round_bf16(b_r, UPCAST)
-        if SOFTCAP:
-            b_r, _ = soft_cap(b_r, softcap, inv_softcap, UPCAST)
-        if HAS_INV_T:
-            z = b_r * tl.load(inv_t + o_nc, mask=live, other=1.0)[:, None]
-        else:
-            z = b_r * inv_t_scalar
-        b_t = tl.load(thr + o_nc, mask=live, other=float("inf"))
-        take = live[:, None] & (o_v < valid)[None, :] & (z >= b_t[:, None])
-        take_i = take.to(tl.int32)
-        local = o_nc - row0
-        base = tl.atomic_add(count + local, tl.sum(take_i, 1), mask=live)
-        pos = base[:, None] + tl.cumsum(take_i, 1) - 1
-        tl.store(cand + local[:, None] * CAP + pos, _sort_key(z, (o_v + vocab_start)[None, :]),
-                 mask=take & (pos < CAP))
+        rows = tl.load(task_rows + t * BLOCK_N + tl.arange(0, BLOCK_N))
+        _append_candidates(h, w, rows, g, inv_t, thr, count, cand, row0, CAP, H, valid, vocab_start, inv_t_scalar,
+                           softcap, inv_softcap, SEG, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION, HAS_INV_T,
+                           BF16_LOGITS, SOFTCAP)
+
+
+@triton.jit
+def listed_candidates_kernel(h, w, seg_list, seg_count, task_seg, task_first, n_tasks, inv_t, thr, count, cand, N,
+                             CAP, H, valid, vocab_start, inv_t_scalar, softcap, inv_softcap, n_prog,
+                             SEG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                             UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_INV_T: tl.constexpr,
+                             BF16_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """_append_candidates over segment_best_kernel's per-segment row lists: task t is segment task_seg[t]'s
+    rows seg_list[g, (t - task_first[g]) · BLOCK_N :][:BLOCK_N]; the n_tasks[0] tasks (on the device: no
+    host sync) are strided over the n_prog programs."""
+    o_i = tl.arange(0, BLOCK_N)
+    for t in range(tl.program_id(0), tl.load(n_tasks), n_prog):
+        g = tl.load(task_seg + t)
+        o_r = (t - tl.load(task_first + g)) * BLOCK_N + o_i
+        rows = tl.load(seg_list + g.to(tl.int64) * N + o_r, mask=o_r < tl.load(seg_count + g), other=-1)
+        _append_candidates(h, w, rows, g, inv_t, thr, count, cand, 0, CAP, H, valid, vocab_start, inv_t_scalar,
+                           softcap, inv_softcap, SEG, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION, HAS_INV_T,
+                           BF16_LOGITS, SOFTCAP)
 
 
 @triton.jit
@@ -294,13 +340,13 @@ def candidate_topk_kernel(cand, count, out, C, CAP, K, pad, BLOCK_R: tl.constexp
 
 
 @triton.jit
-def overflow_topk_kernel(h, w, segs, flags, stored, inv_t, thr, count, out, scratch, C, KK, CAP, row0, H, valid,
+def overflow_topk_kernel(h, w, segs, flags, cand, inv_t, thr, count, out, scratch, C, KK, CAP, row0, H, valid,
                          vocab_start, inv_t_scalar, softcap, inv_softcap, K, pad, n_prog, SEG: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, HAS_INV_T: tl.constexpr, BF16_LOGITS: tl.constexpr,
                          SOFTCAP: tl.constexpr, CHUNK: tl.constexpr, K2: tl.constexpr):
     """out[n] for the rows whose candidate list overflowed (count[n] > CAP: many segments to recompute, e.g.
-    flat rows), each row by one program: its stored keys where flags[n, j] == 0, else the logits >= thr[n]
+    flat rows), each row by one program: its stored keys cand[n, j] where flags[n, j] == 0, else the logits >= thr[n]
     of segment segs[n, j] recomputed (a BLOCK_N-row tile of that one row: the forward's bits), gathered in
     the program's scratch row (KK·SEG slots), then the K best (_lists_topk). Programs stride over rows."""
     pid = tl.program_id(0)
@@ -335,7 +381,7 @@ def overflow_topk_kernel(h, w, segs, flags, stored, inv_t, thr, count, out, scra
                     tl.store(lst + pos, _sort_key(z, o_v + vocab_start), mask=take)
                     taken += tl.sum(take.to(tl.int32), 0)
                 else:
-                    tl.store(lst + taken, tl.load(stored + n * KK + j + zero))
+                    tl.store(lst + taken, tl.load(cand + n * CAP + j + zero))
                     taken += 1
             tl.debug_barrier()  # the scratch row, written by other threads of the program
             _lists_topk(lst + zero[:, None], taken, out + n * K + zero[:, None], zero == 0, K, pad, 1, CHUNK, K2)

@@ -3,6 +3,7 @@ contract's optional `gather_logits` and `segment_logits` (base.py)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -12,8 +13,9 @@ from ...types import LCEParams
 from ..base import head_transform
 from . import configs
 from .launch import INTERPRET, _alloc, _cap_args, _device_ctx, _dot_precision, _slots
-from .select_kernels import (candidate_topk_kernel, gather_logits_kernel, overflow_topk_kernel, segment_best_kernel,
-                             segment_candidates_kernel, segment_logits_kernel, sparse_dl_kernel)
+from .select_kernels import (candidate_topk_kernel, gather_logits_kernel, listed_candidates_kernel,
+                             overflow_topk_kernel, segment_best_kernel, segment_candidates_kernel,
+                             segment_logits_kernel, sparse_dl_kernel)
 
 GATHER_R, GATHER_J, GATHER_H = 16, 8, 64
 
@@ -109,32 +111,43 @@ TOPK_ROWS = 64 if INTERPRET else 4  # rows per candidate_topk_kernel program (4 
 #                                      results/archive/h100_select_topk_profiles)
 TOPK_SPILL = 128  # candidate slots per row beyond its kk stored maxima (a row needs about 2 more for k = 64)
 OVERFLOW_PROGRAMS_PER_SM = 2  # overflow_topk_kernel: programs per SM striding over the rows
+LISTED_PROGRAMS_PER_SM = 2  # listed_candidates_kernel: programs per SM striding over the tasks
+RECOMPUTE_WARPS = 4  # warps of a 64-row recompute task
+
+
+class TopkPlan(NamedTuple):
+    """What segment_best_kernel prepares for candidate_topk when the forward kept its maxima (rank_segments)."""
+    cand: torch.Tensor  # int64 [N, kk + TOPK_SPILL]: the chosen segments' max keys (PAD_KEY where recomputed)
+    flags: torch.Tensor  # int8 [N, kk]: 1 where chosen segment j is recomputed
+    seg_count: torch.Tensor  # int32 [G]: rows listed per segment
+    seg_list: torch.Tensor  # int32 [G, N]: the rows that recompute each segment
 
 
 def rank_segments(seg_rows: torch.Tensor, inv_t, kk: int, top=None, vocab_start: int = 0):
     """([N, kk] local segment indices of each row's kk largest tempered segment maxima (seg_rows [N, G] raw),
     ties to the lower segment (select.topk_keys), in segment order, [N] fp32 the kk-th largest tempered
-    maximum, and with top = (the forward's max columns int8 [G, N], second values fp32 [G, N]) the chosen
-    segments' max keys [N, kk] and bool [N, kk] True where the segment must be recomputed, else None, None):
-    segment_best_kernel."""
+    maximum, and with top = (the forward's max columns int8 [G, N], second values fp32 [G, N]) a TopkPlan
+    for candidate_topk (each chosen segment's max key, which segments to recompute, listed per segment), else
+    None): segment_best_kernel."""
     N, G = seg_rows.shape
     seg_rows = seg_rows.contiguous()
     dev = seg_rows.device
     it, scalar, has = _inv_t_args(inv_t, seg_rows)
     best = torch.zeros((N, kk), dtype=torch.int64, device=dev)  # a NaN row's untaken slots: 0
     thr = _alloc((N,), torch.float32, dev)
-    stored = flags = None
+    plan = None
     if top is not None:
-        stored = _alloc((N, kk), torch.int64, dev)
-        flags = torch.ones((N, kk), dtype=torch.int8, device=dev)
+        plan = TopkPlan(torch.full((N, kk + TOPK_SPILL), PAD_KEY, dtype=torch.int64, device=dev),
+                        torch.ones((N, kk), dtype=torch.int8, device=dev),
+                        torch.zeros(G, dtype=torch.int32, device=dev), _alloc((G, N), torch.int32, dev))
     if N and G and kk:
+        lists = plan if plan is not None else (best,) * 4
         with _device_ctx(dev):
             segment_best_kernel[(triton.cdiv(N, BEST_ROWS),)](
                 seg_rows, it, best, thr, top[0] if top is not None else best, top[1] if top is not None else thr,
-                stored if top is not None else best, flags if top is not None else best, N, G, kk, scalar,
-                vocab_start, HAS_INV_T=has, HAS_TOP=top is not None, BLOCK_N=BEST_ROWS, CHUNK=BEST_CHUNK,
-                num_warps=4 if INTERPRET else 1)
-    return best, thr, stored, flags.bool() if flags is not None else None
+                *lists, N, G, kk, kk + TOPK_SPILL, scalar, vocab_start, PAD_KEY, HAS_INV_T=has,
+                HAS_TOP=top is not None, BLOCK_N=BEST_ROWS, CHUNK=BEST_CHUNK, num_warps=4 if INTERPRET else 1)
+    return best, thr, plan
 
 
 def _recompute_tile(h: int, dtype: torch.dtype):
@@ -143,19 +156,32 @@ def _recompute_tile(h: int, dtype: torch.dtype):
     half the work for the few rows a segment's recompute usually has."""
     cfg = configs.tile("fwd", fp32=dtype == torch.float32, interpret=INTERPRET, H=h)
     if cfg.block_n == 128 and cfg.num_warps == 8:
-        cfg = replace(cfg, block_n=64, num_warps=4)
+        cfg = replace(cfg, block_n=64, num_warps=RECOMPUTE_WARPS)
     return cfg
 
 
+def _listed_tasks(plan: TopkPlan, block: int):
+    """(segment of each task [T], first task of each segment [G], the task count [1]) for
+    listed_candidates_kernel: segment g's listed rows in tasks of `block`, on the device (T = ceil(P /
+    block) + G bounds the count for P listed pairs, P <= N·kk)."""
+    G, n = plan.seg_list.shape
+    blocks = (plan.seg_count + block - 1) // block
+    ends = torch.cumsum(blocks, 0, dtype=torch.int32)
+    first = ends - blocks
+    t_max = -(-n * plan.flags.shape[1] // block) + G
+    mark = torch.zeros(t_max + 1, dtype=torch.int32, device=blocks.device)
+    mark.scatter_add_(0, ends.long(), torch.ones_like(ends))  # segment g's tasks start after g' < g's ends
+    return torch.cumsum(mark, 0, dtype=torch.int32)[:t_max], first, ends[-1:]
+
+
 def candidate_topk(hidden: torch.Tensor, weight: torch.Tensor, row0: int, segs: torch.Tensor, thr: torch.Tensor,
-                   inv_t, params: LCEParams, vocab_start: int, k: int, stored: torch.Tensor = None,
-                   recompute: torch.Tensor = None) -> torch.Tensor:
+                   inv_t, params: LCEParams, vocab_start: int, k: int, plan: TopkPlan = None) -> torch.Tensor:
     """[c, k] select.sort_key keys of the k largest tempered logits of rows [row0, row0 + c) within their
     segments segs [c, kk], descending (keys below every logit where a row has fewer than k columns).
-    Candidates: `stored` [c, kk] keys where `recompute` [c, kk] is False (select.topk_keys: each segment's
-    max, from the forward), and the logits >= thr[row] of the segments recomputed with the forward's bits
-    (all of them without `stored`); then the k best of those. With `stored` a row's list holds kk +
-    TOPK_SPILL keys; the rows that need more (overflow_topk_kernel) are redone one program per row."""
+    Candidates: without a plan, the logits >= thr[row] of every chosen segment, recomputed with the forward's
+    bits; with rank_segments' plan (rows 0..N, row0 = 0), each chosen segment's max key from the forward and
+    the logits >= thr of the listed segments only, a row's list holding kk + TOPK_SPILL keys (the rows that
+    need more, overflow_topk_kernel redoes one program per row); then the k best of those."""
     c, kk = segs.shape
     n, h = hidden.shape
     dev = hidden.device
@@ -165,37 +191,40 @@ def candidate_topk(hidden: torch.Tensor, weight: torch.Tensor, row0: int, segs: 
     valid = params.shard_valid
     G = exact.segments(valid)
     cfg = _recompute_tile(h, hidden.dtype)
-    rows = torch.arange(row0, row0 + c, device=dev).repeat_interleave(kk)
-    if stored is None:
-        cap = kk * exact.SEG  # every column of the row's segments: the list cannot overflow
-        cand = _alloc((c, cap), torch.int64, dev)
-        count = torch.zeros(c, dtype=torch.int32, device=dev)
-        pair_segs = segs.reshape(-1)
-    else:
-        cap = kk + TOPK_SPILL
-        cand = _alloc((c, cap), torch.int64, dev)
-        cand[:, :kk] = torch.where(recompute, PAD_KEY, stored)
-        count = torch.full((c,), kk, dtype=torch.int32, device=dev)
-        pair_segs = torch.where(recompute, segs, G).reshape(-1)  # segment G: a task with nothing to do
-    task_rows, task_seg, _ = _tasks(rows, pair_segs, G + 1, cfg.block_n)
-    it, scalar, has = _inv_t_args(inv_t, cand)
+    it, scalar, has = _inv_t_args(inv_t, thr)
     thr = thr.contiguous()
     common = dict(SEG=exact.SEG, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=h % cfg.block_k == 0,
                   UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), HAS_INV_T=has,
                   BF16_LOGITS=params.bf16_logits, SOFTCAP=bool(params.softcap))
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if plan is None:
+        cap = kk * exact.SEG  # every column of the row's segments: the list cannot overflow
+        cand = _alloc((c, cap), torch.int64, dev)
+        count = torch.zeros(c, dtype=torch.int32, device=dev)
+        rows = torch.arange(row0, row0 + c, device=dev).repeat_interleave(kk)
+        task_rows, task_seg, _ = _tasks(rows, segs.reshape(-1), G, cfg.block_n)
+        with _device_ctx(dev):
+            segment_candidates_kernel[(task_seg.shape[0],)](
+                hidden, weight, task_rows, task_seg, it, thr, count, cand, row0, cap, h, valid, G, vocab_start,
+                scalar, *_cap_args(params), **common, **launch)
+    else:
+        cand, cap = plan.cand, plan.cand.shape[1]
+        count = torch.full((c,), kk, dtype=torch.int32, device=dev)
+        task_seg, task_first, n_tasks = _listed_tasks(plan, cfg.block_n)
+        n_prog = min(task_seg.shape[0], _slots(dev) * LISTED_PROGRAMS_PER_SM)
+        with _device_ctx(dev):
+            listed_candidates_kernel[(n_prog,)](
+                hidden, weight, plan.seg_list, plan.seg_count, task_seg, task_first, n_tasks, it, thr, count, cand,
+                n, cap, h, valid, vocab_start, scalar, *_cap_args(params), n_prog, **common, **launch)
     with _device_ctx(dev):
-        segment_candidates_kernel[(task_seg.shape[0],)](
-            hidden, weight, task_rows, task_seg, it, thr, count, cand, row0, cap, h, valid, G, vocab_start, scalar,
-            *_cap_args(params), **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         candidate_topk_kernel[(triton.cdiv(c, TOPK_ROWS),)](
             cand, count, out, c, cap, k, PAD_KEY, BLOCK_R=TOPK_ROWS, CHUNK=TOPK_CHUNK, K2=triton.next_power_of_2(k),
             num_warps=1)
-        if stored is not None:
+        if plan is not None:
             n_prog = min(c, _slots(dev) * OVERFLOW_PROGRAMS_PER_SM)
             scratch = _alloc((n_prog, kk * exact.SEG), torch.int64, dev)
             overflow_topk_kernel[(n_prog,)](
-                hidden, weight, segs.contiguous(), recompute.to(torch.int8).contiguous(), stored.contiguous(), it,
-                thr, count, out, scratch, c, kk, cap, row0, h, valid, vocab_start, scalar, *_cap_args(params), k,
-                PAD_KEY, n_prog, **common, CHUNK=TOPK_CHUNK, K2=triton.next_power_of_2(k), num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
+                hidden, weight, segs.contiguous(), plan.flags, cand, it, thr, count, out, scratch, c, kk, cap, row0,
+                h, valid, vocab_start, scalar, *_cap_args(params), k, PAD_KEY, n_prog, **common,
+                CHUNK=TOPK_CHUNK, K2=triton.next_power_of_2(k), **launch)
     return out
