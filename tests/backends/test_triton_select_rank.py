@@ -22,7 +22,8 @@ def _reference(seg_max, it, kk):
 
 
 @pytest.mark.parametrize("kk, temp, G", [(3, "scalar", 37), (13, "per_token", 37), (20, "scalar", 37),
-                                         (20, "per_token", 4100)])  # 4100 segments: many chunks of a row
+                                         (20, "per_token", 4100),  # 4100 segments: many chunks of a row
+                                         (5, "unit_bf16", 37), (16, "unit_bf16", 300)])  # bisection over blocks
 def test_rank_segments_takes_the_oracles_set(kk, temp, G):
     g = torch.Generator().manual_seed(kk)
     n = 21
@@ -34,7 +35,11 @@ def test_rank_segments_takes_the_oracles_set(kk, temp, G):
     seg[7, 3] = float("inf")
     seg[:, 4] = torch.randn(G, generator=g)  # distinct values: the bisection stops once exactly kk reach it
     seg[:, 5] = torch.linspace(-3.0, 2.0, G)  # ... and a row of evenly spaced ones
+    seg[:, 6] = torch.linspace(-1e-3, 1e-3, G)  # both signs about 0
     it = torch.linspace(0.5, 2.0, n) if temp == "per_token" else 1 / 0.7
+    if temp == "unit_bf16":  # the values' patterns share their 16 low zero bits (bf16 logits at temperature 1)
+        seg, it = seg.to(torch.bfloat16).float(), 1.0
+        seg[:3, 7] = torch.tensor([1 + 2.0 ** -23, -1 - 2.0 ** -23, 1.0])  # ... except in row 7: no common zero bit
     got, thr, _ = select_launch.rank_segments(seg.t().to(DEV), it.to(DEV) if torch.is_tensor(it) else it, kk)
     got, thr = got.cpu(), thr.cpu()
     want = _reference(seg, it, kk)

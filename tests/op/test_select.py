@@ -238,3 +238,25 @@ def test_softcapped_outputs_are_batch_invariant_on_triton():
         for f in fields:
             assert torch.equal(getattr(one, f)[0], getattr(full, f)[row]), (row, f)
     assert full.max_logit.abs().max() <= 3.0  # capped
+
+
+@pytest.mark.slow
+def test_triton_topk_with_compacted_rows_is_the_same():
+    """Triton, invariant mode: with compact_ignored the forward sees the rows partitioned (ignored rows last)
+    and the top-k reads its per-row planes back in caller order: ids, logprobs and selected logprobs bitwise
+    as without (more segments than k, so the ranking and the forward's maxima matter)."""
+    g = torch.Generator().manual_seed(4)
+    n, h, v = 41, 16, 1100
+    hidden = torch.randn(n, h, generator=g).to(torch.bfloat16)
+    weight = torch.randn(v, h, generator=g).to(torch.bfloat16)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[[0, 6, 13, 20]] = IGNORE
+    sel = torch.randint(0, v, (n, 5), generator=g)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter, else the kernels themselves
+    hidden, weight, labels, sel = (t.to(dev) for t in (hidden, weight, labels, sel))
+    kw = dict(vocab_size=v, selected_ids=sel, top_k=4, backend="triton",
+              temperature=torch.linspace(0.6, 1.4, n, device=dev))
+    a = lce(hidden, weight, labels, compact_ignored=True, **kw)
+    b = lce(hidden, weight, labels, compact_ignored=False, **kw)
+    for f in ("topk_ids", "topk_logprobs", "selected_logprobs", "logprobs"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f

@@ -128,8 +128,9 @@ def segment_best_kernel(seg, inv_t, best, thr, top_col, top_second, cand, flags,
     ties to the lower segment, in segment order, and thr[n] = the KK-th largest tempered maximum (KK <= G).
     The threshold is found exactly by bisection on the order-preserving 32-bit images of the values (counting
     passes of fp32 compares over the row, CHUNK maxima at a time: few registers, many rows in flight; no
-    sort), between the images of the row's smallest and largest values, stopping early once exactly KK
-    values reach the midpoint (the smallest of them is then the threshold); then every segment above it and
+    sort), between the images of the row's smallest and largest values, in steps of the values' common
+    trailing zero bits (16 for bf16 logits at temperature 1: half the passes), stopping early once exactly
+    KK values reach the midpoint (the smallest of them is then the threshold); then every segment above it and
     the lowest-indexed ones equal to it until KK are taken: exactly the set an int64 top-k of select.sort_key
     keys gives. HAS_TOP (the forward's top_col int8 [G, N] and second values top_second fp32 [G, N]): chosen
     segment j must be recomputed where its tempered second value reaches thr[n] (or is NaN) (select.py):
@@ -146,22 +147,31 @@ def segment_best_kernel(seg, inv_t, best, thr, top_col, top_second, cand, flags,
     n_real = tl.zeros([BLOCK_N], dtype=tl.int32)
     z_min = tl.full([BLOCK_N], float("inf"), dtype=tl.float32)
     z_max = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    low = tl.full([BLOCK_N], 4294967296, dtype=tl.int64)  # the lowest bit set in any value's pattern
     for c0 in range(0, G, CHUNK):
         z, _ = _tempered(seg, rows, c0, m_n, it, inv_t_scalar, G, HAS_INV_T, CHUNK)
         real = z == z  # past G: NaN, which no compare counts
         n_real += tl.sum(real.to(tl.int32), 1)
         z_min = tl.minimum(z_min, tl.min(tl.where(real, z, float("inf")), 1))
         z_max = tl.maximum(z_max, tl.max(tl.where(real, z, float("-inf")), 1))
+        b = tl.where(real, z.to(tl.int32, bitcast=True), 0).to(tl.int64) & 0xFFFFFFFF
+        low = tl.minimum(low, tl.min(tl.where(b != 0, b & (-b), 4294967296), 1))
     ok = n_real >= KK  # else (NaN maxima): the whole 32-bit range, as if nothing were known
-    # count(image >= lo) >= KK and count(image >= hi) < KK throughout; c_lo = count(image >= lo). -0.0 compares
-    # as +0.0, and _mono maps both to one image
-    lo = tl.where(ok, _mono(z_min), 0)
-    hi = tl.where(ok, _mono(z_max) + 1, 4294967296)
+    # The values' fp32 patterns share their S lowest bits (all zero: S = 16 for bf16 logits at temperature 1), so
+    # their images are one per block of 2^S consecutive images (a negative value's image ends in S ones, a
+    # positive one's in S zeros, and a block never holds both signs): the bisection runs over blocks.
+    # low = 2^S (2^32 when every value is ±0: S = 0 then, as for any other value pattern)
+    shift = tl.where(low < 4294967296, (low.to(tl.float64).to(tl.int64, bitcast=True) >> 52) - 1023, 0)
+    # count(block >= lo) >= KK and count(block >= hi) < KK throughout; c_lo = count(block >= lo). -0.0
+    # compares as +0.0, and _mono maps both to one image
+    shift = tl.where(ok, shift, 0)
+    lo = tl.where(ok, _mono(z_min) >> shift, 0)
+    hi = tl.where(ok, (_mono(z_max) >> shift) + 1, 4294967296)
     c_lo = tl.where(ok, n_real, KK + 1)
     live = m_n & (hi - lo > 1) & (c_lo != KK)
     while tl.max(live.to(tl.int32), 0) > 0:
         mid = (lo + hi) >> 1
-        v = _unmono(mid)[:, None]  # image(z) >= mid <=> z >= v
+        v = _unmono(mid << shift)[:, None]  # block(z) >= mid <=> image(z) >= mid · 2^S <=> z >= v
         c = tl.zeros([BLOCK_N], dtype=tl.int32)
         for c0 in range(0, G, CHUNK):
             z, _ = _tempered(seg, rows, c0, m_n, it, inv_t_scalar, G, HAS_INV_T, CHUNK)
@@ -171,13 +181,13 @@ def segment_best_kernel(seg, inv_t, best, thr, top_col, top_second, cand, flags,
         c_lo = tl.where(up, c, c_lo)
         hi = tl.where(live & (c < KK), mid, hi)
         live = live & (hi - lo > 1) & (c_lo != KK)
-    # exactly KK values reach lo: the threshold is the smallest of them; else lo is the threshold's image
-    low = _unmono(lo)
-    t_min = tl.full([BLOCK_N], float("inf"), dtype=tl.float32)
+    # the threshold is the smallest value in blocks >= lo: exactly KK values reach lo's block, or lo's block
+    # holds the threshold, its only value
+    start = _unmono(lo << shift)[:, None]
+    t = tl.full([BLOCK_N], float("inf"), dtype=tl.float32)
     for c0 in range(0, G, CHUNK):
         z, _ = _tempered(seg, rows, c0, m_n, it, inv_t_scalar, G, HAS_INV_T, CHUNK)
-        t_min = tl.minimum(t_min, tl.min(tl.where(z >= low[:, None], z, float("inf")), 1))
-    t = tl.where(c_lo == KK, t_min, low)
+        t = tl.minimum(t, tl.min(tl.where(z >= start, z, float("inf")), 1))
     t = tl.where(t == 0.0, 0.0, t)
     n_above = tl.zeros([BLOCK_N], dtype=tl.int32)
     for c0 in range(0, G, CHUNK):
@@ -295,21 +305,35 @@ def listed_candidates_kernel(h, w, seg_list, seg_count, task_seg, task_first, n_
 def _lists_topk(lst, cnt, dst, m_r, K, pad, BLOCK_R: tl.constexpr, CHUNK: tl.constexpr, K2: tl.constexpr):
     """dst[r, :K] = the K largest of the cnt[r] keys (distinct) at lst[r, :], descending, `pad` past them
     where there are fewer (lst, dst: [BLOCK_R, 1] row pointers). The K-th largest is found exactly by
-    bisection on the int64 keys (63 counting passes over the list, no sort); the keys at or above it are
-    compacted into the row's output slots, then each goes to its rank among them."""
+    bisection on the int64 keys (counting passes over the list, no sort); the keys at or above it are
+    compacted into the row's output slots, then each goes to its rank among them. The bisection starts between
+    the list's smallest and largest keys and stops once exactly K keys reach its lower end."""
     c_max = tl.max(cnt, 0)
     o_c = tl.arange(0, CHUNK)[None, :]
-    lo = tl.zeros([BLOCK_R], dtype=tl.int64)  # count(keys >= lo) >= K, or lo = 0 when there are fewer than K
-    hi = tl.full([BLOCK_R], 9223372036854775807, dtype=tl.int64)  # count(keys >= hi) < K (keys < 2^63 - 1)
-    for _ in range(63):
+    k_min = tl.full([BLOCK_R], 9223372036854775807, dtype=tl.int64)
+    k_max = tl.zeros([BLOCK_R], dtype=tl.int64)
+    for c0 in range(0, c_max, CHUNK):
+        x = tl.load(lst + c0 + o_c, mask=c0 + o_c < cnt[:, None], other=-1)
+        k_min = tl.minimum(k_min, tl.min(tl.where(x >= 0, x, 9223372036854775807), 1))
+        k_max = tl.maximum(k_max, tl.max(x, 1))
+    # count(keys >= lo) >= K (lo = 0 when there are fewer than K) and count(keys >= hi) < K; c_lo = count(keys
+    # >= lo): the bisection runs between the list's extreme keys and stops once exactly K keys reach lo
+    many = cnt >= K
+    lo = tl.where(many, k_min, 0)
+    hi = tl.where(many, k_max + 1, 1)
+    c_lo = cnt
+    live = m_r & (hi - lo > 1) & (c_lo != K)
+    while tl.max(live.to(tl.int32), 0) > 0:
         mid = lo + ((hi - lo) >> 1)
         c = tl.zeros([BLOCK_R], dtype=tl.int32)
         for c0 in range(0, c_max, CHUNK):
             x = tl.load(lst + c0 + o_c, mask=c0 + o_c < cnt[:, None], other=-1)
             c += tl.sum((x >= mid[:, None]).to(tl.int32), 1)
-        enough = c >= K
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid)
+        up = live & (c >= K)
+        lo = tl.where(up, mid, lo)
+        c_lo = tl.where(up, c, c_lo)
+        hi = tl.where(live & (c < K), mid, hi)
+        live = live & (hi - lo > 1) & (c_lo != K)
     taken = tl.zeros([BLOCK_R], dtype=tl.int32)
     for c0 in range(0, c_max, CHUNK):
         x = tl.load(lst + c0 + o_c, mask=c0 + o_c < cnt[:, None], other=-1)
