@@ -88,9 +88,8 @@ def _seg_fold(b_r, c0, v_end, g, G, seg, top, top_col, stride_seg, o_n, m_n, N, 
               SEG: tl.constexpr, CACHE_COLS: tl.constexpr):
     """Reduce one [BLOCK_N, SEG] raw-logits segment (local columns c0 + [0, SEG), valid below v_end) and
     store its partials at segment index g (only when g < G: a tile's second half may lie past the shard).
-    HAS_TOP (a top-k call) also stores the column of the segment's max (the lowest one on ties), its
-    second largest raw value (-inf for a one-column segment) and the max again in a [N, G] plane (rows
-    contiguous, for the ranking): select.py's top-k reads them."""
+    HAS_TOP (a top-k call) also stores the column of the segment's max (the lowest one on ties) and its
+    second largest raw value (-inf for a one-column segment): select.py's top-k reads them."""
     o_v = c0 + tl.arange(0, SEG)
     if BF16_LOGITS:
         b_r = round_bf16(b_r, UPCAST)
@@ -126,7 +125,6 @@ def _seg_fold(b_r, c0, v_end, g, G, seg, top, top_col, stride_seg, o_n, m_n, N, 
         b_am = tl.min(tl.where(b_rm == b_max[:, None], o_c, SEG), 1)
         tl.store(top_col + g * N + o_n, b_am.to(tl.int8), mask=m_st)
         tl.store(top + g * N + o_n, tl.max(tl.where(o_c == b_am[:, None], float("-inf"), b_rm), 1), mask=m_st)
-        tl.store(top + stride_seg + o_n * G + g, b_max, mask=m_st)  # the maxima again, rows contiguous
     p = seg + g * N + o_n
     tl.store(p, b_max, mask=m_st)
     tl.store(p + stride_seg, tl.sum(b_e, 1), mask=m_st)
@@ -152,8 +150,8 @@ def lce_fwd_seg_kernel(
     CACHE_COLS: tl.constexpr,
 ):
     """seg: fp32 [3, G, N] (raw max, s, a) per 128-column segment of this shard's V valid columns,
-    [5, G, N] with HAS_SUMS; with HAS_TOP top: fp32 [2, G, N] (the second largest value, the maxima as
-    [N, G]) and top_col: int8 [G, N] (the max's column).
+    [5, G, N] with HAS_SUMS; with HAS_TOP top: fp32 [G, N] (the second largest value) and top_col: int8
+    [G, N] (the max's column).
     SPLIT_V is a
     multiple of SUB·SEG. part: fp32 [3, n_splits, N] (raw min, tempered label logit, raw max) per split.
     A token block whose rows are all ignored folds no tile (its values stay unset;
@@ -212,6 +210,19 @@ def lce_fwd_seg_kernel(
     tl.store(p_part, b_mn, mask=m_n)
     tl.store(p_part + stride_part, b_zy * b_it, mask=m_n)
     tl.store(p_part + 2 * stride_part, b_mx, mask=m_n)
+
+
+@triton.jit
+def transpose_kernel(src, dst, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dst [C, R] = src [R, C]ᵀ, one BLOCK_R x BLOCK_C tile per program (loads and stores both along rows: the
+    compiler moves the tile through shared memory). The top-k's ranking reads each row's segment maxima
+    contiguous; storing them so from the forward's epilogue (one scattered store per row and segment) cost
+    more than this copy."""
+    o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    o_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = (o_r < R)[:, None] & (o_c < C)[None, :]
+    x = tl.load(src + o_r[:, None].to(tl.int64) * C + o_c[None, :], mask=m)
+    tl.store(dst + o_c[:, None].to(tl.int64) * R + o_r[None, :], tl.trans(x), mask=tl.trans(m))
 
 
 @triton.jit

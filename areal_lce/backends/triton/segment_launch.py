@@ -12,7 +12,11 @@ from ..base import ShardStats
 from . import configs
 from .launch import (INTERPRET, TensorDescriptor, _alloc, _cap_args, _descriptors, _device_ctx, _dot_precision,
                      _launch_opts)
-from .segment_kernels import lce_fwd_seg_kernel, lce_seg_finish_kernel, lce_seg_fold_kernel, lce_seg_reduce_kernel
+from .segment_kernels import (lce_fwd_seg_kernel, lce_seg_finish_kernel, lce_seg_fold_kernel, lce_seg_reduce_kernel,
+                              transpose_kernel)
+
+
+TRANSPOSE_TILE = 64
 
 
 def forward_segments(hidden, weight, y, it, inv_t_scalar, params: LCEParams, cfg, split_v, n_splits,
@@ -55,6 +59,9 @@ def forward_segments(hidden, weight, y, it, inv_t_scalar, params: LCEParams, cfg
         out = _alloc((3, N), torch.float32, dev)
         lce_seg_reduce_kernel[(triton.cdiv(N, configs.MERGE_BLOCK_N),)](
             part, out, N, n_splits, n_splits * N, BLOCK_N=configs.MERGE_BLOCK_N, num_warps=4)
+        if top is not None:  # the maxima again with each row's segments contiguous, for the ranking
+            transpose_kernel[(triton.cdiv(G, TRANSPOSE_TILE), triton.cdiv(N, TRANSPOSE_TILE))](
+                seg, top[1], G, N, BLOCK_R=TRANSPOSE_TILE, BLOCK_C=TRANSPOSE_TILE, num_warps=4)
     return ShardStats(m=None, s=None, a=None, zy=out[2], mn=out[1], mx=out[0], cache=cache, seg=seg,
                       seg_top=(top_col, top) if top is not None else None)
 

@@ -123,7 +123,7 @@ def _tempered(seg, rows, c0, m_n, it, inv_t_scalar, G, HAS_INV_T: tl.constexpr, 
 @triton.jit
 def segment_best_kernel(seg, inv_t, best, thr, top_col, top_second, cand, flags, seg_count, seg_list, N, G, KK, CAP,
                         inv_t_scalar, vocab_start, pad, HAS_INV_T: tl.constexpr, HAS_TOP: tl.constexpr,
-                        BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+                        BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, KK2: tl.constexpr):
     """best[n, :KK] = the segments of each row's KK largest tempered maxima (seg [N, G] raw, rows contiguous),
     ties to the lower segment, in segment order, and thr[n] = the KK-th largest tempered maximum (KK <= G).
     The threshold is found exactly by bisection on the order-preserving 32-bit images of the values (counting
@@ -207,21 +207,30 @@ def segment_best_kernel(seg, inv_t, best, thr, top_col, top_second, cand, flags,
         p_out = rows[:, None] * KK + pos
         g = o_c[None, :].to(tl.int64) + tl.zeros_like(pos).to(tl.int64)
         tl.store(best + p_out, g, mask=m_take)
-        if HAS_TOP:
-            p_top = g * N + rows[:, None]
-            col = tl.load(top_col + p_top, mask=m_take, other=0).to(tl.int32)
-            col = tl.minimum(tl.maximum(col, 0), 127)  # unset at skipped (all-ignored) rows
-            second = tl.load(top_second + p_top, mask=m_take, other=0.0) * it[:, None]
-            redo = ~(second < t[:, None])  # NaN: recompute
-            key = tl.where(redo, pad, _sort_key(z, g * 128 + col + vocab_start))
-            tl.store(cand + rows[:, None] * CAP + pos, key, mask=m_take)
-            tl.store(flags + p_out, redo.to(tl.int8), mask=m_take)
-            m_list = m_take & redo
-            slot = tl.atomic_add(seg_count + g, 1, mask=m_list)
-            tl.store(seg_list + g * N + slot, rows[:, None].to(tl.int32) + tl.zeros_like(pos), mask=m_list)
         taken += tl.sum(take_i, 1)
         tied_seen += tl.sum(tied_i, 1)
     tl.store(thr + o_n, t, mask=m_n)
+    if HAS_TOP:  # over the row's KK chosen segments only (a masked load or atomic costs per lane, taken or not)
+        tl.debug_barrier()  # best, written by other threads of the program
+        o_j = tl.arange(0, KK2)[None, :]
+        m_j = m_n[:, None] & (o_j < taken[:, None])
+        g = tl.load(best + rows[:, None] * KK + o_j, mask=m_j, other=0)
+        z = tl.load(seg + rows[:, None] * G + g, mask=m_j, other=0.0)
+        if HAS_INV_T:
+            z = z * it[:, None]
+        else:
+            z = z * inv_t_scalar
+        p_top = g * N + rows[:, None]
+        col = tl.load(top_col + p_top, mask=m_j, other=0).to(tl.int32)
+        col = tl.minimum(tl.maximum(col, 0), 127)  # unset at skipped (all-ignored) rows
+        second = tl.load(top_second + p_top, mask=m_j, other=0.0) * it[:, None]
+        redo = ~(second < t[:, None])  # NaN: recompute
+        tl.store(cand + rows[:, None] * CAP + o_j, tl.where(redo, pad, _sort_key(z, g * 128 + col + vocab_start)),
+                 mask=m_j)
+        tl.store(flags + rows[:, None] * KK + o_j, redo.to(tl.int8), mask=m_j)
+        m_list = m_j & redo
+        slot = tl.atomic_add(seg_count + g, 1, mask=m_list)
+        tl.store(seg_list + g * N + slot, rows[:, None].to(tl.int32) + tl.zeros_like(o_j), mask=m_list)
 
 
 @triton.jit

@@ -146,7 +146,8 @@ def rank_segments(seg_rows: torch.Tensor, inv_t, kk: int, top=None, vocab_start:
             segment_best_kernel[(triton.cdiv(N, BEST_ROWS),)](
                 seg_rows, it, best, thr, top[0] if top is not None else best, top[1] if top is not None else thr,
                 *lists, N, G, kk, kk + TOPK_SPILL, scalar, vocab_start, PAD_KEY, HAS_INV_T=has,
-                HAS_TOP=top is not None, BLOCK_N=BEST_ROWS, CHUNK=BEST_CHUNK, num_warps=4 if INTERPRET else 1)
+                HAS_TOP=top is not None, BLOCK_N=BEST_ROWS, CHUNK=BEST_CHUNK, KK2=triton.next_power_of_2(kk),
+                num_warps=4 if INTERPRET else 1)
     return best, thr, plan
 
 
