@@ -103,16 +103,20 @@ def _inv_t_args(inv_t, like: torch.Tensor):
     return like, float(inv_t), False
 
 
-BEST_CHUNK = 256  # maxima segment_best_kernel compares per row and step
-BEST_ROWS = 16 if INTERPRET else 1  # rows per segment_best_kernel program (GPU: one row on one warp)
+# segment_best_kernel: maxima compared per row and step, rows per program (GPU: one row on one warp, 72 registers;
+# 512 maxima per step or 2 warps were no faster, results/h100_select_topk_lists/profiles.log)
+BEST_CHUNK = 256
+BEST_ROWS = 16 if INTERPRET else 1
 PAD_KEY = 0x7FFFFF << 31  # select.sort_key(-inf, 2^31 - 1): below every logit's key
 TOPK_CHUNK = 128  # candidates candidate_topk_kernel counts at a time (a row has about k of them)
 TOPK_ROWS = 64 if INTERPRET else 4  # rows per candidate_topk_kernel program (4 rows on one warp: the fastest,
 #                                      results/archive/h100_select_topk_profiles)
 TOPK_SPILL = 128  # candidate slots per row beyond its kk stored maxima (a row needs about 2 more for k = 64)
 OVERFLOW_PROGRAMS_PER_SM = 2  # overflow_topk_kernel: programs per SM striding over the rows
-LISTED_PROGRAMS_PER_SM = 2  # listed_candidates_kernel: programs per SM striding over the tasks
-RECOMPUTE_WARPS = 4  # warps of a 64-row recompute task
+# listed_candidates_kernel: programs per SM striding over the tasks, warps of a 64-row recompute task (2 and 4:
+# the fastest of the variants in results/h100_select_topk_lists/profiles.log)
+LISTED_PROGRAMS_PER_SM = 2
+RECOMPUTE_WARPS = 4
 
 
 class TopkPlan(NamedTuple):
