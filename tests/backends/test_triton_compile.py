@@ -16,6 +16,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from areal_lce.backends.triton import kernels as K
+from areal_lce.backends.triton import segment_kernels as S
+from areal_lce.backends.triton import select_kernels as T
 
 PTR = {"h": "*bf16", "w": "*bf16", "d_h": "*bf16", "d_w": "*bf16", "y": "*i32", "dl": "*bf16", "y_ptr": "*i64",
        "out_ptr": "*i32"}
@@ -38,6 +40,18 @@ for sums, per_token in ((False, False), (True, True)):
     compile_(K.lce_fwd_merge_kernel, dict(HAS_SUMS=sums, BLOCK_N=128))
     compile_(K.lce_bwd_kernel, dict(tiles, HAS_INV_T=per_token, USE_CACHE=False, SOFTCAP=sums))
 compile_(K.local_labels_kernel, dict(BLOCK=1024))
+# the top-k's own kernels: the ranking with its candidate plan (atomics, a data-dependent loop), the listed
+# recompute (a persistent loop over a device-held count, tensor-core tiles), the maxima's transpose
+SEL = {"seg": "*fp32", "top_col": "*i8", "flags": "*i8", "best": "*i64", "cand": "*i64", "seg_count": "*i32",
+       "seg_list": "*i32", "task_seg": "*i32", "task_first": "*i32", "n_tasks": "*i32", "count": "*i32",
+       "pad": "i64", "G": "i32", "KK": "i32", "CAP": "i32", "R": "i32", "C": "i32"}
+PTR.update(SEL)
+INT.update(k for k, v in SEL.items() if v[0] == "i")
+compile_(T.segment_best_kernel, dict(HAS_INV_T=True, HAS_TOP=True, BLOCK_N=1, CHUNK=256, KK2=64))
+INT.update(("valid", "n_prog"))
+compile_(T.listed_candidates_kernel, dict(SEG=128, BLOCK_N=64, BLOCK_K=64, EVEN_K=True, UPCAST=False,
+                                           DOT_PRECISION="tf32", HAS_INV_T=False, BF16_LOGITS=True, SOFTCAP=True))
+compile_(S.transpose_kernel, dict(BLOCK_R=64, BLOCK_C=64))
 """
 
 
@@ -52,4 +66,4 @@ def test_cuda_kernels_compile_for_sm90(tmp_path):
     if r.returncode != 0 and "ptxas" in r.stderr and "No such file" in r.stderr:
         pytest.skip("this triton install has no bundled ptxas")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 7, r.stdout
+    assert r.stdout.count("compiled") == 10, r.stdout
