@@ -28,9 +28,9 @@ second largest value (base.ShardStats.seg_top), which gives each chosen segment'
 recompute; a segment can hold a candidate besides its max only if its second value reaches T, and only
 those segments (about 2 per row for k = 64, almost none for k = 8 on the benchmark's rows) are
 recomputed: the ranking kernel lists, per segment, the rows that need it, and each listed segment's rows
-are recomputed together. The row's k best candidates are then found by bisection on the keys (no sort). A flat row
-recomputes all k segments; its list may then outgrow the fixed per-row list (kk + a spill), and such rows
-are redone one program per row (exact, slower).
+are recomputed together. The row's k best candidates are then found by bisection on the keys (no sort).
+A flat row recomputes all k segments; its list may then outgrow the fixed per-row list (kk + a spill),
+and such rows are redone one program per row (exact, slower).
 
 Gradients (`sparse_grad`): d(z_j - lse)/dz = onehot_j - p. The dense part (-p per unit of upstream
 gradient) has the form of the logprob's, so the backend's backward takes it through its g_lp; what is
