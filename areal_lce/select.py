@@ -139,8 +139,8 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
     """sort_key of each row's k largest tempered logits over the whole vocabulary, [N, k] descending.
     seg_max [G, N]: this shard's raw segment maxima (exact.py layout, caller row order); seg_params: the
     params the segments were cut with (their vocab_start may be this shard's own start, see function.py);
-    seg_top: (int8 [G, N] each segment's max column, fp32 [2, G, N] its second largest raw value and the
-    maxima again as [N, G]), in caller row order, where the forward kept them (then only the chosen
+    seg_top: (int8 [G, N] each segment's max column, fp32 [G, N] its second largest raw value, fp32 [N, G] the
+    maxima with each row's segments contiguous), in caller row order, where the forward kept them (then only the chosen
     segments whose second value reaches the threshold are recomputed)."""
     sp = seg_params or params
     n = hidden.shape[0]
@@ -154,13 +154,13 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
     native = own if hasattr(own, "candidate_topk") else None  # ranks, recomputes and selects in its own kernels
     one_pass = native is not None and seg_top is not None and kk == k
     if kk and native is not None:
-        rows_major = seg_top[1][1].view(n, G) if seg_top is not None else seg_max.t()
+        rows_major = seg_top[2] if seg_top is not None else seg_max.t()
         # with the forward's maxima (and k segments: else every column is a candidate) the ranking also gives
         # each chosen segment's max key and whether the segment must be recomputed: a row's k largest keys
         # are all >= T, the k-th largest of its segments' max keys (k keys reach T); one that is not its
         # segment's max is at most the segment's second value, so only segments whose tempered second
         # value reaches T's value (thr) can hold one beyond their max
-        top = (seg_top[0], seg_top[1][0]) if one_pass else None
+        top = seg_top[:2] if one_pass else None
         segs, thr, plan = native.rank_segments(rows_major, inv_t if torch.is_tensor(inv_t) else it, kk, top,
                                                params.vocab_start)
         if kk < k:  # fewer segments than k: every column of the shard is a candidate
@@ -226,16 +226,13 @@ def _segment_maxima(hidden, weight, inv_t, params: LCEParams, st, part):
     in caller row order or None): the invariant forward's own, else one pass of the torch backend's segment
     blocks over this shard (ids relative to the shard start; the top-k then recomputes with the torch
     blocks too)."""
-    if st.seg_top is not None:  # the maxima from seg_top's row-major plane (the partials are gone)
-        col, vals = st.seg_top
-        G, n_c = col.shape
-        rows_major = vals[1].view(n_c, G)
+    if st.seg_top is not None:  # the maxima from seg_top's rows-contiguous plane (the partials are gone)
         top = st.seg_top
         if part is not None:
-            rows_major = rows_major.index_select(0, part.dest)  # [N, G]
-            top = (col.index_select(1, part.dest),
-                   torch.stack([vals[0].index_select(1, part.dest), rows_major.view(G, -1)]))
-        return rows_major.t(), params, top
+            col, second, rows_major = top
+            top = (col.index_select(1, part.dest), second.index_select(1, part.dest),
+                   rows_major.index_select(0, part.dest))
+        return top[2].t(), params, top
     if st.seg is not None:
         seg = st.seg[0]
         return (seg if part is None else seg.index_select(1, part.dest)), params, None

@@ -121,8 +121,8 @@ class ShardStats:
     seg: Optional[torch.Tensor] = None  # invariant mode: fp32 [3 or 5, G, N] segment partials (exact.py);
     #                                     then m, s, a are None and mx, mn, zy are this shard's exact values
     seg_top: Optional[tuple] = None  # invariant mode with params.top_k, where the backend keeps it: (int8 [G, N]
-    #                                  each segment's max column (lowest on ties), fp32 [2, G, N] its second
-    #                                  largest raw value and the maxima laid out [N, G]) (select.py's top-k)
+    #                                  each segment's max column (lowest on ties), fp32 [G, N] its second
+    #                                  largest raw value, fp32 [N, G] the maxima, rows contiguous) (select.py)
 
 
 class Backend(Protocol):

@@ -17,6 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from areal_lce.backends.triton import kernels as K
 from areal_lce.backends.triton import segment_kernels as S
+from areal_lce.backends.triton import candidate_kernels as C
 from areal_lce.backends.triton import select_kernels as T
 
 PTR = {"h": "*bf16", "w": "*bf16", "d_h": "*bf16", "d_w": "*bf16", "y": "*i32", "dl": "*bf16", "y_ptr": "*i64",
@@ -49,7 +50,7 @@ PTR.update(SEL)
 INT.update(k for k, v in SEL.items() if v[0] == "i")
 compile_(T.segment_best_kernel, dict(HAS_INV_T=True, HAS_TOP=True, BLOCK_N=1, CHUNK=256, KK2=64))
 INT.update(("valid", "n_prog"))
-compile_(T.listed_candidates_kernel, dict(SEG=128, BLOCK_N=64, BLOCK_K=64, EVEN_K=True, UPCAST=False,
+compile_(C.listed_candidates_kernel, dict(SEG=128, BLOCK_N=64, BLOCK_K=64, EVEN_K=True, UPCAST=False,
                                            DOT_PRECISION="tf32", HAS_INV_T=False, BF16_LOGITS=True, SOFTCAP=True))
 compile_(S.transpose_kernel, dict(BLOCK_R=64, BLOCK_C=64))
 """

@@ -111,16 +111,16 @@ def test_forward_maxima_columns_spare_the_recompute(monkeypatch):
     col = (r == top2[..., :1]).float().argmax(-1)  # the lowest column holding the max
     assert torch.equal(st.seg_top[0].cpu().t().long(), col)
     second = torch.where(torch.arange(128) == col[..., None], float("-inf"), r).amax(-1)
-    assert torch.equal(st.seg_top[1][0].cpu().t(), second)
+    assert torch.equal(st.seg_top[1].cpu().t(), second)
     with_top = select.topk_keys(hidden, weight, st.seg[0], 1.0, params, k, None, st.seg_top)
     assert torch.equal(with_top, select.topk_keys(hidden, weight, st.seg[0], 1.0, params, k))
     monkeypatch.setattr(select_launch, "TOPK_SPILL", 0)  # every row with a segment to recompute overflows
     assert torch.equal(with_top, select.topk_keys(hidden, weight, st.seg[0], 1.0, params, k, None, st.seg_top))
-    segs_k, thr, plan = select_launch.rank_segments(st.seg[0].t(), 1.0, k, (st.seg_top[0], st.seg_top[1][0]), 7)
-    assert torch.equal(st.seg_top[1][1].view(n, G), st.seg[0].t())  # the maxima again, rows contiguous
+    segs_k, thr, plan = select_launch.rank_segments(st.seg[0].t(), 1.0, k, st.seg_top[:2], 7)
+    assert torch.equal(st.seg_top[2], st.seg[0].t())  # the maxima again, rows contiguous
     rows_k = torch.arange(n, device=DEV)[:, None]
     recompute = plan.flags.bool()
-    assert torch.equal(recompute, st.seg_top[1][0][segs_k, rows_k] >= thr[:, None])
+    assert torch.equal(recompute, st.seg_top[1][segs_k, rows_k] >= thr[:, None])
     want = select.sort_key(st.seg[0][segs_k, rows_k], segs_k * 128 + st.seg_top[0][segs_k, rows_k].long() + 7)
     want = torch.where(recompute, select_launch.PAD_KEY, want)  # each chosen segment's max key (ids + shard start 7)
     assert torch.equal(plan.cand[:, :k], want) and torch.all(plan.cand[:, k:] == select_launch.PAD_KEY)

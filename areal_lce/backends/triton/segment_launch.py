@@ -38,8 +38,9 @@ def forward_segments(hidden, weight, y, it, inv_t_scalar, params: LCEParams, cfg
         raise ValueError(f"triton backend: invariant mode's segment partials ({k} x {G} x {N}) exceed int32 "
                          "offsets: split the call into fewer rows")
     seg = _alloc((k, G, N), torch.float32, dev)
-    top = _alloc((2, G, N), torch.float32, dev) if params.top_k else None
+    top = _alloc((G, N), torch.float32, dev) if params.top_k else None  # each segment's second value
     top_col = _alloc((G, N), torch.int8, dev) if params.top_k else None
+    top_rows = _alloc((N, G), torch.float32, dev) if params.top_k else None
     part = _alloc((3, n_splits, N), torch.float32, dev)
     d_h = d_w = None
     if configs.USE_TMA and TensorDescriptor is not None:
@@ -61,9 +62,9 @@ def forward_segments(hidden, weight, y, it, inv_t_scalar, params: LCEParams, cfg
             part, out, N, n_splits, n_splits * N, BLOCK_N=configs.MERGE_BLOCK_N, num_warps=4)
         if top is not None:  # the maxima again with each row's segments contiguous, for the ranking
             transpose_kernel[(triton.cdiv(G, TRANSPOSE_TILE), triton.cdiv(N, TRANSPOSE_TILE))](
-                seg, top[1], G, N, BLOCK_R=TRANSPOSE_TILE, BLOCK_C=TRANSPOSE_TILE, num_warps=4)
+                seg, top_rows, G, N, BLOCK_R=TRANSPOSE_TILE, BLOCK_C=TRANSPOSE_TILE, num_warps=4)
     return ShardStats(m=None, s=None, a=None, zy=out[2], mn=out[1], mx=out[0], cache=cache, seg=seg,
-                      seg_top=(top_col, top) if top is not None else None)
+                      seg_top=(top_col, top, top_rows) if top is not None else None)
 
 def fold_segments(seg, mx, inv_t, scales):
     """exact.fold_segments in one launch: int64 [3 or 5, N]."""

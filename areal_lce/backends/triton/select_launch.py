@@ -1,5 +1,6 @@
-"""Launchers of the selected-id and top-k kernels (select_kernels.py) for the Triton backend: the backend
-contract's optional `gather_logits` and `segment_logits` (base.py)."""
+"""Launchers of the selected-id and top-k kernels (select_kernels.py, candidate_kernels.py) for the Triton
+backend: the backend contract's optional `gather_logits`, `segment_logits`, `rank_segments` and
+`candidate_topk` (base.py)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -13,9 +14,9 @@ from ...types import LCEParams
 from ..base import head_transform
 from . import configs
 from .launch import INTERPRET, _alloc, _cap_args, _device_ctx, _dot_precision, _slots
-from .select_kernels import (candidate_topk_kernel, gather_logits_kernel, listed_candidates_kernel,
-                             overflow_topk_kernel, segment_best_kernel, segment_candidates_kernel,
-                             segment_logits_kernel, sparse_dl_kernel)
+from .candidate_kernels import (candidate_topk_kernel, listed_candidates_kernel, overflow_topk_kernel,
+                                segment_candidates_kernel)
+from .select_kernels import gather_logits_kernel, segment_best_kernel, segment_logits_kernel, sparse_dl_kernel
 
 GATHER_R, GATHER_J, GATHER_H = 16, 8, 64
 
