@@ -185,7 +185,11 @@ def lce_forward(hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bo
         h_c, y_c, t_c = hidden, labels, inv_t
     else:
         h_c, y_c, t_c = _partitioned(part, labels, inv_t, hidden)
-    st = get_backend(params.backend).forward(h_c, weight, y_c, t_c, params, keep_cache=keep_cache)
+    backend = get_backend(params.backend)
+    extra = {}
+    if selected_ids is not None and params.invariant and getattr(backend, "extracts_selected", False):
+        extra["selected"] = selected_ids if part is None else selected_ids.index_select(0, part.order)
+    st = backend.forward(h_c, weight, y_c, t_c, params, keep_cache=keep_cache, **extra)
     if params.invariant:
         fin = exact.merge(st, params, params.inv_t if t_c is None else t_c)
         if st.seg_top is not None:  # merged: the top-k reads the maxima from seg_top, the partials can go

@@ -4,11 +4,18 @@ selected_ids [N, K] (global ids, ignore_index entries allowed) and top_k give pe
 chosen columns: logprob_j = z_j - lse with z_j = cap(r_j) · inv_t, r_j = h · W_j (the op's lse, so
 they are consistent with its logprobs and entropy to fp32 rounding). Nothing [N, V] is built.
 
-Selected logits. Each rank computes r_j for the ids in its shard (0 elsewhere) with the backend's
-`gather_logits` (a fixed-order dot product per (row, id): its bits depend on the row and the id only,
-not on N, K, the row's position or the TP degree); the TP group SUMs them, which is exact because
-exactly one rank contributes a nonzero. The torch version below computes fixed-shape blocks of
-GATHER_ROWS rows x GATHER_IDS ids.
+Selected logits. Each rank computes r_j for the ids in its shard (0 elsewhere); the TP group SUMs them,
+which is exact because exactly one rank contributes a nonzero. By default the backend's `gather_logits`
+computes them (a fixed-order dot product per (row, id): its bits depend on the row and the id only, not
+on N, K, the row's position or the TP degree); the torch version below computes fixed-shape blocks of
+GATHER_ROWS rows x GATHER_IDS ids. The gather reads K weight rows per token, so for many ids a backend
+with `extracts_selected` (triton, invariant mode, where K·H is large against V) takes them from its
+forward's own logit tiles instead: one column per row and 128-id segment, in the same one-hot reduction
+that takes the label's logit (the label's own id included), and only the ids left over (a second id in a
+segment, an id beside the label in its segment: about K²/2G per row) are computed apart (`pair_logits`,
+fixed order). Which route a slot takes depends on the row's own ids and label only, so the values stay
+batch- and TP-invariant; a taken value is bitwise the forward's logit (so a selected id at a top-k id
+gives its top-k logprob bitwise).
 
 Top-k, exact with ties broken by the lower id, from the invariant forward's segment maxima (exact.py:
 the raw max of every 128-id segment). If a column x is among a row's k largest then x's segment is among
@@ -113,14 +120,24 @@ def local_columns(ids: torch.Tensor, params: LCEParams):
     return torch.where(own, loc, torch.zeros_like(loc)), own
 
 
-def selected_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, params: LCEParams) -> torch.Tensor:
+def selected_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, params: LCEParams,
+                    picked=None, part=None) -> torch.Tensor:
     """Raw (rounded, capped) logits at global ids [N, K], summed over the TP group; 0 where no rank owns
-    the id (ignore_index entries)."""
+    the id (ignore_index entries). picked: ShardStats.sel (in the forward's row order, `part`), the values
+    the forward took from its tiles; the backend's pair_logits computes only the slots it left (-1)."""
     loc, own = local_columns(ids, params)
+    gather = _backend_fn(params, "gather_logits", gather_logits_torch)
     if ids.shape[1] == 0 or params.shard_valid == 0:
         r = torch.zeros(ids.shape, dtype=torch.float32, device=hidden.device)
+    elif picked is not None:
+        raw, src = picked
+        if part is not None:
+            raw, src = raw.index_select(0, part.dest), src.index_select(0, part.dest)
+        rest = head_transform(_backend(params).pair_logits(hidden, weight, ids, src == -1, params.vocab_start),
+                              params)
+        r = torch.where(src >= 0, raw.gather(1, src.clamp(min=0)), rest)
     else:
-        r = head_transform(_backend_fn(params, "gather_logits", gather_logits_torch)(hidden, weight, loc), params)
+        r = head_transform(gather(hidden, weight, loc), params)
     r = torch.where(own, r, torch.zeros_like(r))
     if params.tp_size > 1:
         # one rank owns each id: the SUM adds zeros to it, exactly
@@ -272,7 +289,7 @@ def forward_outputs(hidden, weight, labels, inv_t, params: LCEParams, st, part, 
     sel = topk_lp = topk_ids = None
     if selected_ids is not None:
         bad = check_selected_ids(selected_ids, params)
-        z = selected_logits(hidden, weight, selected_ids, params) * it2
+        z = selected_logits(hidden, weight, selected_ids, params, st.sel, part) * it2
         sel = torch.where(valid & (selected_ids != params.ignore_index), (z.double() - lse2).float(), 0.0)
         if bad is not None:
             sel = sel.masked_fill(bad, float("nan"))

@@ -52,6 +52,10 @@ takes_sparse = True: backward also takes sparse=(cols [N, J] int64 local columns
   and adds coef[n, j] to d_logits[n, cols[n, j]] (after inv_t and softcap's slope: the coefficients carry
   both) before its GEMMs, a row's slots in order; else the Function adds those columns itself (select.py).
 Optional, for selected ids / top-k (select.py has torch defaults):
+  extracts_selected = True: forward(..., selected=ids [N, K] global ids, the forward's row order) may take
+      the ids' raw logits from its own tiles, one per row and 128-id segment (ShardStats.sel), and
+      pair_logits(hidden, weight, ids, need [N, K] bool, vocab_start) -> fp32 [N, K] computes the rest (values
+      where need, before head_transform, each one's bits depending on its row and id only);
   gather_logits(hidden, weight, cols [N, J]) -> fp32 [N, J] h_n · W[cols] before head_transform, each
       value's bits independent of N, J and the row's position;
   segment_logits(hidden, weight, rows [P], segs [P], params) -> fp32 [P, 128] head-transformed raw logits
@@ -123,6 +127,10 @@ class ShardStats:
     seg_top: Optional[tuple] = None  # invariant mode with params.top_k, where the backend keeps it: (int8 [G, N]
     #                                  each segment's max column (lowest on ties), fp32 [G, N] its second
     #                                  largest raw value, fp32 [N, G] the maxima, rows contiguous) (select.py)
+    sel: Optional[tuple] = None  # invariant mode, forward(selected=ids) on a backend with `extracts_selected`,
+    #                              where it took them: (fp32 [N, K] raw (rounded, capped) logits at the slots it
+    #                              picked, int64 [N, K] the slot whose value slot j takes, -1 = pair_logits,
+    #                              -2 = not this shard's id)
 
 
 class Backend(Protocol):

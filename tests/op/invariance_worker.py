@@ -3,7 +3,7 @@
 Every rank computes the TP=1 outputs itself (the weight padded to 128 rows), then the same tokens at TP=2
 (groups {0,1}, {2,3}) and TP=4, with megatron's padding (vocab to a multiple of 128·tp) and garbage in
 the padding rows, sequence parallelism off and on, on the torch backend and on the Triton kernels (under
-the interpreter), bf16 and fp32; it records every output that is not bitwise equal. Rank 0 writes the
+the interpreter; selected ids gathered, and in bf16 also picked from the forward's tiles), bf16 and fp32; it records every output that is not bitwise equal. Rank 0 writes the
 JSON result. It also checks that the online-softmax merge (invariant=False) does differ across degrees.
 """
 import json
@@ -106,8 +106,15 @@ def main():
     pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
     everyone = dist.group.WORLD
     mismatches, checked = [], 0
-    for backend in ("torch", "triton"):
-        for dtype in (torch.bfloat16, torch.float32):
+    from areal_lce.backends.triton import select_launch
+    default = select_launch.PICK_KH_PER_ID
+    for route, dtypes in (("torch", (torch.bfloat16, torch.float32)), ("triton", (torch.bfloat16, torch.float32)),
+                            ("triton:picks", (torch.bfloat16,))):
+        # "triton:picks": the selected ids taken from the forward's tiles (a shard's own segments), the rest
+        # listed; "triton" gathers them all at these sizes (select_launch.takes_picks)
+        select_launch.PICK_KH_PER_ID = 0.0 if route == "triton:picks" else default
+        backend = route.split(":")[0]
+        for dtype in dtypes:
             ref = run(backend, dtype, 1, None, 0, False)
             for tp, group, r in ((2, pair, rank % 2), (4, everyone, rank)):
                 for sp in (False, True):
@@ -116,7 +123,7 @@ def main():
                     for f in FIELDS:
                         a, b = getattr(got, f), getattr(ref, f)
                         if not torch.equal(a, b):
-                            mismatches.append(f"rank {rank} {backend} {dtype} tp={tp} sp={sp} {f}: "
+                            mismatches.append(f"rank {rank} {route} {dtype} tp={tp} sp={sp} {f}: "
                                               f"{int((a != b).sum())} differ, max {float((a - b).abs().max()):.3g}")
     # gradients of a loss mixing logprobs, entropy, lse, selected and top-k logprobs: TP=2 (SP off / on) against
     # TP=1 to fp32 rounding (deterministic, not bitwise: the vocab-partial d_hidden is summed over ranks)

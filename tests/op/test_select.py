@@ -55,10 +55,20 @@ def _inv_t(kind, n):
     return 1 / temp, temp
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+def _route(backend, monkeypatch):
+    """"triton": selected ids gathered after the forward; "triton:picks": taken from the forward's tiles where
+    it can (select_launch.takes_picks), the rest by pair_logits."""
+    if backend.startswith("triton"):
+        from areal_lce.backends.triton import select_launch
+        monkeypatch.setattr(select_launch, "PICK_KH_PER_ID", 0.0 if backend == "triton:picks" else float("inf"))
+    return backend.split(":")[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS + [pytest.param("triton:picks", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("temp_kind", ["scalar", "per_token"])
 @pytest.mark.parametrize("softcap", [None, 3.0])
-def test_values_and_gradients_match_the_float64_oracle(backend, temp_kind, softcap):
+def test_values_and_gradients_match_the_float64_oracle(backend, temp_kind, softcap, monkeypatch):
+    backend = _route(backend, monkeypatch)
     if softcap and not getattr(areal_lce.backends.get_backend(backend), "supports_softcap", True):
         with pytest.raises(ValueError, match="softcap is not implemented"):
             lce(*_inputs()[:3], vocab_size=V, backend=backend, softcap=softcap)
@@ -241,10 +251,12 @@ def test_softcapped_outputs_are_batch_invariant_on_triton():
 
 
 @pytest.mark.slow
-def test_triton_topk_with_compacted_rows_is_the_same():
+@pytest.mark.parametrize("route", ["triton", "triton:picks"])
+def test_triton_topk_with_compacted_rows_is_the_same(route, monkeypatch):
     """Triton, invariant mode: with compact_ignored the forward sees the rows partitioned (ignored rows last)
     and the top-k reads its per-row planes back in caller order: ids, logprobs and selected logprobs bitwise
-    as without (more segments than k, so the ranking and the forward's maxima matter)."""
+    as without (more segments than k, so the ranking and the forward's maxima matter; selected ids gathered,
+    or picked from the forward's tiles in partition order)."""
     g = torch.Generator().manual_seed(4)
     n, h, v = 41, 16, 1100
     hidden = torch.randn(n, h, generator=g).to(torch.bfloat16)
@@ -252,9 +264,11 @@ def test_triton_topk_with_compacted_rows_is_the_same():
     labels = torch.randint(0, v, (n,), generator=g)
     labels[[0, 6, 13, 20]] = IGNORE
     sel = torch.randint(0, v, (n, 5), generator=g)
+    sel[1, 1:] = sel[1, 0] // 128 * 128 + torch.arange(4)  # ids sharing a segment (one picked, the rest listed)
+    sel[2, 3] = sel[2, 0]  # a repeat
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter, else the kernels themselves
     hidden, weight, labels, sel = (t.to(dev) for t in (hidden, weight, labels, sel))
-    kw = dict(vocab_size=v, selected_ids=sel, top_k=4, backend="triton",
+    kw = dict(vocab_size=v, selected_ids=sel, top_k=4, backend=_route(route, monkeypatch),
               temperature=torch.linspace(0.6, 1.4, n, device=dev))
     a = lce(hidden, weight, labels, compact_ignored=True, **kw)
     b = lce(hidden, weight, labels, compact_ignored=False, **kw)

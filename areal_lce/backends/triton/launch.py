@@ -201,7 +201,10 @@ class TritonBackend:
     record_labels = staticmethod(record_labels)
 
     # ------------------------------------------------------------------------------------ forward
-    def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool) -> ShardStats:
+    extracts_selected = True  # forward(..., selected=ids) in invariant mode: ShardStats.sel (base.py)
+
+    def forward(self, hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bool,
+                selected=None) -> ShardStats:
         _check(hidden, weight, labels, inv_t, params)
         N, H = hidden.shape
         valid = params.shard_valid
@@ -221,7 +224,11 @@ class TritonBackend:
         if params.invariant:
             cache = _alloc(spec[0], torch.float32, dev) if use_cache else None
             from .segment_launch import forward_segments
-            return forward_segments(hidden, weight, y, it, inv_t_scalar, params, cfg, split_v, n_splits, cache)
+            from .select_launch import takes_picks
+            if selected is not None and not takes_picks(selected.shape[1], H, params):
+                selected = None  # gathered afterwards (select.py)
+            return forward_segments(hidden, weight, y, it, inv_t_scalar, params, cfg, split_v, n_splits, cache,
+                                    selected)
         rows = 8 if sums else 6  # (m, s, a, zy, mn, mx[, Σr, Σr²])
         part = _alloc((rows, n_splits, N), torch.float32, dev)
         cache = _alloc(spec[0], torch.float32, dev) if use_cache else None
@@ -262,6 +269,10 @@ class TritonBackend:
     def gather_logits(self, hidden, weight, cols):
         from .select_launch import gather_logits
         return gather_logits(hidden, weight, cols)
+
+    def pair_logits(self, hidden, weight, ids, need, vocab_start):
+        from .select_launch import pair_logits
+        return pair_logits(hidden, weight, ids, need, vocab_start)
 
     def rank_segments(self, seg_max, inv_t, kk, top=None, vocab_start=0):
         from .select_launch import rank_segments

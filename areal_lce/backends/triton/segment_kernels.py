@@ -7,7 +7,9 @@
                         (one h load feeds both dots), so the two halves of a tile are reduced by the
                         same code on the same layout: a segment's bits do not depend on whether it is
                         the first or the second half of a tile, i.e. on the shard start, nor on the
-                        split, the grid or N. Per split it also stores the raw min and the label logit.
+                        split, the grid or N. Per split it also stores the raw min and the label logit;
+                        with selected ids (HAS_SEL) each row's pick per segment, taken by the label's
+                        one-hot reduction (select_kernels.selected_plan_kernel says which).
   lce_seg_reduce_kernel raw max, raw min and label logit over the splits (exact).
   lce_seg_fold_kernel   each segment's terms relative to the global max, converted to int64 with
                         FRAC_BITS fractional bits and summed (integer atomics over chunks of segments):
@@ -83,13 +85,16 @@ def _seg_logits(h, w, d_h, d_w, o_nc, o_vc0, o_vc1, row0, col0, H,
 
 @triton.jit
 def _seg_fold(b_r, c0, v_end, g, G, seg, top, top_col, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn, b_mx,
-              b_zy, softcap, inv_softcap, UPCAST: tl.constexpr, MASKED: tl.constexpr, HAS_CACHE: tl.constexpr,
-              HAS_SUMS: tl.constexpr, HAS_TOP: tl.constexpr, BF16_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr,
-              SEG: tl.constexpr, CACHE_COLS: tl.constexpr):
+              b_zy, softcap, inv_softcap, b_pick, b_lslot, sel_raw, K_sel, UPCAST: tl.constexpr, MASKED: tl.constexpr,
+              HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, HAS_TOP: tl.constexpr, HAS_SEL: tl.constexpr,
+              BF16_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr, SEG: tl.constexpr, CACHE_COLS: tl.constexpr):
     """Reduce one [BLOCK_N, SEG] raw-logits segment (local columns c0 + [0, SEG), valid below v_end) and
     store its partials at segment index g (only when g < G: a tile's second half may lie past the shard).
     HAS_TOP (a top-k call) also stores the column of the segment's max (the lowest one on ties) and its
-    second largest raw value (-inf for a one-column segment): select.py's top-k reads them."""
+    second largest raw value (-inf for a one-column segment): select.py's top-k reads them. HAS_SEL (selected
+    ids): b_pick [BLOCK_N] is each row's pick in this segment (selected_plan_kernel's code, -1 for none), never
+    in the label's segment; the label's value is stored at the slot b_lslot that selects it (-1 for none).
+    Label and pick share one one-hot reduction, so picking costs no work per logit."""
     o_v = c0 + tl.arange(0, SEG)
     if BF16_LOGITS:
         b_r = round_bf16(b_r, UPCAST)
@@ -98,7 +103,17 @@ def _seg_fold(b_r, c0, v_end, g, G, seg, top, top_col, stride_seg, o_n, m_n, N, 
     if HAS_CACHE:
         p_c = _cache_tile(z_cache, o_n, c0, N, SEG, CACHE_COLS)
         tl.store(p_c, b_r * b_it[:, None], mask=m_n[:, None] & (o_v < v_end)[None, :])
-    b_zy += tl.sum(tl.where(o_v[None, :] == b_y[:, None], b_r, 0.0), 1)
+    # one column per row is taken from the tile: the label's where it lies here, else the row's pick
+    b_lab = (b_y >= c0) & (b_y < c0 + SEG)
+    if HAS_SEL:
+        b_want = tl.where(b_lab, b_y - c0, tl.where(b_pick >= 0, b_pick % SEG, -1))
+    else:
+        b_want = tl.where(b_lab, b_y - c0, -1)
+    b_val = tl.sum(tl.where(tl.arange(0, SEG)[None, :] == b_want[:, None], b_r, 0.0), 1)
+    b_zy += tl.where(b_lab, b_val, 0.0)
+    if HAS_SEL:  # the label's value also goes to the slot selecting it (b_lslot), a pick's to its slot
+        m_sel = m_n & tl.where(b_lab, b_lslot >= 0, b_pick >= 0)
+        tl.store(sel_raw + o_n * K_sel + tl.where(b_lab, b_lslot, b_pick // SEG), b_val, mask=m_sel)
     # Both paths must give a fully valid segment the same bits (at another TP degree it sits in a masked
     # tile): the same d·e product feeds the same sum (a where() between them would change whether the
     # compiler fuses the product into the reduction's adds), masked columns entering as d = e = 0.
@@ -141,9 +156,10 @@ def _seg_fold(b_r, c0, v_end, g, G, seg, top, top_col, stride_seg, o_n, m_n, N, 
 
 @triton.jit
 def lce_fwd_seg_kernel(
-    h, w, d_h, d_w, y, inv_t, seg, top, top_col, part, z_cache,
-    N, H, V, G, SPLIT_V, n_splits, stride_seg, stride_part, inv_t_scalar, softcap, inv_softcap,
+    h, w, d_h, d_w, y, inv_t, seg, top, top_col, part, z_cache, sel_plane, sel_lslot, sel_raw,
+    N, H, V, G, SPLIT_V, n_splits, stride_seg, stride_part, inv_t_scalar, softcap, inv_softcap, K_sel,
     HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, HAS_TOP: tl.constexpr,
+    HAS_SEL: tl.constexpr,
     BF16_LOGITS: tl.constexpr, SOFTCAP: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     SEG: tl.constexpr, SUB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
@@ -151,7 +167,9 @@ def lce_fwd_seg_kernel(
 ):
     """seg: fp32 [3, G, N] (raw max, s, a) per 128-column segment of this shard's V valid columns,
     [5, G, N] with HAS_SUMS; with HAS_TOP top: fp32 [G, N] (the second largest value) and top_col: int8
-    [G, N] (the max's column).
+    [G, N] (the max's column). HAS_SEL: sel_plane int16 [G, N] each row's pick per segment and sel_lslot
+    int32 [N] the slot selecting its label (selected_plan_kernel), sel_raw fp32 [N, K_sel] where their raw
+    logits go.
     SPLIT_V is a
     multiple of SUB·SEG. part: fp32 [3, n_splits, N] (raw min, tempered label logit, raw max) per split.
     A token block whose rows are all ignored folds no tile (its values stay unset;
@@ -169,6 +187,9 @@ def lce_fwd_seg_kernel(
     else:
         b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + inv_t_scalar
     b_c = b_it * LOG2E
+    b_lslot = b_y  # placeholder when not HAS_SEL
+    if HAS_SEL:
+        b_lslot = tl.load(sel_lslot + o_nc)
     b_zy = tl.zeros([BLOCK_N], dtype=tl.float32)
     b_mn = tl.full([BLOCK_N], float("inf"), dtype=tl.float32)
     b_mx = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
@@ -185,27 +206,33 @@ def lce_fwd_seg_kernel(
                                  tl.minimum(o_v1, V - 1).to(tl.int64), row0, col0, H, SEG, SUB, BLOCK_N,
                                  BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA)
         g = col0 // SEG
+        b_p0 = b_y  # placeholders when not HAS_SEL
+        b_p1 = b_y
+        if HAS_SEL:  # loaded before the tile's GEMM is needed (nothing here depends on it)
+            b_p0 = tl.load(sel_plane + g * N + o_n, mask=m_n & (g < G), other=-1).to(tl.int32)
+            b_p1 = tl.load(sel_plane + (g + 1) * N + o_n, mask=m_n & (g + 1 < G) & (SUB == 2),
+                           other=-1).to(tl.int32)
         if col0 + TILE <= v_end:
             b_mn, b_mx, b_zy = _seg_fold(
                 b_r0, col0, v_end, g, G, seg, top, top_col, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn,
-                b_mx, b_zy, softcap, inv_softcap, UPCAST, False, HAS_CACHE, HAS_SUMS, HAS_TOP, BF16_LOGITS, SOFTCAP,
-                SEG, CACHE_COLS)
+                b_mx, b_zy, softcap, inv_softcap, b_p0, b_lslot, sel_raw, K_sel, UPCAST, False, HAS_CACHE, HAS_SUMS,
+                HAS_TOP, HAS_SEL, BF16_LOGITS, SOFTCAP, SEG, CACHE_COLS)
             if SUB == 2:
                 b_mn, b_mx, b_zy = _seg_fold(
                     b_r1, col0 + SEG, v_end, g + 1, G, seg, top, top_col, stride_seg, o_n, m_n, N, b_y, b_it, b_c,
-                    z_cache, b_mn, b_mx, b_zy, softcap, inv_softcap, UPCAST, False, HAS_CACHE, HAS_SUMS, HAS_TOP,
-                    BF16_LOGITS, SOFTCAP, SEG, CACHE_COLS)
+                    z_cache, b_mn, b_mx, b_zy, softcap, inv_softcap, b_p1, b_lslot, sel_raw, K_sel, UPCAST, False,
+                    HAS_CACHE, HAS_SUMS, HAS_TOP, HAS_SEL, BF16_LOGITS, SOFTCAP, SEG, CACHE_COLS)
         else:
             b_mn, b_mx, b_zy = _seg_fold(
                 b_r0, col0, v_end, g, G, seg, top, top_col, stride_seg, o_n, m_n, N, b_y, b_it, b_c, z_cache, b_mn,
-                b_mx, b_zy, softcap, inv_softcap, UPCAST, True, HAS_CACHE, HAS_SUMS, HAS_TOP, BF16_LOGITS, SOFTCAP,
-                SEG, CACHE_COLS)
+                b_mx, b_zy, softcap, inv_softcap, b_p0, b_lslot, sel_raw, K_sel, UPCAST, True, HAS_CACHE, HAS_SUMS,
+                HAS_TOP, HAS_SEL, BF16_LOGITS, SOFTCAP, SEG, CACHE_COLS)
             if SUB == 2:
                 if col0 + SEG < v_end:
                     b_mn, b_mx, b_zy = _seg_fold(
                         b_r1, col0 + SEG, v_end, g + 1, G, seg, top, top_col, stride_seg, o_n, m_n, N, b_y, b_it,
-                        b_c, z_cache, b_mn, b_mx, b_zy, softcap, inv_softcap, UPCAST, True, HAS_CACHE, HAS_SUMS,
-                        HAS_TOP, BF16_LOGITS, SOFTCAP, SEG, CACHE_COLS)
+                        b_c, z_cache, b_mn, b_mx, b_zy, softcap, inv_softcap, b_p1, b_lslot, sel_raw, K_sel, UPCAST,
+                        True, HAS_CACHE, HAS_SUMS, HAS_TOP, HAS_SEL, BF16_LOGITS, SOFTCAP, SEG, CACHE_COLS)
     p_part = part + i_s * N + o_n
     tl.store(p_part, b_mn, mask=m_n)
     tl.store(p_part + stride_part, b_zy * b_it, mask=m_n)

@@ -12,6 +12,7 @@ from ..base import ShardStats
 from . import configs
 from .launch import (INTERPRET, TensorDescriptor, _alloc, _cap_args, _descriptors, _device_ctx, _dot_precision,
                      _launch_opts)
+from .select_launch import pick_selected
 from .segment_kernels import (lce_fwd_seg_kernel, lce_seg_finish_kernel, lce_seg_fold_kernel, lce_seg_reduce_kernel,
                               transpose_kernel)
 
@@ -20,9 +21,11 @@ TRANSPOSE_TILE = 64
 
 
 def forward_segments(hidden, weight, y, it, inv_t_scalar, params: LCEParams, cfg, split_v, n_splits,
-                      cache) -> ShardStats:
+                      cache, selected=None) -> ShardStats:
     """Invariant mode (exact.py): per-segment partials, then the exact per-row extrema and label logit.
-    The split plan may follow N: a segment's partials do not depend on which program computed it."""
+    The split plan may follow N: a segment's partials do not depend on which program computed it.
+    selected: global ids [N, K] in this row order whose raw logits the kernel takes from its tiles, one per
+    row and segment (select_launch.pick_selected); ShardStats.sel then holds them."""
     N, H = hidden.shape
     valid, dev, sums = params.shard_valid, hidden.device, params.logit_sums
     seg_w = exact.SEG
@@ -42,6 +45,8 @@ def forward_segments(hidden, weight, y, it, inv_t_scalar, params: LCEParams, cfg
     top_col = _alloc((G, N), torch.int8, dev) if params.top_k else None
     top_rows = _alloc((N, G), torch.float32, dev) if params.top_k else None
     part = _alloc((3, n_splits, N), torch.float32, dev)
+    picks = pick_selected(selected, y, params, G) if selected is not None else None
+    sel_raw = _alloc(selected.shape, torch.float32, dev) if picks is not None else None
     d_h = d_w = None
     if configs.USE_TMA and TensorDescriptor is not None:
         d_h, d_w = _descriptors(hidden, weight[:valid], replace(cfg, block_v=seg_w))
@@ -49,9 +54,12 @@ def forward_segments(hidden, weight, y, it, inv_t_scalar, params: LCEParams, cfg
         lce_fwd_seg_kernel[(triton.cdiv(N, cfg.block_n) * n_splits,)](
             hidden, weight, d_h, d_w, y, it if it is not None else part, seg, top if top is not None else part,
             top_col if top_col is not None else part, part,
-            cache if cache is not None else part,
+            cache if cache is not None else part, *(picks[:2] if picks is not None else (part, part)),
+            sel_raw if sel_raw is not None else part,
             N, H, valid, G, split_v, n_splits, G * N, n_splits * N, inv_t_scalar, *_cap_args(params),
+            selected.shape[1] if picks is not None else 0,
             HAS_INV_T=it is not None, HAS_CACHE=cache is not None, HAS_SUMS=sums, HAS_TOP=top is not None,
+            HAS_SEL=picks is not None,
             BF16_LOGITS=params.bf16_logits, SOFTCAP=bool(params.softcap), EVEN_K=H % cfg.block_k == 0, UPCAST=INTERPRET,
             DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
             SEG=seg_w, SUB=sub, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
@@ -64,7 +72,8 @@ def forward_segments(hidden, weight, y, it, inv_t_scalar, params: LCEParams, cfg
             transpose_kernel[(triton.cdiv(G, TRANSPOSE_TILE), triton.cdiv(N, TRANSPOSE_TILE))](
                 seg, top_rows, G, N, BLOCK_R=TRANSPOSE_TILE, BLOCK_C=TRANSPOSE_TILE, num_warps=4)
     return ShardStats(m=None, s=None, a=None, zy=out[2], mn=out[1], mx=out[0], cache=cache, seg=seg,
-                      seg_top=(top_col, top, top_rows) if top is not None else None)
+                      seg_top=(top_col, top, top_rows) if top is not None else None,
+                      sel=(sel_raw, picks[2]) if picks is not None else None)
 
 def fold_segments(seg, mx, inv_t, scales):
     """exact.fold_segments in one launch: int64 [3 or 5, N]."""

@@ -3,6 +3,10 @@
   gather_logits_kernel  r[n, j] = h_n · W[cols[n, j]] in fp32: one program = BLOCK_R rows x BLOCK_J ids,
                         the sum over H in fixed BLOCK_H steps (a broadcast product reduced per step, then
                         added in order), so a value's bits depend on its row and id only.
+  selected_plan_kernel  which selected ids the invariant forward takes from its own logit tiles (one per
+                        row and segment) and where each slot finds its value.
+  pair_logits_kernel    the selected ids the forward did not take: one fixed-order dot product per listed
+                        (row, slot).
   segment_logits_kernel the raw logits of one 128-id segment for up to BLOCK_N rows that all need it (the
                         launcher groups the (row, segment) pairs by segment): `_seg_logits` of the invariant
                         forward, with the forward's BLOCK_K, precision and operand types, so every value is
@@ -18,6 +22,7 @@ The top-k's candidates and its final selection: candidate_kernels.py.
 import triton
 import triton.language as tl
 
+from .kernel_common import IGNORED
 from .segment_kernels import _seg_logits
 
 
@@ -42,6 +47,69 @@ def gather_logits_kernel(h, w, cols, out, N, J, H, BLOCK_R: tl.constexpr, BLOCK_
                       other=0.0).to(tl.float32)
         acc += tl.sum(b_h[:, None, :] * b_w, 2)
     tl.store(out + o_r[:, None].to(tl.int64) * J + o_j[None, :], acc, mask=m_rj)
+
+
+@triton.jit
+def selected_plan_kernel(ids, y, plane, lslot, src, N, K, vocab_start, valid, ignore_index, SEG: tl.constexpr,
+                         BLOCK_R: tl.constexpr, KP: tl.constexpr):
+    """Which selected ids the invariant forward takes from its own logit tiles. ids [N, K] int64 global ids
+    in the forward's row order, y its local labels (-1: another shard's, IGNORED: an ignored row, which
+    selects nothing). The forward takes one column per row and segment, with the label's (segment_kernels
+    _seg_fold): so in the label's segment only the label's own id is taken, at the lowest slot selecting it
+    (lslot[n], -1 for none); in every other segment the lowest slot j with an id there is the segment's
+    pick, plane[g, n] = j · SEG + (col mod SEG) (int16; the caller fills the plane with -1). src[n, j] = the
+    slot whose taken value slot j reads (repeated ids share one), -1 where the id must be computed apart
+    (another column was taken in its segment), -2 where this shard owns no id. Only the row's own ids and
+    label decide, so which value a slot gets is batch- and TP-invariant."""
+    o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    o_j = tl.arange(0, KP)
+    m_r = o_r < N
+    m = m_r[:, None] & (o_j < K)[None, :]
+    row = o_r.to(tl.int64)[:, None]
+    b_id = tl.load(ids + row * K + o_j[None, :], mask=m, other=ignore_index)
+    b_y = tl.load(y + o_r, mask=m_r, other=IGNORED)
+    loc = b_id - vocab_start
+    own = m & (b_id != ignore_index) & (loc >= 0) & (loc < valid) & (b_y != IGNORED)[:, None]
+    b_c = tl.where(own, loc, -1).to(tl.int32)
+    b_g = tl.where(own, b_c // SEG, -1)
+    in_lab = own & (b_y >= 0)[:, None] & (b_g == (b_y // SEG)[:, None])  # in the label's segment
+    is_lab = own & (b_c == b_y[:, None])
+    b_ls = tl.min(tl.where(is_lab, o_j[None, :], KP), 1)
+    cand = own & ~in_lab
+    # per (r, j): the lowest candidate slot i in j's segment, twice over, plus 1 where i's column is not j's
+    key = tl.where((b_g[:, :, None] == b_g[:, None, :]) & cand[:, None, :],
+                   2 * o_j[None, None, :] + (b_c[:, :, None] != b_c[:, None, :]).to(tl.int32), 2 * KP)
+    best = tl.min(key, 2)
+    pick = best // 2
+    out = tl.where(in_lab, tl.where(is_lab, b_ls[:, None], -1), tl.where(best % 2 == 0, pick, -1))
+    tl.store(src + row * K + o_j[None, :], tl.where(own, out, -2).to(tl.int64), mask=m)
+    tl.store(lslot + o_r, tl.where(b_ls < KP, b_ls, -1), mask=m_r)
+    code = o_j[None, :] * SEG + b_c % SEG
+    tl.store(plane + b_g.to(tl.int64) * N + row, code.to(tl.int16), mask=cand & (pick == o_j[None, :]))
+
+
+@triton.jit
+def pair_logits_kernel(h, w, ids, pairs, count, out, K, H, vocab_start, n_prog, BLOCK_P: tl.constexpr,
+                       BLOCK_H: tl.constexpr):
+    """out[p] = h[p // K] · W[ids[p] - vocab_start] in fp32 for the flat (row, slot) positions p listed in
+    pairs[:count] (count on the device), programs striding over the list. The sum over H goes in fixed
+    BLOCK_H steps (a broadcast product reduced per step, then added in order): a value's bits depend on its
+    row and id only."""
+    n = tl.load(count)
+    for p0 in range(tl.program_id(0) * BLOCK_P, n, n_prog * BLOCK_P):
+        o_p = p0 + tl.arange(0, BLOCK_P)
+        m_p = o_p < n
+        pos = tl.load(pairs + o_p, mask=m_p, other=0)
+        col = tl.load(ids + pos, mask=m_p, other=vocab_start) - vocab_start
+        row = pos // K
+        acc = tl.zeros([BLOCK_P], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_H):
+            o_k = k0 + tl.arange(0, BLOCK_H)
+            m_k = m_p[:, None] & (o_k < H)[None, :]
+            b_h = tl.load(h + row[:, None] * H + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
+            b_w = tl.load(w + col[:, None] * H + o_k[None, :], mask=m_k, other=0.0).to(tl.float32)
+            acc += tl.sum(b_h * b_w, 1)
+        tl.store(out + pos, acc, mask=m_p)
 
 
 @triton.jit

@@ -16,7 +16,8 @@ from . import configs
 from .launch import INTERPRET, _alloc, _cap_args, _device_ctx, _dot_precision, _slots
 from .candidate_kernels import (candidate_topk_kernel, listed_candidates_kernel, overflow_topk_kernel,
                                 segment_candidates_kernel)
-from .select_kernels import gather_logits_kernel, segment_best_kernel, segment_logits_kernel, sparse_dl_kernel
+from .select_kernels import (gather_logits_kernel, pair_logits_kernel, segment_best_kernel, segment_logits_kernel,
+                             selected_plan_kernel, sparse_dl_kernel)
 
 GATHER_R, GATHER_J, GATHER_H = 16, 8, 64
 
@@ -30,6 +31,58 @@ def gather_logits(hidden: torch.Tensor, weight: torch.Tensor, cols: torch.Tensor
             gather_logits_kernel[(triton.cdiv(n, GATHER_R), triton.cdiv(j, GATHER_J))](
                 hidden, weight, cols.contiguous(), out, n, j, hidden.shape[1],
                 BLOCK_R=GATHER_R, BLOCK_J=GATHER_J, BLOCK_H=GATHER_H, num_warps=4)
+    return out
+
+
+PICK_MAX_K = 32767 // exact.SEG  # a pick's code (slot · SEG + column) is an int16
+PLAN_ROWS = 4 if INTERPRET else 2
+# the forward takes selected ids from its tiles when K · H >= PICK_KH_PER_ID · vocab_size: its extra epilogue
+# costs about the same per logit whatever K (~3.5 % of an H = 4096 forward), the gather it spares reads K·H·2
+# bytes per row, so the break-even K grows as V / H (results/h100_select_picks)
+PICK_KH_PER_ID = 0.75
+PAIR_P, PAIR_H, PAIR_PROGRAMS_PER_SM = 16, 64, 4
+
+
+def takes_picks(k: int, h: int, params: LCEParams) -> bool:
+    """Whether the invariant forward takes K selected ids per row from its tiles (else they are gathered).
+    K, H and the vocabulary only: every rank and every batch decide alike."""
+    return 0 < k <= PICK_MAX_K and k * h >= PICK_KH_PER_ID * params.vocab_size
+
+
+def pick_selected(ids: torch.Tensor, y: torch.Tensor, params: LCEParams, G: int):
+    """(plane int16 [G, N], label slots int32 [N], src int64 [N, K]) of selected_plan_kernel for global ids
+    [N, K] and local labels y [N] (launch._local_labels), both in the forward's row order."""
+    n, k = ids.shape
+    plane = torch.full((G, n), -1, dtype=torch.int16, device=ids.device)
+    lslot = _alloc((n,), torch.int32, ids.device)
+    src = _alloc((n, k), torch.int64, ids.device)
+    kp = triton.next_power_of_2(k)
+    rows = max(1, min(PLAN_ROWS, 8192 // (kp * kp)))
+    if n:
+        with _device_ctx(ids.device):
+            selected_plan_kernel[(triton.cdiv(n, rows),)](
+                ids.contiguous(), y, plane, lslot, src, n, k, params.vocab_start, params.shard_valid,
+                params.ignore_index,
+                SEG=exact.SEG, BLOCK_R=rows, KP=kp, num_warps=4)
+    return plane, lslot, src
+
+
+def pair_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, need: torch.Tensor,
+                vocab_start: int) -> torch.Tensor:
+    """fp32 [N, K]: h_n · W[ids[n, j] - vocab_start] where need[n, j] (unspecified elsewhere), only those
+    pairs computed (listed on the device: no host sync)."""
+    n, k = ids.shape
+    out = _alloc((n, k), torch.float32, hidden.device)
+    flat = need.reshape(-1)
+    if flat.numel():
+        pos = torch.cumsum(flat, 0)
+        pairs = torch.empty(flat.numel() + 1, dtype=torch.int64, device=flat.device)
+        pairs.scatter_(0, torch.where(flat, pos - 1, flat.numel()), torch.arange(flat.numel(), device=flat.device))
+        n_prog = PAIR_PROGRAMS_PER_SM * _slots(hidden.device) if not INTERPRET else 2
+        with _device_ctx(hidden.device):
+            pair_logits_kernel[(n_prog,)](
+                hidden.contiguous(), weight, ids.contiguous(), pairs, pos[-1:], out, k, hidden.shape[1], vocab_start,
+                n_prog, BLOCK_P=PAIR_P, BLOCK_H=PAIR_H, num_warps=4)
     return out
 
 
