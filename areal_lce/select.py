@@ -124,9 +124,8 @@ def selected_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tenso
                     picked=None, part=None) -> torch.Tensor:
     """Raw (rounded, capped) logits at global ids [N, K], summed over the TP group; 0 where no rank owns
     the id (ignore_index entries). picked: ShardStats.sel (in the forward's row order, `part`), the values
-    the forward took from its tiles; the backend's pair_logits computes only the slots it left (-1)."""
-    loc, own = local_columns(ids, params)
-    gather = _backend_fn(params, "gather_logits", gather_logits_torch)
+    the forward took from its tiles; the backend's pair_logits computes only the slots it left (-1), and
+    -2 (not this shard's id, or a row without a label, which the caller zeroes anyway) gives 0."""
     if ids.shape[1] == 0 or params.shard_valid == 0:
         r = torch.zeros(ids.shape, dtype=torch.float32, device=hidden.device)
     elif picked is not None:
@@ -135,10 +134,11 @@ def selected_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tenso
             raw, src = raw.index_select(0, part.dest), src.index_select(0, part.dest)
         rest = head_transform(_backend(params).pair_logits(hidden, weight, ids, src == -1, params.vocab_start),
                               params)
-        r = torch.where(src >= 0, raw.gather(1, src.clamp(min=0)), rest)
+        r = torch.where(src >= 0, raw.gather(1, src.clamp(min=0)), torch.where(src == -1, rest, 0.0))
     else:
-        r = head_transform(gather(hidden, weight, loc), params)
-    r = torch.where(own, r, torch.zeros_like(r))
+        loc, own = local_columns(ids, params)
+        r = head_transform(_backend_fn(params, "gather_logits", gather_logits_torch)(hidden, weight, loc), params)
+        r = torch.where(own, r, 0.0)
     if params.tp_size > 1:
         # one rank owns each id: the SUM adds zeros to it, exactly
         comms.all_reduce_sum_(r, params.tp_group)
