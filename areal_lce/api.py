@@ -263,7 +263,9 @@ def linear_logprobs_entropy(
         autograd torch casts every gradient to its tensor's dtype, so weight.grad is unchanged by it.
     selected_ids: integer tensor [..., K] (labels' shape + K) of global ids: `selected_logprobs` [..., K] are
         the row's logprobs at those ids (any K, repeats allowed; ignore_index entries give 0 with zero
-        gradient), differentiable into hidden and weight in the same backward. Checked like labels.
+        gradient), differentiable into hidden and weight in the same backward. Checked like labels. Batch /
+        TP invariant like the logprobs (a value's bits depend on its row, the row's selected ids and label,
+        K, H and vocab_size: select.py says how the route is chosen).
     top_k: int k in [1, 1024]: `topk_ids` [..., k] (int64, descending by logit, ties to the lower id) and
         `topk_logprobs` [..., k] (differentiable as if those ids were selected). Exact and, in invariant
         mode, batch / TP invariant like the logprobs (select.py says how and what it costs).
