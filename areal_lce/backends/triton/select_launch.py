@@ -36,9 +36,10 @@ def gather_logits(hidden: torch.Tensor, weight: torch.Tensor, cols: torch.Tensor
 
 PICK_MAX_K = 32767 // exact.SEG  # a pick's code (slot · SEG + column) is an int16
 PLAN_ROWS = 4 if INTERPRET else 2
-# the forward takes selected ids from its tiles when K · H >= PICK_KH_PER_ID · vocab_size: its extra epilogue
-# costs about the same per logit whatever K (~3.5 % of an H = 4096 forward), the gather it spares reads K·H·2
-# bytes per row, so the break-even K grows as V / H (results/h100_select_picks)
+# the forward takes selected ids from its tiles when K · H >= PICK_KH_PER_ID · vocab_size: what that costs (the
+# plan, the plane's loads and a store per segment) does not grow with K, while the gather it spares reads K·H·2
+# bytes per row, so the break-even K grows as V / H; on an H100 it lies between K·H/V = 0.4 and 0.9
+# (results/h100_select_picks/route.log: both routes at K = 8 to 64 and the four benchmark shapes)
 PICK_KH_PER_ID = 0.75
 PAIR_P, PAIR_H, PAIR_PROGRAMS_PER_SM = 16, 64, 4
 
@@ -62,8 +63,7 @@ def pick_selected(ids: torch.Tensor, y: torch.Tensor, params: LCEParams, G: int)
         with _device_ctx(ids.device):
             selected_plan_kernel[(triton.cdiv(n, rows),)](
                 ids.contiguous(), y, plane, lslot, src, n, k, params.vocab_start, params.shard_valid,
-                params.ignore_index,
-                SEG=exact.SEG, BLOCK_R=rows, KP=kp, num_warps=4)
+                params.ignore_index, SEG=exact.SEG, BLOCK_R=rows, KP=kp, num_warps=4)
     return plane, lslot, src
 
 
@@ -81,8 +81,8 @@ def pair_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, n
         n_prog = PAIR_PROGRAMS_PER_SM * _slots(hidden.device) if not INTERPRET else 2
         with _device_ctx(hidden.device):
             pair_logits_kernel[(n_prog,)](
-                hidden.contiguous(), weight, ids.contiguous(), pairs, pos[-1:], out, k, hidden.shape[1], vocab_start,
-                n_prog, BLOCK_P=PAIR_P, BLOCK_H=PAIR_H, num_warps=4)
+                hidden.contiguous(), weight.contiguous(), ids.contiguous(), pairs, pos[-1:], out, k, hidden.shape[1],
+                vocab_start, n_prog, BLOCK_P=PAIR_P, BLOCK_H=PAIR_H, num_warps=4)
     return out
 
 
