@@ -102,8 +102,8 @@ def test_pair_logits_computes_the_listed_pairs():
     assert torch.equal(one[0][need[4]], out[4][need[4]])  # bits: the row and id only
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_picked_values_are_the_forwards_bits(precision, always_pick):
+@pytest.mark.parametrize("precision, block_v", [("fp32", 128), ("bf16", 128), ("bf16", 256)])
+def test_picked_values_are_the_forwards_bits(precision, block_v, always_pick):
     """ShardStats.sel's picked slots hold bitwise the logits the forward reduced (its segment recompute; with
     bf16 logits the rounded ones), the rest are left to the gather, whose fixed-order dot product rounds
     differently (so the check can tell the two routes apart)."""
@@ -120,7 +120,13 @@ def test_picked_values_are_the_forwards_bits(precision, always_pick):
     ids[::2, 5] = labels[::2]  # the label selected: taken with the label's own column
     hidden, weight, labels, ids = (t.to(DEV) for t in (hidden, weight, labels, ids))
     params = LCEParams(vocab_size=v, shard_valid=v, invariant=True, backend="triton", logits_precision=precision)
-    st = TritonBackend().forward(hidden, weight, labels, None, params, keep_cache=False, selected=ids)
+    from dataclasses import replace
+    from areal_lce.backends.triton import configs
+    from areal_lce.backends.triton.launch import INTERPRET
+    # 128: one segment per tile; 256: two, whose taken values are stored together
+    fwd = replace(configs.tile("fwd", fp32=False, interpret=INTERPRET, H=h), block_v=block_v)
+    with configs.tuning(fwd=fwd):
+        st = TritonBackend().forward(hidden, weight, labels, None, params, keep_cache=False, selected=ids)
     raw, src = (t.cpu() for t in st.sel)
     apart = labels.cpu() // 128 != ids.cpu()[:, 0] // 128  # id 0's segment is not the label's
     assert torch.equal(src[:, 1], src[:, 0]) and (src[apart, 0] == 0).all() and (src[apart, 2] == -1).all()
