@@ -113,6 +113,12 @@ def _backend_fn(params: LCEParams, name: str, default):
     return getattr(_backend(params), name, None) or default
 
 
+def _fused(params: LCEParams, name: str):
+    """The backend's one-launch version of a per-row step below (base.py's optional selected_raw,
+    selected_logprobs, topk_logprobs, sparse_columns), where it has one; not under softcap (torch's tanh)."""
+    return None if params.softcap else getattr(_backend(params), name, None)
+
+
 def local_columns(ids: torch.Tensor, params: LCEParams):
     """(local column clamped into the shard, mask of real ids this shard owns) of global ids [N, J]."""
     loc = ids - params.vocab_start
@@ -135,6 +141,8 @@ def selected_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tenso
         rest = head_transform(_backend(params).pair_logits(hidden, weight, ids, src == -1, params.vocab_start),
                               params)
         r = torch.where(src >= 0, raw.gather(1, src.clamp(min=0)), torch.where(src == -1, rest, 0.0))
+    elif _fused(params, "selected_raw"):
+        r = _backend(params).selected_raw(hidden, weight, ids, params)
     else:
         loc, own = local_columns(ids, params)
         r = head_transform(_backend_fn(params, "gather_logits", gather_logits_torch)(hidden, weight, loc), params)
@@ -283,21 +291,32 @@ def forward_outputs(hidden, weight, labels, inv_t, params: LCEParams, st, part, 
     if selected_ids is None and not params.top_k:
         return None, None, None
     it = inv_t.float() if inv_t is not None else params.inv_t
-    it2 = it[:, None] if torch.is_tensor(it) else it
-    valid = (labels != params.ignore_index)[:, None]
-    lse2 = lse.double()[:, None]
+
+    def row_terms():  # the torch route's (row holds a label, fp64 lse), [N, 1] each
+        return (labels != params.ignore_index)[:, None], lse.double()[:, None]
     sel = topk_lp = topk_ids = None
     if selected_ids is not None:
-        bad = check_selected_ids(selected_ids, params)
-        z = selected_logits(hidden, weight, selected_ids, params, st.sel, part) * it2
-        sel = torch.where(valid & (selected_ids != params.ignore_index), (z.double() - lse2).float(), 0.0)
+        finish = _fused(params, "selected_logprobs")  # it takes the "deferred" check's NaN itself
+        bad = check_selected_ids(selected_ids, params) if finish is None or params.check_labels == "sync" else None
+        r = selected_logits(hidden, weight, selected_ids, params, st.sel, part)
+        if finish is not None:
+            sel = finish(r, selected_ids, labels, lse, it, params)
+        else:
+            valid, lse2 = row_terms()
+            z = r * (it[:, None] if torch.is_tensor(it) else it)
+            sel = torch.where(valid & (selected_ids != params.ignore_index), (z.double() - lse2).float(), 0.0)
         if bad is not None:
             sel = sel.masked_fill(bad, float("nan"))
     if params.top_k:
         seg_max, sp, seg_top = _segment_maxima(hidden, weight, inv_t, params, st, part)
         keys = topk_keys(hidden, weight, seg_max, it, params, params.top_k, sp, seg_top)
-        topk_lp = torch.where(valid, (key_value(keys).double() - lse2).float(), 0.0)
-        topk_ids = torch.where(valid, key_id(keys), params.ignore_index)
+        finish = _fused(params, "topk_logprobs")
+        if finish is not None:
+            topk_lp, topk_ids = finish(keys, labels, lse, params)
+        else:
+            valid, lse2 = row_terms()
+            topk_lp = torch.where(valid, (key_value(keys).double() - lse2).float(), 0.0)
+            topk_ids = torch.where(valid, key_id(keys), params.ignore_index)
     return sel, topk_lp, topk_ids
 
 
@@ -306,14 +325,24 @@ class SparseGrad:
     selected and top-k columns' coefficients, the logit sum's rank-one term, and the g_lp that carries the
     dense -p part of all of them."""
 
-    def __init__(self, g, ids, coef, g_lsum):
-        self.g, self.ids, self.coef, self.g_lsum = g, ids, coef, g_lsum
+    def __init__(self, g, ids, coef, g_lsum, cols=None):
+        self.g, self.ids, self.coef, self.g_lsum, self._cols = g, ids, coef, g_lsum, cols
 
     @classmethod
     def of(cls, labels, inv_t, params: LCEParams, g, g_dstats, selected_ids, g_sel, topk_ids, g_topk, acc):
         """None when only logprobs and entropy carry gradient (the backend does everything)."""
         if g_dstats is None and g_sel is None and g_topk is None:
             return None
+        g_lsum = None
+        if g_dstats is not None and g_dstats.shape[0] > 1:
+            g_lsum = torch.where(labels != params.ignore_index, g_dstats[1].to(acc), 0.0)
+        fused = _fused(params, "sparse_columns") if acc == torch.float32 else None
+        if fused is not None and getattr(_backend(params), "takes_sparse", False):
+            parts = tuple((ids, gc) if ids is not None and gc is not None else None
+                          for ids, gc in ((selected_ids, g_sel), (topk_ids, g_topk)))
+            g_out, cols, coef = fused(labels, inv_t if inv_t is not None else params.inv_t, params, g,
+                                      g_dstats[0] if g_dstats is not None else None, parts)
+            return cls(g_out, None, None, g_lsum, (cols, coef))
         valid = labels != params.ignore_index
         ids, coefs = [], []
         dense = torch.zeros_like(g[0])  # Σ of the upstream gradients of every (z_j - lse) term
@@ -333,14 +362,13 @@ class SparseGrad:
         coefs.insert(0, (g_lse - dense)[:, None])
         it = inv_t.to(acc)[:, None] if inv_t is not None else params.inv_t
         coef = torch.where(valid[:, None], torch.cat(coefs, 1) * it, 0.0)  # d_logits: dz · inv_t
-        g_lsum = None
-        if g_dstats is not None and g_dstats.shape[0] > 1:
-            g_lsum = torch.where(valid, g_dstats[1].to(acc), 0.0)
         return cls(g_out, torch.cat(ids, 1), coef, g_lsum)
 
     def columns(self, hidden, weight, params: LCEParams):
         """(local columns [N, J] int64, -1 where this shard does not own the id; coefficients [N, J] fp32 in
         raw-logit units, softcap's slope included): what a backend adds to its d_logits (`takes_sparse`)."""
+        if self._cols is not None:  # the backend's sparse_columns gave them
+            return self._cols
         loc, own = local_columns(self.ids, params)
         coef = self.coef
         if params.softcap and self.ids.shape[1]:

@@ -66,6 +66,16 @@ Optional, for selected ids / top-k (select.py has torch defaults):
       plan for candidate_topk (which chosen segments need no recompute, and their max keys), else None) and
       candidate_topk(hidden, weight, row0, segs [c, kk], thr [N], inv_t, params, vocab_start, k, plan=None)
       -> [c, k] select.sort_key keys of the k best logits >= thr in those segments, descending.
+  and one launch each for a per-row step that select.py otherwise takes in ten to twenty small torch
+  operations (the same values: bitwise in the forward; in the backward up to the order of a row's sum of its
+  upstream gradients), none of them under softcap:
+      selected_raw(hidden, weight, ids [N, K] global, params) -> fp32 [N, K] head-transformed raw logits, 0
+      where the id is not this shard's (the gather route of select.selected_logits);
+      selected_logprobs(r [N, K], ids, labels, lse [N], inv_t, params) -> fp32 [N, K] (select.forward_outputs,
+      with the "deferred" check's NaN); topk_logprobs(keys [N, k], labels, lse, params) -> (fp32 [N, k], int64
+      [N, k]); and with takes_sparse, for fp32 gradients, sparse_columns(labels, inv_t, params, g [2, N], g_lse
+      [N] or None, ((selected ids, their gradient) or None, (top-k ids, their gradient) or None)) -> (g [2, N]
+      with the dense part, local columns [N, J], coefficients [N, J]) (select.SparseGrad.of and .columns).
 
 cache_spec(n, h, v_shard, dtype, params, keep_cache) -> (shape, dtype) of the cache forward() keeps for
   these sizes, or None: forward decides with it, and the op's fake (meta) implementation allocates with

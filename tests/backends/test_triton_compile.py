@@ -63,6 +63,12 @@ compile_(S.lce_fwd_seg_kernel, dict(seg_tiles, HAS_INV_T=True, HAS_CACHE=False, 
 compile_(T.selected_plan_kernel, dict(SEG=128, BLOCK_R=2, KP=64))
 PTR.update({"pairs": "*i64", "count": "*i64"})
 compile_(T.pair_logits_kernel, dict(BLOCK_P=16, BLOCK_H=64))
+# the backward's sparse columns in one launch (both id sets, per-token 1/T, lse's gradient)
+from areal_lce.backends.triton import output_kernels as O
+PTR.update({"y": "*i64", "sel": "*i64", "top": "*i64", "cols": "*i64"})
+INT.update(("K1", "K2"))
+compile_(O.sparse_coef_kernel, dict(HAS_INV_T=True, HAS_LSE=True, HAS_SEL=True, HAS_TOP=True, BLOCK_R=16, K1P=64,
+                                    K2P=8))
 """
 
 
@@ -77,4 +83,4 @@ def test_cuda_kernels_compile_for_sm90(tmp_path):
     if r.returncode != 0 and "ptxas" in r.stderr and "No such file" in r.stderr:
         pytest.skip("this triton install has no bundled ptxas")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 13, r.stdout
+    assert r.stdout.count("compiled") == 14, r.stdout

@@ -49,6 +49,7 @@ from ...types import LCEParams
 from ..base import ShardStats, alloc
 from . import configs
 from .gemms import Gemms
+from .select_methods import SelectMethods
 from .value_check import record_labels
 from .kernels import (lce_bwd_kernel, lce_bwd_label_kernel, lce_fwd_kernel, lce_fwd_merge_kernel,
                       local_labels_kernel)
@@ -176,7 +177,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if (dtype == torch.float32 or INTERPRET) else "tf32"
 
 
-class TritonBackend:
+class TritonBackend(SelectMethods):
     """Backend contract of base.py on CUDA (and on CPU under TRITON_INTERPRET=1). Memory bound: module
     docstring. backward_gemms=False is for profiling (`benchmark.op.bench_lce` times the backward kernels
     alone): the backward skips its cuBLAS d_hidden / d_weight GEMMs and returns (None, None)."""
@@ -263,24 +264,6 @@ class TritonBackend:
 
     # ----------------------------------------------------------------------------------- backward
     takes_sparse = True  # backward(..., sparse=(cols, coef)): base.py; select_launch.add_sparse_columns
-
-    # the selected-id / top-k kernels (base.py's optional methods; select_launch imports this module, hence
-    # the imports on first use)
-    def gather_logits(self, hidden, weight, cols):
-        from .select_launch import gather_logits
-        return gather_logits(hidden, weight, cols)
-
-    def pair_logits(self, hidden, weight, ids, need, vocab_start):
-        from .select_launch import pair_logits
-        return pair_logits(hidden, weight, ids, need, vocab_start)
-
-    def rank_segments(self, seg_max, inv_t, kk, top=None, vocab_start=0):
-        from .select_launch import rank_segments
-        return rank_segments(seg_max, inv_t, kk, top, vocab_start)
-
-    def candidate_topk(self, hidden, weight, row0, segs, thr, inv_t, params, vocab_start, k, plan=None):
-        from .select_launch import candidate_topk
-        return candidate_topk(hidden, weight, row0, segs, thr, inv_t, params, vocab_start, k, plan)
 
     def backward(self, hidden, weight, labels, inv_t, params: LCEParams, cache: Any, lse, ent, g_lp, g_ent,
                  need_d_hidden: bool, need_d_weight: bool, sparse=None):

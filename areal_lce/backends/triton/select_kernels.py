@@ -37,6 +37,13 @@ def gather_logits_kernel(h, w, cols, out, N, J, H, BLOCK_R: tl.constexpr, BLOCK_
     m_j = o_j < J
     m_rj = m_r[:, None] & m_j[None, :]
     b_c = tl.load(cols + o_r[:, None].to(tl.int64) * J + o_j[None, :], mask=m_rj, other=0).to(tl.int64)
+    acc = _gather_dot(h, w, b_c, o_r, m_r, m_rj, H, BLOCK_R, BLOCK_J, BLOCK_H)
+    tl.store(out + o_r[:, None].to(tl.int64) * J + o_j[None, :], acc, mask=m_rj)
+
+
+@triton.jit
+def _gather_dot(h, w, b_c, o_r, m_r, m_rj, H, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr):
+    """fp32 [BLOCK_R, BLOCK_J] h[o_r] · W[b_c] (local columns), the sum over H in fixed BLOCK_H steps."""
     acc = tl.zeros([BLOCK_R, BLOCK_J], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_H):
         o_k = k0 + tl.arange(0, BLOCK_H)
@@ -46,7 +53,7 @@ def gather_logits_kernel(h, w, cols, out, N, J, H, BLOCK_R: tl.constexpr, BLOCK_
         b_w = tl.load(w + b_c[:, :, None] * H + o_k[None, None, :], mask=m_rj[:, :, None] & m_k[None, None, :],
                       other=0.0).to(tl.float32)
         acc += tl.sum(b_h[:, None, :] * b_w, 2)
-    tl.store(out + o_r[:, None].to(tl.int64) * J + o_j[None, :], acc, mask=m_rj)
+    return acc
 
 
 @triton.jit

@@ -224,13 +224,12 @@ def _listed_tasks(plan: TopkPlan, block: int):
     listed_candidates_kernel: segment g's listed rows in tasks of `block`, on the device (T = ceil(P /
     block) + G bounds the count for P listed pairs, P <= N·kk)."""
     G, n = plan.seg_list.shape
-    blocks = (plan.seg_count + block - 1) // block
+    blocks = torch.div(plan.seg_count + (block - 1), block, rounding_mode="floor")
     ends = torch.cumsum(blocks, 0, dtype=torch.int32)
-    first = ends - blocks
     t_max = -(-n * plan.flags.shape[1] // block) + G
-    mark = torch.zeros(t_max + 1, dtype=torch.int32, device=blocks.device)
-    mark.scatter_add_(0, ends.long(), torch.ones_like(ends))  # segment g's tasks start after g' < g's ends
-    return torch.cumsum(mark, 0, dtype=torch.int32)[:t_max], first, ends[-1:]
+    tasks = torch.arange(t_max, dtype=torch.int32, device=blocks.device)
+    # task t is segment g's when ends[g - 1] <= t < ends[g]: g = the number of ends <= t
+    return torch.searchsorted(ends, tasks, right=True, out_int32=True), ends - blocks, ends[-1:]
 
 
 def candidate_topk(hidden: torch.Tensor, weight: torch.Tensor, row0: int, segs: torch.Tensor, thr: torch.Tensor,
