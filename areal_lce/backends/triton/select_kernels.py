@@ -143,13 +143,20 @@ def segment_logits_kernel(h, w, task_rows, task_seg, out, N, H, valid,
 @triton.jit
 def sparse_dl_kernel(dl, cols, coef, N, J, c0, width, stride_dl, BLOCK_N: tl.constexpr):
     """dl[n, cols[n, j] - c0] += coef[n, j] for the slots whose column lies in this chunk [c0, c0 + width),
-    each row's slots in order in one program (repeated ids add one after the other: deterministic)."""
+    each row's slots in order in one program (repeated ids add one after the other: deterministic). Slot
+    j + 1's column and coefficient are loaded before slot j's d_logits (loads issue in order and wait at their
+    use), so each step waits for one load, not two."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     row = o_n.to(tl.int64)
+    c_next = tl.load(cols + row * J, mask=m_n, other=-1)
+    v_next = tl.load(coef + row * J, mask=m_n, other=0.0)
     for j in range(0, J):
-        c = tl.load(cols + row * J + j, mask=m_n, other=-1)
-        v = tl.load(coef + row * J + j, mask=m_n, other=0.0)
+        c = c_next
+        v = v_next
+        m_next = m_n & (j + 1 < J)
+        c_next = tl.load(cols + row * J + j + 1, mask=m_next, other=-1)
+        v_next = tl.load(coef + row * J + j + 1, mask=m_next, other=0.0)
         m = m_n & (c >= c0) & (c < c0 + width)
         p = dl + row * stride_dl + (c - c0)
         x = tl.load(p, mask=m, other=0.0).to(tl.float32)
