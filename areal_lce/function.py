@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import checks, comms, exact, select
+from . import checks, comms, exact, select, select_grad
 from .backends import get_backend
 from .backends.base import ShardStats
 from .types import LCEParams
@@ -233,7 +233,7 @@ def lce_backward(h_c, weight, labels, inv_t, lse_ent, cache, g_diff: Optional[to
     params.d_hidden says (VocabParallel)."""
     acc = torch.float64 if h_c.dtype == torch.float64 else torch.float32
     g = g_diff.to(acc) if g_diff is not None else h_c.new_zeros((2, labels.shape[0]), dtype=acc)
-    sparse = select.SparseGrad.of(labels, inv_t, params, g, g_dstats, selected_ids, g_sel, topk_ids, g_topk, acc)
+    sparse = select_grad.SparseGrad.of(labels, inv_t, params, g, g_dstats, selected_ids, g_sel, topk_ids, g_topk, acc)
     dw_dtype = params.d_weight_dtype(weight.dtype)
     backend = get_backend(params.backend)
     takes = getattr(backend, "takes_sparse", False)

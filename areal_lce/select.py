@@ -39,10 +39,7 @@ are recomputed together. The row's k best candidates are then found by bisection
 A flat row recomputes all k segments; its list may then outgrow the fixed per-row list (kk + a spill),
 and such rows are redone one program per row (exact, slower).
 
-Gradients (`sparse_grad`): d(z_j - lse)/dz = onehot_j - p. The dense part (-p per unit of upstream
-gradient) has the form of the logprob's, so the backend's backward takes it through its g_lp; what is
-left is sparse: one coefficient per (row, chosen column), applied as d_hidden += c · W_j and
-d_weight[j] += c · h (index_put_ with accumulate: deterministic).
+Their gradients: select_grad.py.
 """
 from __future__ import annotations
 
@@ -51,7 +48,7 @@ from typing import Optional
 import torch
 
 from . import comms, exact
-from .backends.base import cap_slope, head_transform
+from .backends.base import head_transform
 from .types import LCEParams
 
 GATHER_ROWS = 32  # fixed block shape of the torch gather_logits (on CUDA: GATHER_ROWS_CUDA rows)
@@ -61,6 +58,7 @@ SEG_ROWS_CUDA = 1024  # fixed GEMM height of the torch segment recompute for a C
 _ID_BITS = 31
 _ID_MASK = (1 << _ID_BITS) - 1
 _CHUNK_ELEMS = 1 << 24  # recomputed logits per row chunk (64 MiB fp32)
+PAD_KEY = ((1 << 23) - 1) << _ID_BITS  # sort_key(-inf, _ID_MASK): below every logit's key
 
 
 def sort_key(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -172,8 +170,6 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
     G = seg_max.shape[0]
     dev = hidden.device
     it = inv_t[:, None].float() if torch.is_tensor(inv_t) else float(inv_t)
-    pad = sort_key(torch.full((1,), float("-inf"), device=dev), torch.full((1,), _ID_MASK, device=dev))
-    out = pad.expand(n, k).contiguous()  # keys below every logit: what a shard without columns offers
     kk = min(k, G)
     own = _backend(sp)
     native = own if hasattr(own, "candidate_topk") else None  # ranks, recomputes and selects in its own kernels
@@ -194,26 +190,16 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
         seg_of = torch.arange(G, device=dev)
         seg_rank = sort_key(seg_max.t() * it, seg_of[None, :].expand(n, G)).topk(kk, dim=1).values
         segs = key_id(seg_rank)  # [N, kk] local segment indices, best first
-    # rows per chunk: the recompute's [rows · kk, 128] logits bound it, except on a backend that takes the
-    # forward's maxima (its per-row lists are kk + a fixed spill: one pass over every row)
-    chunk = n if one_pass else max(1, _CHUNK_ELEMS // (max(kk, 1) * exact.SEG))
-    cols = torch.arange(exact.SEG, device=dev)
-    for t0 in range(0, n if kk else 0, chunk):
-        t1 = min(n, t0 + chunk)
-        if native is not None:  # the k best keys straight from its kernels
-            out[t0:t1] = native.candidate_topk(hidden, weight, t0, segs[t0:t1], thr,
-                                               inv_t if torch.is_tensor(inv_t) else it, sp, params.vocab_start, k,
-                                               plan)
-            continue
-        rows = torch.arange(t0, t1, device=dev).repeat_interleave(kk)
-        recompute = getattr(own, "segment_logits", None) or _segment_logits_torch
-        r = recompute(hidden, weight, rows, segs[t0:t1].reshape(-1), sp)  # [(t1-t0)·kk, SEG], -inf past the shard
-        z = r.view(t1 - t0, kk * exact.SEG) * (it[t0:t1] if torch.is_tensor(it) else it)
-        gid = (segs[t0:t1, :, None] * exact.SEG + cols + params.vocab_start).view(t1 - t0, -1)
-        keys = sort_key(z, gid)
-        if keys.shape[1] < k:  # a shard narrower than k columns: pad with keys below every logit
-            keys = torch.cat([keys, pad.expand(t1 - t0, k - keys.shape[1])], 1)
-        out[t0:t1] = keys.topk(k, dim=1).values
+    if one_pass:  # with the forward's maxima the per-row lists are kk + a fixed spill: every row in one call
+        out = native.candidate_topk(hidden, weight, 0, segs, thr, inv_t if torch.is_tensor(inv_t) else it, sp,
+                                    params.vocab_start, k, plan)
+    else:  # in row chunks: the recompute's [rows · kk, 128] logits bound them
+        out = torch.full((n, k), PAD_KEY, dtype=torch.int64, device=dev)  # what a shard without columns offers
+        chunk = max(1, _CHUNK_ELEMS // (max(kk, 1) * exact.SEG))
+        for t0 in range(0, n if kk else 0, chunk):
+            t1 = min(n, t0 + chunk)
+            out[t0:t1] = _chunk_keys(hidden, weight, t0, t1, segs, thr if native is not None else None, inv_t, it,
+                                     params, sp, k, native, own)
     if params.tp_size > 1:
         # the ranks' candidates side by side, then the k best: an exact integer top-k
         allk = comms.all_gather_rows(out.t().contiguous(), params.tp_group)  # [tp·k, N]
@@ -221,29 +207,24 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
     return out
 
 
-def sparse_grad(hidden: Optional[torch.Tensor], weight: torch.Tensor, ids: torch.Tensor, coef: torch.Tensor,
-                params: LCEParams, dh: Optional[torch.Tensor], dw: Optional[torch.Tensor]) -> None:
-    """Add the sparse gradient of d_logits[n, ids[n, j]] = coef[n, j] (raw-logit units) to dh [N, H] and
-    dw [V_shard, H] (fp32 / fp64 buffers) in place. ids: global ids; entries this shard does not own
-    (or ignore_index) are skipped; a non-finite hidden row with zero coefficients contributes nothing."""
-    loc, own = local_columns(ids, params)
-    if params.softcap and ids.shape[1]:
-        raw = head_transform(_backend_fn(params, "gather_logits", gather_logits_torch)(hidden, weight, loc), params)
-        coef = coef * cap_slope(raw, params)
-    coef = torch.where(own, coef, torch.zeros_like(coef))
-    n, j = ids.shape
-    acc = dh.dtype if dh is not None else dw.dtype
-    chunk = max(1, (_CHUNK_ELEMS // 4) // max(1, j * hidden.shape[1]))
-    for t0 in range(0, n, chunk):
-        t1 = min(n, t0 + chunk)
-        c = coef[t0:t1].to(acc)
-        cl = loc[t0:t1]
-        if dh is not None:
-            dh[t0:t1] += torch.bmm(c[:, None, :], weight[cl].to(acc)).squeeze(1)
-        if dw is not None:
-            h = hidden[t0:t1].to(acc)
-            contrib = torch.where(own[t0:t1, :, None], c[:, :, None] * h[:, None, :], 0.0)
-            dw.index_put_((cl.reshape(-1),), contrib.reshape(-1, h.shape[1]), accumulate=True)
+def _chunk_keys(hidden, weight, t0, t1, segs, thr, inv_t, it, params: LCEParams, sp: LCEParams, k, native, own):
+    """[t1 - t0, k] keys of rows [t0, t1): the native backend's kernels, else its (or torch's) recompute of
+    the rows' chosen segments and an integer top-k of their keys."""
+    if native is not None:
+        return native.candidate_topk(hidden, weight, t0, segs[t0:t1], thr, inv_t if torch.is_tensor(inv_t) else it,
+                                     sp, params.vocab_start, k)
+    dev = hidden.device
+    kk = segs.shape[1]
+    rows = torch.arange(t0, t1, device=dev).repeat_interleave(kk)
+    recompute = getattr(own, "segment_logits", None) or _segment_logits_torch
+    r = recompute(hidden, weight, rows, segs[t0:t1].reshape(-1), sp)  # [(t1-t0)·kk, SEG], -inf past the shard
+    z = r.view(t1 - t0, kk * exact.SEG) * (it[t0:t1] if torch.is_tensor(it) else it)
+    cols = torch.arange(exact.SEG, device=dev)
+    gid = (segs[t0:t1, :, None] * exact.SEG + cols + params.vocab_start).view(t1 - t0, -1)
+    keys = sort_key(z, gid)
+    if keys.shape[1] < k:  # a shard narrower than k columns: pad with keys below every logit
+        keys = torch.cat([keys, torch.full((t1 - t0, k - keys.shape[1]), PAD_KEY, device=dev)], 1)
+    return keys.topk(k, dim=1).values
 
 
 def _segment_maxima(hidden, weight, inv_t, params: LCEParams, st, part):
@@ -318,76 +299,3 @@ def forward_outputs(hidden, weight, labels, inv_t, params: LCEParams, st, part, 
             topk_lp = torch.where(valid, (key_value(keys).double() - lse2).float(), 0.0)
             topk_ids = torch.where(valid, key_id(keys), params.ignore_index)
     return sel, topk_lp, topk_ids
-
-
-class SparseGrad:
-    """The part of the backward that the backend's dense pass does not do (module docstring): the label,
-    selected and top-k columns' coefficients, the logit sum's rank-one term, and the g_lp that carries the
-    dense -p part of all of them."""
-
-    def __init__(self, g, ids, coef, g_lsum, cols=None):
-        self.g, self.ids, self.coef, self.g_lsum, self._cols = g, ids, coef, g_lsum, cols
-
-    @classmethod
-    def of(cls, labels, inv_t, params: LCEParams, g, g_dstats, selected_ids, g_sel, topk_ids, g_topk, acc):
-        """None when only logprobs and entropy carry gradient (the backend does everything)."""
-        if g_dstats is None and g_sel is None and g_topk is None:
-            return None
-        g_lsum = None
-        if g_dstats is not None and g_dstats.shape[0] > 1:
-            g_lsum = torch.where(labels != params.ignore_index, g_dstats[1].to(acc), 0.0)
-        fused = _fused(params, "sparse_columns") if acc == torch.float32 else None
-        if fused is not None and getattr(_backend(params), "takes_sparse", False):
-            parts = tuple((ids, gc) if ids is not None and gc is not None else None
-                          for ids, gc in ((selected_ids, g_sel), (topk_ids, g_topk)))
-            g_out, cols, coef = fused(labels, inv_t if inv_t is not None else params.inv_t, params, g,
-                                      g_dstats[0] if g_dstats is not None else None, parts)
-            return cls(g_out, None, None, g_lsum, (cols, coef))
-        valid = labels != params.ignore_index
-        ids, coefs = [], []
-        dense = torch.zeros_like(g[0])  # Σ of the upstream gradients of every (z_j - lse) term
-        g_lse = g_dstats[0].to(acc) if g_dstats is not None else torch.zeros_like(g[0])
-        for col, gc in ((selected_ids, g_sel), (topk_ids, g_topk)):
-            if col is None or gc is None:
-                continue
-            gc = torch.where(valid[:, None] & (col != params.ignore_index), gc.to(acc), 0.0)
-            ids.append(col)
-            coefs.append(gc)
-            dense = dense + gc.sum(1)
-        # d lse / dz = p = onehot(label) - d logprob / dz: lse's gradient is -g_lse through g_lp plus
-        # g_lse at the label column; each (z_j - lse) adds its g to g_lp and to column j, minus at the label
-        g_out = g.clone()
-        g_out[0] = g[0] - g_lse + dense
-        ids.insert(0, labels[:, None])
-        coefs.insert(0, (g_lse - dense)[:, None])
-        it = inv_t.to(acc)[:, None] if inv_t is not None else params.inv_t
-        coef = torch.where(valid[:, None], torch.cat(coefs, 1) * it, 0.0)  # d_logits: dz · inv_t
-        return cls(g_out, torch.cat(ids, 1), coef, g_lsum)
-
-    def columns(self, hidden, weight, params: LCEParams):
-        """(local columns [N, J] int64, -1 where this shard does not own the id; coefficients [N, J] fp32 in
-        raw-logit units, softcap's slope included): what a backend adds to its d_logits (`takes_sparse`)."""
-        if self._cols is not None:  # the backend's sparse_columns gave them
-            return self._cols
-        loc, own = local_columns(self.ids, params)
-        coef = self.coef
-        if params.softcap and self.ids.shape[1]:
-            raw = head_transform(_backend_fn(params, "gather_logits", gather_logits_torch)(hidden, weight, loc),
-                                 params)
-            coef = coef * cap_slope(raw, params)
-        return torch.where(own, loc, -1), torch.where(own, coef, 0.0).float().contiguous()
-
-    def apply(self, hidden, weight, params: LCEParams, dh, dw, columns_done: bool = False) -> None:
-        """Add the sparse columns (unless the backend took them: columns_done) and the logit sum's term to
-        the vocab-partial dh [N, H] and dw."""
-        if not columns_done:
-            sparse_grad(hidden, weight, self.ids, self.coef, params, dh, dw)
-        if self.g_lsum is not None and params.shard_valid:
-            # sum_logit = h · Σ_j W_j over the shard's real rows: a rank-one gradient
-            acc = self.g_lsum.dtype
-            wv = weight[: params.shard_valid]
-            if dh is not None:
-                dh += self.g_lsum[:, None] * wv.to(acc).sum(0)[None, :]
-            if dw is not None:
-                upd = (self.g_lsum[None, :] @ hidden.to(acc))
-                dw[: params.shard_valid] = (dw[: params.shard_valid].to(acc) + upd).to(dw.dtype)

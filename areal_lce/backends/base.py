@@ -75,7 +75,7 @@ Optional, for selected ids / top-k (select.py has torch defaults):
       with the "deferred" check's NaN); topk_logprobs(keys [N, k], labels, lse, params) -> (fp32 [N, k], int64
       [N, k]); and with takes_sparse, for fp32 gradients, sparse_columns(labels, inv_t, params, g [2, N], g_lse
       [N] or None, ((selected ids, their gradient) or None, (top-k ids, their gradient) or None)) -> (g [2, N]
-      with the dense part, local columns [N, J], coefficients [N, J]) (select.SparseGrad.of and .columns).
+      with the dense part, local columns [N, J], coefficients [N, J]) (select_grad.SparseGrad.of and .columns).
 
 cache_spec(n, h, v_shard, dtype, params, keep_cache) -> (shape, dtype) of the cache forward() keeps for
   these sizes, or None: forward decides with it, and the op's fake (meta) implementation allocates with

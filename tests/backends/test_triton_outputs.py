@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from areal_lce import select
+from areal_lce import select, select_grad
 from areal_lce.backends.base import head_transform
 from areal_lce.backends.triton import output_launch, select_launch
 from areal_lce.types import LCEParams
@@ -120,8 +120,8 @@ def test_sparse_columns_match_the_torch_route(parts, tensor_t, lse_grad):
     g_dstats = torch.randn(1, n, generator=g).to(DEV) if lse_grad else None
     sel = (_ids(n, k1, 1), torch.randn(n, k1, generator=g).to(DEV)) if parts in ("sel", "both") else (None, None)
     top = (_ids(n, k2, 2), torch.randn(n, k2, generator=g).to(DEV)) if parts in ("top", "both") else (None, None)
-    fused = select.SparseGrad.of(y, it, p, gg, g_dstats, *sel, *top, torch.float32)
-    ref = select.SparseGrad.of(y, it, dataclasses.replace(p, backend="torch"), gg, g_dstats, *sel, *top,
+    fused = select_grad.SparseGrad.of(y, it, p, gg, g_dstats, *sel, *top, torch.float32)
+    ref = select_grad.SparseGrad.of(y, it, dataclasses.replace(p, backend="torch"), gg, g_dstats, *sel, *top,
                                torch.float32)
     assert ref._cols is None and fused._cols is not None  # each route taken
     cols, coef = fused.columns(None, None, p)

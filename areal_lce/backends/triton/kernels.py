@@ -144,13 +144,14 @@ def lce_fwd_kernel(
     h, w, d_h, d_w, y, inv_t, part, z_cache,
     N, H, V, SPLIT_V, n_splits, stride_part, inv_t_scalar, softcap, inv_softcap,
     HAS_INV_T: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_SUMS: tl.constexpr, BF16_LOGITS: tl.constexpr,
-    SOFTCAP: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    SOFTCAP: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     CACHE_COLS: tl.constexpr,
 ):
     """part: fp32 [6, n_splits, N] = (m, s, a, zy, mn, mx) of each split (m tempered, mn / mx raw),
-    [8, n_splits, N] with HAS_SUMS (+ Σ r, Σ r² of the raw logits r); z_cache: fp32 cache (module docstring) or unused. V here is the
-    number of valid columns; y holds local label columns (int32: -1 = not owned, IGNORED = ignored row).
+    [8, n_splits, N] with HAS_SUMS (+ Σ r, Σ r² of the raw logits r); z_cache: fp32 cache (module docstring)
+    or unused. V here is the number of valid columns; y holds local label columns (int32: -1 = not owned,
+    IGNORED = ignored row).
     d_h / d_w: TMA descriptors of hidden [N, H] and weight [V, H] when USE_TMA, else unused.
     A token block whose rows are all ignored folds no tile (its partials keep their initial values;
     the caller ignores those rows)."""

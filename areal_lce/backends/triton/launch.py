@@ -316,7 +316,8 @@ class TritonBackend(SelectMethods):
                     N, H, valid, c0, width, width, n_programs, inv_t_scalar, *_cap_args(params),
                     HAS_INV_T=it is not None, USE_CACHE=cache is not None, SOFTCAP=bool(params.softcap),
                     EVEN_K=H % cfg.block_k == 0,
-                    UPCAST=INTERPRET, BF16_LOGITS=params.bf16_logits, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
+                    UPCAST=INTERPRET, BF16_LOGITS=params.bf16_logits, DOT_PRECISION=_dot_precision(hidden.dtype),
+                    USE_TMA=d_h is not None,
                     BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
                     CACHE_COLS=configs.CACHE_COLS, **_launch_opts(cfg),
                 )

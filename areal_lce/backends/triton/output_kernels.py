@@ -9,7 +9,7 @@ operations: at a few thousand tokens the op's time is the host's, so these steps
                           ignored rows and ignore_index ids, NaN at ids outside the vocabulary (the deferred
                           check).
   topk_lp_kernel          top-k logprobs and ids from select.sort_key keys, with the same rounding.
-  sparse_coef_kernel      the backward's sparse columns (select.SparseGrad): per row the label's, the selected
+  sparse_coef_kernel      the backward's sparse columns (select_grad.SparseGrad): per row the label's, the selected
                           ids' and the top-k ids' local columns (-1 where not this shard's) and coefficients
                           (upstream gradient · inv_t), and g_lp plus their dense part, in select.py's order.
 The launchers of the two kernels that multiply compile them without FMA contraction (enable_fp_fusion=False):

@@ -65,7 +65,7 @@ def topk_logprobs(keys: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, p
 def sparse_columns(labels: torch.Tensor, inv_t, params: LCEParams, g: torch.Tensor, g_lse: Optional[torch.Tensor],
                    parts):
     """(g [2, N] with the dense part in g_lp, local columns int64 [N, J], coefficients fp32 [N, J]) of
-    select.SparseGrad for fp32 gradients: parts = ((selected ids, their gradient) or None, (top-k ids, their
+    select_grad.SparseGrad for fp32 gradients: parts = ((selected ids, their gradient) or None, (top-k ids, their
     gradient) or None), J = 1 + K1 + K2 (the label's column first)."""
     n = labels.shape[0]
     (sel, g_sel), (top, g_top) = (p if p is not None else (None, None) for p in parts)

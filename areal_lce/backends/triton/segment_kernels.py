@@ -361,7 +361,9 @@ def lce_seg_finish_kernel(q, zy, mx, mn, inv_t, scales, out, N, inv_t_scalar, HA
     tl.store(p + 3 * N, tl.where(b_bad, nan, b_mx), mask=m_n)
     tl.store(p + 4 * N, tl.where(b_bad, nan, b_mn), mask=m_n)
     if HAS_SUMS:
-        b_ls = tl.load(q + 3 * N + o_n, mask=m_n, other=0).to(tl.float64) / tl.load(scales + o_n, mask=m_n, other=1.0).to(tl.float64)
-        b_lq = tl.load(q + 4 * N + o_n, mask=m_n, other=0).to(tl.float64) / tl.load(scales + N + o_n, mask=m_n, other=1.0).to(tl.float64)
+        b_ls = (tl.load(q + 3 * N + o_n, mask=m_n, other=0).to(tl.float64)
+                / tl.load(scales + o_n, mask=m_n, other=1.0).to(tl.float64))
+        b_lq = (tl.load(q + 4 * N + o_n, mask=m_n, other=0).to(tl.float64)
+                / tl.load(scales + N + o_n, mask=m_n, other=1.0).to(tl.float64))
         tl.store(p + 5 * N, tl.where(b_bad, nan, b_ls.to(tl.float32)), mask=m_n)
         tl.store(p + 6 * N, tl.where(b_bad, nan, b_lq.to(tl.float32)), mask=m_n)
