@@ -67,8 +67,7 @@ compile_(T.pair_logits_kernel, dict(BLOCK_P=16, BLOCK_H=64))
 from areal_lce.backends.triton import output_kernels as O
 PTR.update({"y": "*i64", "sel": "*i64", "top": "*i64", "cols": "*i64"})
 INT.update(("K1", "K2"))
-compile_(O.sparse_coef_kernel, dict(HAS_INV_T=True, HAS_LSE=True, HAS_SEL=True, HAS_TOP=True, BLOCK_R=16, K1P=64,
-                                    K2P=8))
+compile_(O.sparse_coef_kernel, dict(HAS_INV_T=True, HAS_LSE=True, HAS_SEL=True, HAS_TOP=True, BLOCK_R=16, BLOCK_K=64))
 """
 
 

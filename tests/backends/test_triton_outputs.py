@@ -79,7 +79,7 @@ def _selected_reference(r, ids, y, lse, it, p):
 
 @pytest.mark.parametrize("check", ["deferred", "off"])
 @pytest.mark.parametrize("tensor_t", [False, True])
-@pytest.mark.parametrize("n,k", [(37, 5), (9, 64)])
+@pytest.mark.parametrize("n,k", [(37, 5), (9, 64), (14, 150)])  # 150: three blocks of slots
 def test_selected_logprobs_bitwise(n, k, tensor_t, check):
     y, lse, inv_t = _rows(n, n + k)
     p = _params(check_labels=check, inv_t=None if tensor_t else 0.7)
@@ -92,7 +92,7 @@ def test_selected_logprobs_bitwise(n, k, tensor_t, check):
     assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(ref))
 
 
-@pytest.mark.parametrize("n,k", [(37, 1), (9, 64)])
+@pytest.mark.parametrize("n,k", [(37, 1), (9, 64), (5, 150)])
 def test_topk_logprobs_bitwise(n, k):
     """Keys of random values (both signs, -0.0, ±inf) and ids, the pad key (a shard narrower than k)."""
     y, lse, _ = _rows(n, k)
@@ -110,8 +110,9 @@ def test_topk_logprobs_bitwise(n, k):
 @pytest.mark.parametrize("lse_grad", [False, True])
 @pytest.mark.parametrize("parts", ["sel", "top", "both"])
 @pytest.mark.parametrize("tensor_t", [False, True])
-def test_sparse_columns_match_the_torch_route(parts, tensor_t, lse_grad):
-    n, k1, k2 = 29, 6, 4
+@pytest.mark.parametrize("k1,k2", [(6, 4), (130, 70)])  # 130 and 70: several blocks of slots per row
+def test_sparse_columns_match_the_torch_route(parts, tensor_t, lse_grad, k1, k2):
+    n = 29
     y, _, inv_t = _rows(n, 7)
     g = torch.Generator().manual_seed(3)
     p = _params(inv_t=None if tensor_t else 0.7)

@@ -23,9 +23,10 @@ from .select_kernels import _gather_dot
 
 
 @triton.jit
-def _rows_and_cols(N, K, BLOCK_R: tl.constexpr, KP: tl.constexpr):
+def _rows_and_cols(N, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's rows (int64), its BLOCK_K slots of K (grid axis 1), and their masks."""
     o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    o_k = tl.arange(0, KP)
+    o_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     m_r = o_r < N
     return o_r.to(tl.int64), o_k, m_r, m_r[:, None] & (o_k < K)[None, :]
 
@@ -67,8 +68,8 @@ def _row_terms(y, inv_t, row, m_r, inv_t_scalar, ignore_index, HAS_INV_T: tl.con
 
 @triton.jit
 def selected_lp_kernel(r, ids, y, lse, inv_t, out, N, K, inv_t_scalar, ignore_index, vocab_size,
-                       HAS_INV_T: tl.constexpr, CHECK: tl.constexpr, BLOCK_R: tl.constexpr, KP: tl.constexpr):
-    row, o_k, m_r, m = _rows_and_cols(N, K, BLOCK_R, KP)
+                       HAS_INV_T: tl.constexpr, CHECK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    row, o_k, m_r, m = _rows_and_cols(N, K, BLOCK_R, BLOCK_K)
     valid, it = _row_terms(y, inv_t, row, m_r, inv_t_scalar, ignore_index, HAS_INV_T, BLOCK_R)
     b_lse = tl.load(lse + row, mask=m_r, other=0.0).to(tl.float64)
     off = row[:, None] * K + o_k[None, :]
@@ -83,8 +84,8 @@ def selected_lp_kernel(r, ids, y, lse, inv_t, out, N, K, inv_t_scalar, ignore_in
 
 
 @triton.jit
-def topk_lp_kernel(keys, y, lse, lp_out, id_out, N, K, ignore_index, BLOCK_R: tl.constexpr, KP: tl.constexpr):
-    row, o_k, m_r, m = _rows_and_cols(N, K, BLOCK_R, KP)
+def topk_lp_kernel(keys, y, lse, lp_out, id_out, N, K, ignore_index, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    row, o_k, m_r, m = _rows_and_cols(N, K, BLOCK_R, BLOCK_K)
     valid = tl.load(y + row, mask=m_r, other=ignore_index) != ignore_index
     b_lse = tl.load(lse + row, mask=m_r, other=0.0).to(tl.float64)
     off = row[:, None] * K + o_k[None, :]
@@ -98,36 +99,42 @@ def topk_lp_kernel(keys, y, lse, lp_out, id_out, N, K, ignore_index, BLOCK_R: tl
 
 
 @triton.jit
-def _sparse_part(ids, g, cols, coef, row, o_k, m, valid, it, K, J, j0, vocab_start, shard_valid, ignore_index):
-    """One id set's columns and coefficients at slots j0 + [0, K); returns the row sums of its gradients."""
-    off = row[:, None] * K + o_k[None, :]
-    b_id = tl.load(ids + off, mask=m, other=ignore_index)
-    b_g = tl.load(g + off, mask=m, other=0.0).to(tl.float32)
-    b_g = tl.where(valid[:, None] & (b_id != ignore_index), b_g, 0.0)
-    loc, own = _owned(b_id, vocab_start, shard_valid, ignore_index)
-    out = row[:, None] * J + j0 + o_k[None, :]
-    tl.store(cols + out, tl.where(own, loc, -1), mask=m)
-    tl.store(coef + out, tl.where(own & valid[:, None], b_g * it[:, None], 0.0), mask=m)
-    return tl.sum(b_g, 1)
+def _sparse_part(ids, g, cols, coef, row, m_r, valid, it, K, J, j0, vocab_start, shard_valid, ignore_index,
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One id set's columns and coefficients at slots j0 + [0, K), BLOCK_K slots at a time; returns the row
+    sums of its gradients (each block's sum added in block order)."""
+    total = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m = m_r[:, None] & (o_k < K)[None, :]
+        off = row[:, None] * K + o_k[None, :]
+        b_id = tl.load(ids + off, mask=m, other=ignore_index)
+        b_g = tl.load(g + off, mask=m, other=0.0).to(tl.float32)
+        b_g = tl.where(valid[:, None] & (b_id != ignore_index), b_g, 0.0)
+        loc, own = _owned(b_id, vocab_start, shard_valid, ignore_index)
+        out = row[:, None] * J + j0 + o_k[None, :]
+        tl.store(cols + out, tl.where(own, loc, -1), mask=m)
+        tl.store(coef + out, tl.where(own & valid[:, None], b_g * it[:, None], 0.0), mask=m)
+        total += tl.sum(b_g, 1)
+    return total
 
 
 @triton.jit
 def sparse_coef_kernel(y, inv_t, g, g_lse, sel, g_sel, top, g_top, g_out, cols, coef, N, K1, K2, inv_t_scalar,
                        ignore_index, vocab_start, shard_valid, HAS_INV_T: tl.constexpr, HAS_LSE: tl.constexpr,
-                       HAS_SEL: tl.constexpr, HAS_TOP: tl.constexpr, BLOCK_R: tl.constexpr, K1P: tl.constexpr,
-                       K2P: tl.constexpr):
-    row, o_k1, m_r, m1 = _rows_and_cols(N, K1, BLOCK_R, K1P)
+                       HAS_SEL: tl.constexpr, HAS_TOP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    m_r = o_r < N
+    row = o_r.to(tl.int64)
     valid, it = _row_terms(y, inv_t, row, m_r, inv_t_scalar, ignore_index, HAS_INV_T, BLOCK_R)
     J = 1 + K1 + K2
     dense = tl.zeros([BLOCK_R], dtype=tl.float32)
     if HAS_SEL:
-        dense += _sparse_part(sel, g_sel, cols, coef, row, o_k1, m1, valid, it, K1, J, 1, vocab_start, shard_valid,
-                              ignore_index)
+        dense += _sparse_part(sel, g_sel, cols, coef, row, m_r, valid, it, K1, J, 1, vocab_start, shard_valid,
+                              ignore_index, BLOCK_R, BLOCK_K)
     if HAS_TOP:
-        o_k2 = tl.arange(0, K2P)
-        m2 = m_r[:, None] & (o_k2 < K2)[None, :]
-        dense += _sparse_part(top, g_top, cols, coef, row, o_k2, m2, valid, it, K2, J, 1 + K1, vocab_start,
-                              shard_valid, ignore_index)
+        dense += _sparse_part(top, g_top, cols, coef, row, m_r, valid, it, K2, J, 1 + K1, vocab_start, shard_valid,
+                              ignore_index, BLOCK_R, BLOCK_K)
     if HAS_LSE:
         b_lse = tl.load(g_lse + row, mask=m_r, other=0.0).to(tl.float32)
     else:

@@ -14,11 +14,16 @@ from .launch import INTERPRET, _alloc, _device_ctx
 from .output_kernels import selected_gather_kernel, selected_lp_kernel, sparse_coef_kernel, topk_lp_kernel
 from .select_launch import GATHER_H, GATHER_J, GATHER_R, _inv_t_args
 
-ROWS = 16  # rows per program of the per-row kernels (one [ROWS, next_pow2(K)] block)
+ROWS = 16  # rows per program of the per-row kernels
+SLOTS = 64  # K slots per block (a program's [ROWS, SLOTS] block; any K: more blocks)
 
 
-def _grid(n: int):
-    return (triton.cdiv(n, ROWS),)
+def _block_k(k: int) -> int:
+    return min(SLOTS, triton.next_power_of_2(max(k, 1)))
+
+
+def _grid(n: int, k: int):
+    return (triton.cdiv(n, ROWS), triton.cdiv(k, _block_k(k)))
 
 
 def selected_raw(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, params: LCEParams) -> torch.Tensor:
@@ -43,10 +48,10 @@ def selected_logprobs(r: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, 
     it, scalar, has = _inv_t_args(inv_t, lse)
     if n and k:
         with _device_ctx(r.device):
-            selected_lp_kernel[_grid(n)](
+            selected_lp_kernel[_grid(n, k)](
                 r.contiguous(), ids.contiguous(), labels, lse.contiguous(), it, out, n, k, scalar, params.ignore_index,
                 params.vocab_size, HAS_INV_T=has, CHECK=params.check_labels == "deferred", BLOCK_R=ROWS,
-                KP=triton.next_power_of_2(k), num_warps=4, enable_fp_fusion=False)  # z = r·inv_t rounded, no FMA
+                BLOCK_K=_block_k(k), num_warps=4, enable_fp_fusion=False)  # z = r·inv_t rounded, no FMA
     return out
 
 
@@ -57,8 +62,8 @@ def topk_logprobs(keys: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, p
     ids = _alloc((n, k), torch.int64, keys.device)
     if n and k:
         with _device_ctx(keys.device):
-            topk_lp_kernel[_grid(n)](keys.contiguous(), labels, lse.contiguous(), lp, ids, n, k, params.ignore_index,
-                                     BLOCK_R=ROWS, KP=triton.next_power_of_2(k), num_warps=4)
+            topk_lp_kernel[_grid(n, k)](keys.contiguous(), labels, lse.contiguous(), lp, ids, n, k, params.ignore_index,
+                                        BLOCK_R=ROWS, BLOCK_K=_block_k(k), num_warps=4)
     return lp, ids
 
 
@@ -79,12 +84,11 @@ def sparse_columns(labels: torch.Tensor, inv_t, params: LCEParams, g: torch.Tens
     it, scalar, has = _inv_t_args(inv_t, g)
     if n:
         with _device_ctx(dev):
-            sparse_coef_kernel[_grid(n)](
+            sparse_coef_kernel[(triton.cdiv(n, ROWS),)](
                 labels, it, g, g_lse.contiguous() if g_lse is not None else g,
                 sel.contiguous() if sel is not None else labels, g_sel.contiguous() if g_sel is not None else g,
                 top.contiguous() if top is not None else labels, g_top.contiguous() if g_top is not None else g,
                 g_out, cols, coef, n, k1, k2, scalar, params.ignore_index, params.vocab_start, params.shard_valid,
                 HAS_INV_T=has, HAS_LSE=g_lse is not None, HAS_SEL=sel is not None, HAS_TOP=top is not None,
-                BLOCK_R=ROWS, K1P=triton.next_power_of_2(max(k1, 1)), K2P=triton.next_power_of_2(max(k2, 1)),
-                num_warps=4, enable_fp_fusion=False)
+                BLOCK_R=ROWS, BLOCK_K=_block_k(max(k1, k2)), num_warps=4, enable_fp_fusion=False)
     return g_out, cols, coef
