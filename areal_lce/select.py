@@ -57,7 +57,7 @@ GATHER_IDS = 8
 SEG_ROWS_CUDA = 1024  # fixed GEMM height of the torch segment recompute for a CUDA backend with its own forward
 _ID_BITS = 31
 _ID_MASK = (1 << _ID_BITS) - 1
-_CHUNK_ELEMS = 1 << 24  # recomputed logits per row chunk (64 MiB fp32)
+CHUNK_ELEMS = 1 << 24  # recomputed logits per row chunk (64 MiB fp32)
 PAD_KEY = ((1 << 23) - 1) << _ID_BITS  # sort_key(-inf, _ID_MASK): below every logit's key
 
 
@@ -101,20 +101,21 @@ def gather_logits_torch(hidden: torch.Tensor, weight: torch.Tensor, cols: torch.
     return out
 
 
-def _backend(params: LCEParams):
+def backend_of(params: LCEParams):
+    """The call's backend (select_grad.py shares these helpers)."""
     from .backends import get_backend
     return get_backend(params.backend)
 
 
-def _backend_fn(params: LCEParams, name: str, default):
+def backend_fn(params: LCEParams, name: str, default):
     """The backend's `name` (base.py's optional gather_logits / segment_logits), else the torch default."""
-    return getattr(_backend(params), name, None) or default
+    return getattr(backend_of(params), name, None) or default
 
 
-def _fused(params: LCEParams, name: str):
+def fused_step(params: LCEParams, name: str):
     """The backend's one-launch version of a per-row step below (base.py's optional selected_raw,
     selected_logprobs, topk_logprobs, sparse_columns), where it has one; not under softcap (torch's tanh)."""
-    return None if params.softcap else getattr(_backend(params), name, None)
+    return None if params.softcap else getattr(backend_of(params), name, None)
 
 
 def local_columns(ids: torch.Tensor, params: LCEParams):
@@ -136,14 +137,14 @@ def selected_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tenso
         raw, src = picked
         if part is not None:
             raw, src = raw.index_select(0, part.dest), src.index_select(0, part.dest)
-        rest = head_transform(_backend(params).pair_logits(hidden, weight, ids, src == -1, params.vocab_start),
+        rest = head_transform(backend_of(params).pair_logits(hidden, weight, ids, src == -1, params.vocab_start),
                               params)
         r = torch.where(src >= 0, raw.gather(1, src.clamp(min=0)), torch.where(src == -1, rest, 0.0))
-    elif _fused(params, "selected_raw"):
-        r = _backend(params).selected_raw(hidden, weight, ids, params)
+    elif fused_step(params, "selected_raw"):
+        r = backend_of(params).selected_raw(hidden, weight, ids, params)
     else:
         loc, own = local_columns(ids, params)
-        r = head_transform(_backend_fn(params, "gather_logits", gather_logits_torch)(hidden, weight, loc), params)
+        r = head_transform(backend_fn(params, "gather_logits", gather_logits_torch)(hidden, weight, loc), params)
         r = torch.where(own, r, 0.0)
     if params.tp_size > 1:
         # one rank owns each id: the SUM adds zeros to it, exactly
@@ -171,7 +172,7 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
     dev = hidden.device
     it = inv_t[:, None].float() if torch.is_tensor(inv_t) else float(inv_t)
     kk = min(k, G)
-    own = _backend(sp)
+    own = backend_of(sp)
     native = own if hasattr(own, "candidate_topk") else None  # ranks, recomputes and selects in its own kernels
     one_pass = native is not None and seg_top is not None and kk == k
     if kk and native is not None:
@@ -195,7 +196,7 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
                                     params.vocab_start, k, plan)
     else:  # in row chunks: the recompute's [rows · kk, 128] logits bound them
         out = torch.full((n, k), PAD_KEY, dtype=torch.int64, device=dev)  # what a shard without columns offers
-        chunk = max(1, _CHUNK_ELEMS // (max(kk, 1) * exact.SEG))
+        chunk = max(1, CHUNK_ELEMS // (max(kk, 1) * exact.SEG))
         for t0 in range(0, n if kk else 0, chunk):
             t1 = min(n, t0 + chunk)
             out[t0:t1] = _chunk_keys(hidden, weight, t0, t1, segs, thr if native is not None else None, inv_t, it,
@@ -277,7 +278,7 @@ def forward_outputs(hidden, weight, labels, inv_t, params: LCEParams, st, part, 
         return (labels != params.ignore_index)[:, None], lse.double()[:, None]
     sel = topk_lp = topk_ids = None
     if selected_ids is not None:
-        finish = _fused(params, "selected_logprobs")  # it takes the "deferred" check's NaN itself
+        finish = fused_step(params, "selected_logprobs")  # it takes the "deferred" check's NaN itself
         bad = check_selected_ids(selected_ids, params) if finish is None or params.check_labels == "sync" else None
         r = selected_logits(hidden, weight, selected_ids, params, st.sel, part)
         if finish is not None:
@@ -291,7 +292,7 @@ def forward_outputs(hidden, weight, labels, inv_t, params: LCEParams, st, part, 
     if params.top_k:
         seg_max, sp, seg_top = _segment_maxima(hidden, weight, inv_t, params, st, part)
         keys = topk_keys(hidden, weight, seg_max, it, params, params.top_k, sp, seg_top)
-        finish = _fused(params, "topk_logprobs")
+        finish = fused_step(params, "topk_logprobs")
         if finish is not None:
             topk_lp, topk_ids = finish(keys, labels, lse, params)
         else:

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .backends.base import cap_slope, head_transform
-from .select import _CHUNK_ELEMS, _backend, _backend_fn, _fused, gather_logits_torch, local_columns
+from .select import CHUNK_ELEMS, backend_fn, backend_of, fused_step, gather_logits_torch, local_columns
 from .types import LCEParams
 
 
@@ -24,12 +24,12 @@ def sparse_grad(hidden: Optional[torch.Tensor], weight: torch.Tensor, ids: torch
     (or ignore_index) are skipped; a non-finite hidden row with zero coefficients contributes nothing."""
     loc, own = local_columns(ids, params)
     if params.softcap and ids.shape[1]:
-        raw = head_transform(_backend_fn(params, "gather_logits", gather_logits_torch)(hidden, weight, loc), params)
+        raw = head_transform(backend_fn(params, "gather_logits", gather_logits_torch)(hidden, weight, loc), params)
         coef = coef * cap_slope(raw, params)
     coef = torch.where(own, coef, torch.zeros_like(coef))
     n, j = ids.shape
     acc = dh.dtype if dh is not None else dw.dtype
-    chunk = max(1, (_CHUNK_ELEMS // 4) // max(1, j * hidden.shape[1]))
+    chunk = max(1, (CHUNK_ELEMS // 4) // max(1, j * hidden.shape[1]))
     for t0 in range(0, n, chunk):
         t1 = min(n, t0 + chunk)
         c = coef[t0:t1].to(acc)
@@ -58,8 +58,8 @@ class SparseGrad:
         g_lsum = None
         if g_dstats is not None and g_dstats.shape[0] > 1:
             g_lsum = torch.where(labels != params.ignore_index, g_dstats[1].to(acc), 0.0)
-        fused = _fused(params, "sparse_columns") if acc == torch.float32 else None
-        if fused is not None and getattr(_backend(params), "takes_sparse", False):
+        fused = fused_step(params, "sparse_columns") if acc == torch.float32 else None
+        if fused is not None and getattr(backend_of(params), "takes_sparse", False):
             parts = tuple((ids, gc) if ids is not None and gc is not None else None
                           for ids, gc in ((selected_ids, g_sel), (topk_ids, g_topk)))
             g_out, cols, coef = fused(labels, inv_t if inv_t is not None else params.inv_t, params, g,
@@ -94,7 +94,7 @@ class SparseGrad:
         loc, own = local_columns(self.ids, params)
         coef = self.coef
         if params.softcap and self.ids.shape[1]:
-            raw = head_transform(_backend_fn(params, "gather_logits", gather_logits_torch)(hidden, weight, loc),
+            raw = head_transform(backend_fn(params, "gather_logits", gather_logits_torch)(hidden, weight, loc),
                                  params)
             coef = coef * cap_slope(raw, params)
         return torch.where(own, loc, -1), torch.where(own, coef, 0.0).float().contiguous()
