@@ -30,14 +30,15 @@ k·128/V of the forward's) and, under TP, one all-gather of N·k int64.
 
 A backend with its own top-k kernels (triton) does less. Let T be the k-th largest of the k chosen
 segments' max keys: every one of the row's k largest keys is >= T (k keys reach it), so only logits >= T
-are candidates (about k of them). Its forward of a top-k call also keeps each segment's max column and
-second largest value (base.ShardStats.seg_top), which gives each chosen segment's max key without a
-recompute; a segment can hold a candidate besides its max only if its second value reaches T, and only
-those segments (about 2 per row for k = 64, almost none for k = 8 on the benchmark's rows) are
-recomputed: the ranking kernel lists, per segment, the rows that need it, and each listed segment's rows
-are recomputed together. The row's k best candidates are then found by bisection on the keys (no sort).
-A flat row recomputes all k segments; its list may then outgrow the fixed per-row list (kk + a spill),
-and such rows are redone one program per row (exact, slower).
+are candidates (about k of them). The ranking kernel lists, per segment, the rows that recompute it, and
+each listed segment's rows are recomputed together. Where k·H is large against V, the forward of a top-k
+call also keeps each segment's max column and second largest value (base.ShardStats.seg_top), which gives
+each chosen segment's max key without a recompute; a segment can hold a candidate besides its max only if
+its second value reaches T, and only those segments (about 2 per row for k = 64, almost none for k = 8 on
+the benchmark's rows) are listed. Elsewhere that per-logit epilogue costs more than recomputing all k
+(segment_launch.keeps_top); the keys are the same bits either way. The row's k best candidates are then
+found by bisection on the keys (no sort). A flat row recomputes all k segments; its list may then outgrow
+the fixed per-row list (kk + a spill), and such rows are redone one program per row (exact, slower).
 
 Their gradients: select_grad.py.
 """
@@ -177,14 +178,15 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
     one_pass = native is not None and seg_top is not None and kk == k
     if kk and native is not None:
         rows_major = seg_top[2] if seg_top is not None else seg_max.t()
-        # with the forward's maxima (and k segments: else every column is a candidate) the ranking also gives
-        # each chosen segment's max key and whether the segment must be recomputed: a row's k largest keys
-        # are all >= T, the k-th largest of its segments' max keys (k keys reach T); one that is not its
-        # segment's max is at most the segment's second value, so only segments whose tempered second
-        # value reaches T's value (thr) can hold one beyond their max
-        top = seg_top[:2] if one_pass else None
+        # with the forward's maxima (and k segments: else every column is a candidate) the ranking lists per
+        # segment the rows that recompute it; with their max columns and second values it also gives each
+        # chosen segment's max key and whether the segment must be recomputed: a row's k largest keys are all
+        # >= T, the k-th largest of its segments' max keys (k keys reach T); one that is not its segment's max
+        # is at most the segment's second value, so only segments whose tempered second value reaches T's
+        # value (thr) can hold one beyond their max
+        top = seg_top[:2] if one_pass and seg_top[0] is not None else None
         segs, thr, plan = native.rank_segments(rows_major, inv_t if torch.is_tensor(inv_t) else it, kk, top,
-                                               params.vocab_start)
+                                               params.vocab_start, one_pass)
         if kk < k:  # fewer segments than k: every column of the shard is a candidate
             thr = torch.full_like(thr, float("-inf"))
     elif kk:
@@ -237,7 +239,8 @@ def _segment_maxima(hidden, weight, inv_t, params: LCEParams, st, part):
         top = st.seg_top
         if part is not None:
             col, second, rows_major = top
-            top = (col.index_select(1, part.dest), second.index_select(1, part.dest),
+            top = (col.index_select(1, part.dest) if col is not None else None,
+                   second.index_select(1, part.dest) if second is not None else None,
                    rows_major.index_select(0, part.dest))
         return top[2].t(), params, top
     if st.seg is not None:

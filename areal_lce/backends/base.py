@@ -61,9 +61,10 @@ Optional, for selected ids / top-k (select.py has torch defaults):
   segment_logits(hidden, weight, rows [P], segs [P], params) -> fp32 [P, 128] head-transformed raw logits
       of segment segs[p] for row rows[p], bitwise what the invariant forward reduced (-inf past the shard);
   or, doing the top-k's ranking, recompute and selection in its own kernels (triton): rank_segments(seg_rows
-      [N, G], inv_t, kk, top=None, vocab_start=0) -> ([N, kk] segment indices, [N] fp32 the kk-th largest
-      tempered segment maximum, and with top = ShardStats.seg_top's (max columns, second values) an opaque
-      plan for candidate_topk (which chosen segments need no recompute, and their max keys), else None) and
+      [N, G], inv_t, kk, top=None, vocab_start=0, lists=False) -> ([N, kk] segment indices, [N] fp32 the
+      kk-th largest tempered segment maximum, and with lists an opaque plan for candidate_topk (the chosen
+      segments to recompute, listed per segment: with top = ShardStats.seg_top's (max columns, second values)
+      only those that can hold a candidate besides their max, whose key the plan keeps; else all), else None) and
       candidate_topk(hidden, weight, row0, segs [c, kk], thr [N], inv_t, params, vocab_start, k, plan=None)
       -> [c, k] select.sort_key keys of the k best logits >= thr in those segments, descending.
   and one launch each for a per-row step that select.py otherwise takes in ten to twenty small torch
@@ -136,7 +137,8 @@ class ShardStats:
     #                                     then m, s, a are None and mx, mn, zy are this shard's exact values
     seg_top: Optional[tuple] = None  # invariant mode with params.top_k, where the backend keeps it: (int8 [G, N]
     #                                  each segment's max column (lowest on ties), fp32 [G, N] its second
-    #                                  largest raw value, fp32 [N, G] the maxima, rows contiguous) (select.py)
+    #                                  largest raw value, fp32 [N, G] the maxima, rows contiguous) (select.py);
+    #                                  the first two may be None (then every chosen segment is recomputed)
     sel: Optional[tuple] = None  # invariant mode, forward(selected=ids) on a backend with `extracts_selected`,
     #                              where it took them: (fp32 [N, K] raw (rounded, capped) logits at the slots it
     #                              picked, int64 [N, K] the slot whose value slot j takes, -1 = pair_logits,

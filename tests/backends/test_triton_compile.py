@@ -48,7 +48,8 @@ SEL = {"seg": "*fp32", "top_col": "*i8", "flags": "*i8", "best": "*i64", "cand":
        "pad": "i64", "G": "i32", "KK": "i32", "CAP": "i32", "R": "i32", "C": "i32"}
 PTR.update(SEL)
 INT.update(k for k, v in SEL.items() if v[0] == "i")
-compile_(T.segment_best_kernel, dict(HAS_INV_T=True, HAS_TOP=True, BLOCK_N=1, CHUNK=256, KK2=64))
+for top in (True, False):  # the plan with the forward's max columns, or every chosen segment listed
+    compile_(T.segment_best_kernel, dict(HAS_INV_T=True, PLAN=True, HAS_TOP=top, BLOCK_N=1, CHUNK=256, KK2=64))
 INT.update(("valid", "n_prog"))
 compile_(C.listed_candidates_kernel, dict(SEG=128, BLOCK_N=64, BLOCK_K=64, EVEN_K=True, UPCAST=False,
                                            DOT_PRECISION="tf32", HAS_INV_T=False, BF16_LOGITS=True, SOFTCAP=True))
@@ -82,4 +83,4 @@ def test_cuda_kernels_compile_for_sm90(tmp_path):
     if r.returncode != 0 and "ptxas" in r.stderr and "No such file" in r.stderr:
         pytest.skip("this triton install has no bundled ptxas")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("compiled") == 14, r.stdout
+    assert r.stdout.count("compiled") == 15, r.stdout

@@ -88,8 +88,10 @@ def test_forward_maxima_columns_spare_the_recompute(monkeypatch):
     maxima, those whose second value reaches the threshold recomputed; rows whose list overflows redone
     one program per row) bitwise equal to topk_keys recomputing every chosen segment: spread, clustered
     (one segment holds the top-k), flat and tied rows."""
+    from areal_lce.backends.triton import segment_launch
     from areal_lce.backends.triton.launch import TritonBackend
     from areal_lce.types import LCEParams
+    monkeypatch.setattr(segment_launch, "TOP_KH_PER_ID", 0.0)  # the forward keeps them at any k, H and V
     g = torch.Generator().manual_seed(3)
     n, h, v, k = 8, 32, 1000, 4  # 8 segments, the last 104 columns wide
     hidden = torch.randn(n, h, generator=g)
@@ -116,7 +118,7 @@ def test_forward_maxima_columns_spare_the_recompute(monkeypatch):
     assert torch.equal(with_top, select.topk_keys(hidden, weight, st.seg[0], 1.0, params, k))
     monkeypatch.setattr(select_launch, "TOPK_SPILL", 0)  # every row with a segment to recompute overflows
     assert torch.equal(with_top, select.topk_keys(hidden, weight, st.seg[0], 1.0, params, k, None, st.seg_top))
-    segs_k, thr, plan = select_launch.rank_segments(st.seg[0].t(), 1.0, k, st.seg_top[:2], 7)
+    segs_k, thr, plan = select_launch.rank_segments(st.seg[0].t(), 1.0, k, st.seg_top[:2], 7, lists=True)
     assert torch.equal(st.seg_top[2], st.seg[0].t())  # the maxima again, rows contiguous
     rows_k = torch.arange(n, device=DEV)[:, None]
     recompute = plan.flags.bool()
@@ -138,3 +140,69 @@ def test_forward_maxima_columns_spare_the_recompute(monkeypatch):
     for g in range(G):
         assert torch.all(task_seg[int(first[g]):int(first[g] + blocks[g])] == g)
     assert bool(recompute[1].any()) and bool(recompute[2].all()) and not bool(recompute[0].any())
+
+
+def test_topk_routes_give_the_same_bits(monkeypatch):
+    """The two routes of a top-k forward (segment_launch.keeps_top): the forward keeping each segment's max column
+    and second value (most chosen segments not recomputed), or not (every chosen segment listed and recomputed):
+    bitwise equal top-k ids, logprobs and gradients, over spread, clustered, flat and tied rows, an ignored row,
+    a last segment cut short and k above a row's segment count. The rule itself: k, H and V only."""
+    from areal_lce import linear_logprobs_entropy
+    from areal_lce.backends.triton import segment_launch
+    from areal_lce.types import LCEParams
+    g = torch.Generator().manual_seed(5)
+    n, h, v = 10, 32, 1000
+    hidden = torch.randn(n, h, generator=g)
+    weight = torch.randn(v, h, generator=g) * 0.3
+    weight[[10, 140, 520, 900]] = hidden[0] * torch.tensor([0.5, 0.6, 0.7, 0.8])[:, None]  # spread
+    weight[260:266] = hidden[1] * 0.5  # its top-k in one segment
+    hidden[2] = 0.0  # flat
+    weight[[5, 400, 777]] = hidden[3] * 0.4  # ties across segments
+    weight[998] = hidden[4] * 0.6  # the max in the last, partial segment
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[6] = -100
+    temperature = torch.linspace(0.5, 1.5, n)  # per token
+    params = LCEParams(vocab_size=151936, shard_valid=151936)
+    assert not segment_launch.keeps_top(8, 896, params) and segment_launch.keeps_top(64, 4096, params)
+    assert not segment_launch.keeps_top(0, 4096, params)
+    seen, outs = [], {}
+    forward_segments = segment_launch.forward_segments
+
+    def spy(*args, **kw):
+        st = forward_segments(*args, **kw)
+        seen.append(st.seg_top[0] is not None)
+        return st
+    monkeypatch.setattr(segment_launch, "forward_segments", spy)
+    for route, per_id in (("keep", 0.0), ("recompute", float("inf"))):
+        monkeypatch.setattr(segment_launch, "TOP_KH_PER_ID", per_id)
+        for k in (3, 9):  # 9 > the 8 segments: every column a candidate
+            hh = hidden.clone().to(DEV).requires_grad_()
+            ww = weight.clone().to(DEV).requires_grad_()
+            o = linear_logprobs_entropy(hh, ww, labels.to(DEV), vocab_size=v, top_k=k, backend="triton",
+                                        temperature=temperature.to(DEV))
+            (o.logprobs.sum() + (o.topk_logprobs * torch.arange(1.0, k + 1, device=DEV)).sum()).backward()
+            outs[route, k] = (o.topk_ids, o.topk_logprobs, hh.grad, ww.grad)
+    assert seen == [True, True, False, False]
+    for k in (3, 9):
+        for a, b in zip(outs["keep", k], outs["recompute", k]):
+            assert torch.equal(a, b)
+    assert outs["keep", 3][0][1].tolist() == [260, 261, 262]  # the clustered row: 260..265 tie, lowest first
+
+
+def test_rank_segments_lists_every_chosen_segment_without_the_forwards_columns():
+    """rank_segments(lists=True) without the forward's max columns: every chosen (row, segment) pair flagged,
+    keyed as the pad key and listed under its segment, once."""
+    g = torch.Generator().manual_seed(4)
+    G, n, kk = 40, 9, 6
+    seg = torch.randn(G, n, generator=g).round(decimals=1)  # ties
+    segs, thr, plan = select_launch.rank_segments(seg.t().to(DEV), 1.0, kk, None, 0, lists=True)
+    assert torch.all(plan.flags == 1) and torch.all(plan.cand == select_launch.PAD_KEY)
+    listed = torch.zeros(G, n, dtype=torch.bool)
+    for s_ in range(G):
+        rows_g = plan.seg_list[s_, :int(plan.seg_count[s_])].long().cpu()
+        assert rows_g.unique().numel() == rows_g.numel()
+        listed[s_, rows_g] = True
+    want = torch.zeros(G, n, dtype=torch.bool)
+    want[segs.cpu(), torch.arange(n)[:, None].expand(n, kk)] = True
+    assert torch.equal(listed, want) and int(plan.seg_count.sum()) == n * kk
+    assert torch.equal(segs.cpu().sort(1).values, _reference(seg, 1.0, kk).sort(1).values)

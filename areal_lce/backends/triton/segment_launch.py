@@ -18,6 +18,18 @@ from .segment_kernels import (lce_fwd_seg_kernel, lce_seg_finish_kernel, lce_seg
 
 
 TRANSPOSE_TILE = 64
+# A top-k forward keeps each segment's max column and second value when k · H >= TOP_KH_PER_ID · vocab_size.
+# That epilogue costs ~6 more operations per logit (N·V of them) and spares the top-k all but ~2 of a row's k
+# chosen segments; without it the top-k recomputes all k (a GEMM of N·k·128·H, reading W once per segment).
+# On an H100 the break-even lies between k·H/V = 0.2 and 0.5 (results/h100_select_topk_route: both ways at
+# k = 8, 16, 64 and the four benchmark shapes, the same bits).
+TOP_KH_PER_ID = 0.4
+
+
+def keeps_top(k: int, h: int, params: LCEParams) -> bool:
+    """Whether the forward of a top-k call keeps seg_top's max columns and second values. k, H and the
+    vocabulary only (every rank and batch decide alike), and either way the top-k's keys are the same bits."""
+    return 0 < k and k * h >= TOP_KH_PER_ID * params.vocab_size
 
 
 def forward_segments(hidden, weight, y, it, inv_t_scalar, params: LCEParams, cfg, split_v, n_splits,
@@ -41,8 +53,9 @@ def forward_segments(hidden, weight, y, it, inv_t_scalar, params: LCEParams, cfg
         raise ValueError(f"triton backend: invariant mode's segment partials ({k} x {G} x {N}) exceed int32 "
                          "offsets: split the call into fewer rows")
     seg = _alloc((k, G, N), torch.float32, dev)
-    top = _alloc((G, N), torch.float32, dev) if params.top_k else None  # each segment's second value
-    top_col = _alloc((G, N), torch.int8, dev) if params.top_k else None
+    keep = keeps_top(params.top_k, H, params)
+    top = _alloc((G, N), torch.float32, dev) if keep else None  # each segment's second value
+    top_col = _alloc((G, N), torch.int8, dev) if keep else None
     top_rows = _alloc((N, G), torch.float32, dev) if params.top_k else None
     part = _alloc((3, n_splits, N), torch.float32, dev)
     picks = pick_selected(selected, y, params, G) if selected is not None else None
@@ -68,11 +81,11 @@ def forward_segments(hidden, weight, y, it, inv_t_scalar, params: LCEParams, cfg
         out = _alloc((3, N), torch.float32, dev)
         lce_seg_reduce_kernel[(triton.cdiv(N, configs.MERGE_BLOCK_N),)](
             part, out, N, n_splits, n_splits * N, BLOCK_N=configs.MERGE_BLOCK_N, num_warps=4)
-        if top is not None:  # the maxima again with each row's segments contiguous, for the ranking
+        if top_rows is not None:  # the maxima again with each row's segments contiguous, for the ranking
             transpose_kernel[(triton.cdiv(G, TRANSPOSE_TILE), triton.cdiv(N, TRANSPOSE_TILE))](
                 seg, top_rows, G, N, BLOCK_R=TRANSPOSE_TILE, BLOCK_C=TRANSPOSE_TILE, num_warps=4)
     return ShardStats(m=None, s=None, a=None, zy=out[2], mn=out[1], mx=out[0], cache=cache, seg=seg,
-                      seg_top=(top_col, top, top_rows) if top is not None else None,
+                      seg_top=(top_col, top, top_rows) if top_rows is not None else None,
                       sel=(sel_raw, picks[2]) if picks is not None else None)
 
 def fold_segments(seg, mx, inv_t, scales):

@@ -198,8 +198,8 @@ def _tempered(seg, rows, c0, m_n, it, inv_t_scalar, G, HAS_INV_T: tl.constexpr, 
 
 @triton.jit
 def segment_best_kernel(seg, inv_t, best, thr, top_col, top_second, cand, flags, seg_count, seg_list, N, G, KK, CAP,
-                        inv_t_scalar, vocab_start, pad, HAS_INV_T: tl.constexpr, HAS_TOP: tl.constexpr,
-                        BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, KK2: tl.constexpr):
+                        inv_t_scalar, vocab_start, pad, HAS_INV_T: tl.constexpr, PLAN: tl.constexpr,
+                        HAS_TOP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, KK2: tl.constexpr):
     """best[n, :KK] = the segments of each row's KK largest tempered maxima (seg [N, G] raw, rows contiguous),
     ties to the lower segment, in segment order, and thr[n] = the KK-th largest tempered maximum (KK <= G).
     The threshold is found exactly by bisection on the order-preserving 32-bit images of the values (counting
@@ -208,11 +208,12 @@ def segment_best_kernel(seg, inv_t, best, thr, top_col, top_second, cand, flags,
     trailing zero bits (16 for bf16 logits at temperature 1: half the passes), stopping early once exactly
     KK values reach the midpoint (the smallest of them is then the threshold); then every segment above it and
     the lowest-indexed ones equal to it until KK are taken: exactly the set an int64 top-k of select.sort_key
-    keys gives. HAS_TOP (the forward's top_col int8 [G, N] and second values top_second fp32 [G, N]): chosen
-    segment j must be recomputed where its tempered second value reaches thr[n] (or is NaN) (select.py):
-    then flags[n, j] = 1, cand[n, j] = pad and row n joins segment g's list (seg_list[g, :seg_count[g]],
-    one atomic slot per pair: the order varies, the set does not); else cand[n, j] = the sort key of the
-    segment's max (cand's rows CAP long)."""
+    keys gives. PLAN: the lists candidate_topk's plan takes. With HAS_TOP (the forward's top_col int8 [G, N] and
+    second values top_second fp32 [G, N]) chosen segment j must be recomputed where its tempered second value
+    reaches thr[n] (or is NaN) (select.py), without it every chosen segment is: then flags[n, j] = 1,
+    cand[n, j] = pad and row n joins segment g's list (seg_list[g, :seg_count[g]], one atomic slot per pair:
+    the order varies, the set does not); else cand[n, j] = the sort key of the segment's max (cand's rows CAP
+    long)."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     rows = o_n.to(tl.int64)
@@ -286,23 +287,27 @@ def segment_best_kernel(seg, inv_t, best, thr, top_col, top_second, cand, flags,
         taken += tl.sum(take_i, 1)
         tied_seen += tl.sum(tied_i, 1)
     tl.store(thr + o_n, t, mask=m_n)
-    if HAS_TOP:  # over the row's KK chosen segments only (a masked load or atomic costs per lane, taken or not)
+    if PLAN:  # over the row's KK chosen segments only (a masked load or atomic costs per lane, taken or not)
         tl.debug_barrier()  # best, written by other threads of the program
         o_j = tl.arange(0, KK2)[None, :]
         m_j = m_n[:, None] & (o_j < taken[:, None])
         g = tl.load(best + rows[:, None] * KK + o_j, mask=m_j, other=0)
-        z = tl.load(seg + rows[:, None] * G + g, mask=m_j, other=0.0)
-        if HAS_INV_T:
-            z = z * it[:, None]
+        if HAS_TOP:
+            z = tl.load(seg + rows[:, None] * G + g, mask=m_j, other=0.0)
+            if HAS_INV_T:
+                z = z * it[:, None]
+            else:
+                z = z * inv_t_scalar
+            p_top = g * N + rows[:, None]
+            col = tl.load(top_col + p_top, mask=m_j, other=0).to(tl.int32)
+            col = tl.minimum(tl.maximum(col, 0), 127)  # unset at skipped (all-ignored) rows
+            second = tl.load(top_second + p_top, mask=m_j, other=0.0) * it[:, None]
+            redo = ~(second < t[:, None])  # NaN: recompute
+            tl.store(cand + rows[:, None] * CAP + o_j,
+                     tl.where(redo, pad, _sort_key(z, g * 128 + col + vocab_start)), mask=m_j)
         else:
-            z = z * inv_t_scalar
-        p_top = g * N + rows[:, None]
-        col = tl.load(top_col + p_top, mask=m_j, other=0).to(tl.int32)
-        col = tl.minimum(tl.maximum(col, 0), 127)  # unset at skipped (all-ignored) rows
-        second = tl.load(top_second + p_top, mask=m_j, other=0.0) * it[:, None]
-        redo = ~(second < t[:, None])  # NaN: recompute
-        tl.store(cand + rows[:, None] * CAP + o_j, tl.where(redo, pad, _sort_key(z, g * 128 + col + vocab_start)),
-                 mask=m_j)
+            redo = o_j >= 0
+            tl.store(cand + rows[:, None] * CAP + o_j, tl.zeros_like(g) + pad, mask=m_j)
         tl.store(flags + rows[:, None] * KK + o_j, redo.to(tl.int8), mask=m_j)
         m_list = m_j & redo
         slot = tl.atomic_add(seg_count + g, 1, mask=m_list)

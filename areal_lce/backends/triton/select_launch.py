@@ -181,12 +181,13 @@ class TopkPlan(NamedTuple):
     seg_list: torch.Tensor  # int32 [G, N]: the rows that recompute each segment
 
 
-def rank_segments(seg_rows: torch.Tensor, inv_t, kk: int, top=None, vocab_start: int = 0):
+def rank_segments(seg_rows: torch.Tensor, inv_t, kk: int, top=None, vocab_start: int = 0, lists: bool = False):
     """([N, kk] local segment indices of each row's kk largest tempered segment maxima (seg_rows [N, G] raw),
     ties to the lower segment (select.topk_keys), in segment order, [N] fp32 the kk-th largest tempered
-    maximum, and with top = (the forward's max columns int8 [G, N], second values fp32 [G, N]) a TopkPlan
-    for candidate_topk (each chosen segment's max key, which segments to recompute, listed per segment), else
-    None): segment_best_kernel."""
+    maximum, and with lists a TopkPlan for candidate_topk (the chosen segments to recompute, listed per
+    segment: with top = (the forward's max columns int8 [G, N], second values fp32 [G, N]) only those whose
+    second value reaches the threshold, the others' max keys taken from the forward; without it every one),
+    else None): segment_best_kernel."""
     N, G = seg_rows.shape
     seg_rows = seg_rows.contiguous()
     dev = seg_rows.device
@@ -194,17 +195,17 @@ def rank_segments(seg_rows: torch.Tensor, inv_t, kk: int, top=None, vocab_start:
     best = torch.zeros((N, kk), dtype=torch.int64, device=dev)  # a NaN row's untaken slots: 0
     thr = _alloc((N,), torch.float32, dev)
     plan = None
-    if top is not None:
+    if lists:
         plan = TopkPlan(torch.full((N, kk + TOPK_SPILL), PAD_KEY, dtype=torch.int64, device=dev),
                         torch.ones((N, kk), dtype=torch.int8, device=dev),
                         torch.zeros(G, dtype=torch.int32, device=dev), _alloc((G, N), torch.int32, dev))
     if N and G and kk:
-        lists = plan if plan is not None else (best,) * 4
+        out_lists = plan if plan is not None else (best,) * 4
         with _device_ctx(dev):
             segment_best_kernel[(triton.cdiv(N, BEST_ROWS),)](
                 seg_rows, it, best, thr, top[0] if top is not None else best, top[1] if top is not None else thr,
-                *lists, N, G, kk, kk + TOPK_SPILL, scalar, vocab_start, PAD_KEY, HAS_INV_T=has,
-                HAS_TOP=top is not None, BLOCK_N=BEST_ROWS, CHUNK=BEST_CHUNK, KK2=triton.next_power_of_2(kk),
+                *out_lists, N, G, kk, kk + TOPK_SPILL, scalar, vocab_start, PAD_KEY, HAS_INV_T=has, PLAN=lists,
+                HAS_TOP=lists and top is not None, BLOCK_N=BEST_ROWS, CHUNK=BEST_CHUNK, KK2=triton.next_power_of_2(kk),
                 num_warps=4 if INTERPRET else 1)
     return best, thr, plan
 
@@ -212,7 +213,8 @@ def rank_segments(seg_rows: torch.Tensor, inv_t, kk: int, top=None, vocab_start:
 def _recompute_tile(h: int, dtype: torch.dtype):
     """The forward's tile, with 64-row tasks (one warpgroup) where it has 128 rows in two: the same
     tensor-core accumulation per row (tests/backends/test_triton_select_rank.py checks the bits on a GPU),
-    half the work for the few rows a segment's recompute usually has."""
+    half the work for the few rows a segment's recompute usually has (128-row tasks were no faster when
+    every chosen segment is recomputed either: results/h100_select_topk_route)."""
     cfg = configs.tile("fwd", fp32=dtype == torch.float32, interpret=INTERPRET, H=h)
     if cfg.block_n == 128 and cfg.num_warps == 8:
         cfg = replace(cfg, block_n=64, num_warps=RECOMPUTE_WARPS)

@@ -17,9 +17,9 @@ class SelectMethods:
         from .select_launch import pair_logits
         return pair_logits(hidden, weight, ids, need, vocab_start)
 
-    def rank_segments(self, seg_max, inv_t, kk, top=None, vocab_start=0):
+    def rank_segments(self, seg_max, inv_t, kk, top=None, vocab_start=0, lists=False):
         from .select_launch import rank_segments
-        return rank_segments(seg_max, inv_t, kk, top, vocab_start)
+        return rank_segments(seg_max, inv_t, kk, top, vocab_start, lists)
 
     def candidate_topk(self, hidden, weight, row0, segs, thr, inv_t, params, vocab_start, k, plan=None):
         from .select_launch import candidate_topk
