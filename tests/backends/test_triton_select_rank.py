@@ -165,6 +165,7 @@ def test_topk_routes_give_the_same_bits(monkeypatch):
     params = LCEParams(vocab_size=151936, shard_valid=151936)
     assert not segment_launch.keeps_top(8, 896, params) and segment_launch.keeps_top(64, 4096, params)
     assert not segment_launch.keeps_top(0, 4096, params)
+    assert segment_launch.keeps_top(8, 4096, LCEParams(vocab_size=151936, shard_valid=151936 // 8))  # a TP=8 shard
     seen, outs = [], {}
     forward_segments = segment_launch.forward_segments
 
@@ -206,3 +207,5 @@ def test_rank_segments_lists_every_chosen_segment_without_the_forwards_columns()
     want[segs.cpu(), torch.arange(n)[:, None].expand(n, kk)] = True
     assert torch.equal(listed, want) and int(plan.seg_count.sum()) == n * kk
     assert torch.equal(segs.cpu().sort(1).values, _reference(seg, 1.0, kk).sort(1).values)
+    with pytest.raises(ValueError, match="lists=True"):
+        select_launch.rank_segments(seg.t().to(DEV), 1.0, kk, (plan.flags, plan.flags), 0)

@@ -18,18 +18,19 @@ from .segment_kernels import (lce_fwd_seg_kernel, lce_seg_finish_kernel, lce_seg
 
 
 TRANSPOSE_TILE = 64
-# A top-k forward keeps each segment's max column and second value when k · H >= TOP_KH_PER_ID · vocab_size.
-# That epilogue costs ~6 more operations per logit (N·V of them) and spares the top-k all but ~2 of a row's k
-# chosen segments; without it the top-k recomputes all k (a GEMM of N·k·128·H, reading W once per segment).
-# On an H100 the break-even lies between k·H/V = 0.2 and 0.5 (results/h100_select_topk_route: both ways at
-# k = 8, 16, 64 and the four benchmark shapes, the same bits).
+# A top-k forward keeps each segment's max column and second value when k · H >= TOP_KH_PER_ID · V, V the
+# shard's columns. That epilogue costs ~6 more operations per logit (N·V of them on each rank) and spares the
+# top-k all but ~2 of a row's k chosen segments; without it each rank recomputes all k of its chosen segments (a
+# GEMM of N·k·128·H, reading W once per segment). On an H100 the break-even lies between k·H/V = 0.2 and 0.5
+# (results/h100_select_topk_route: both ways at k = 8, 16, 64 and the four benchmark shapes, the same bits).
 TOP_KH_PER_ID = 0.4
 
 
 def keeps_top(k: int, h: int, params: LCEParams) -> bool:
-    """Whether the forward of a top-k call keeps seg_top's max columns and second values. k, H and the
-    vocabulary only (every rank and batch decide alike), and either way the top-k's keys are the same bits."""
-    return 0 < k and k * h >= TOP_KH_PER_ID * params.vocab_size
+    """Whether the forward of a top-k call keeps seg_top's max columns and second values: k, H and the shard's
+    width only, so every batch decides alike (and ranks whose shards differ in width may decide apart: either way
+    the top-k's keys are the same bits)."""
+    return 0 < k and k * h >= TOP_KH_PER_ID * params.shard_valid
 
 
 def forward_segments(hidden, weight, y, it, inv_t_scalar, params: LCEParams, cfg, split_v, n_splits,

@@ -188,6 +188,9 @@ def rank_segments(seg_rows: torch.Tensor, inv_t, kk: int, top=None, vocab_start:
     segment: with top = (the forward's max columns int8 [G, N], second values fp32 [G, N]) only those whose
     second value reaches the threshold, the others' max keys taken from the forward; without it every one),
     else None): segment_best_kernel."""
+    if top is not None and not lists:
+        raise ValueError("rank_segments: top (the forward's max columns and second values) serves only the plan: "
+                         "pass lists=True")
     N, G = seg_rows.shape
     seg_rows = seg_rows.contiguous()
     dev = seg_rows.device
