@@ -213,7 +213,7 @@ def segment_best_kernel(seg, inv_t, best, thr, top_col, top_second, cand, flags,
     reaches thr[n] (or is NaN) (select.py), without it every chosen segment is: then flags[n, j] = 1,
     cand[n, j] = pad and row n joins segment g's list (seg_list[g, :seg_count[g]], one atomic slot per pair:
     the order varies, the set does not); else cand[n, j] = the sort key of the segment's max (cand's rows CAP
-    long)."""
+    long). The launcher fills cand with pad and flags with ones beforehand."""
     o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     rows = o_n.to(tl.int64)
@@ -305,10 +305,9 @@ def segment_best_kernel(seg, inv_t, best, thr, top_col, top_second, cand, flags,
             redo = ~(second < t[:, None])  # NaN: recompute
             tl.store(cand + rows[:, None] * CAP + o_j,
                      tl.where(redo, pad, _sort_key(z, g * 128 + col + vocab_start)), mask=m_j)
-        else:
-            redo = o_j >= 0
-            tl.store(cand + rows[:, None] * CAP + o_j, tl.zeros_like(g) + pad, mask=m_j)
-        tl.store(flags + rows[:, None] * KK + o_j, redo.to(tl.int8), mask=m_j)
-        m_list = m_j & redo
+            tl.store(flags + rows[:, None] * KK + o_j, redo.to(tl.int8), mask=m_j)
+            m_list = m_j & redo
+        else:  # every chosen segment: cand and flags keep the launcher's pad keys and ones
+            m_list = m_j
         slot = tl.atomic_add(seg_count + g, 1, mask=m_list)
         tl.store(seg_list + g * N + slot, rows[:, None].to(tl.int32) + tl.zeros_like(o_j), mask=m_list)

@@ -199,8 +199,8 @@ def rank_segments(seg_rows: torch.Tensor, inv_t, kk: int, top=None, vocab_start:
     thr = _alloc((N,), torch.float32, dev)
     plan = None
     if lists:
-        plan = TopkPlan(torch.full((N, kk + TOPK_SPILL), PAD_KEY, dtype=torch.int64, device=dev),
-                        torch.ones((N, kk), dtype=torch.int8, device=dev),
+        plan = TopkPlan(torch.full((N, kk + TOPK_SPILL), PAD_KEY, dtype=torch.int64, device=dev),  # the kernel
+                        torch.ones((N, kk), dtype=torch.int8, device=dev),  # relies on both fills
                         torch.zeros(G, dtype=torch.int32, device=dev), _alloc((G, N), torch.int32, dev))
     if N and G and kk:
         out_lists = plan if plan is not None else (best,) * 4
@@ -208,7 +208,7 @@ def rank_segments(seg_rows: torch.Tensor, inv_t, kk: int, top=None, vocab_start:
             segment_best_kernel[(triton.cdiv(N, BEST_ROWS),)](
                 seg_rows, it, best, thr, top[0] if top is not None else best, top[1] if top is not None else thr,
                 *out_lists, N, G, kk, kk + TOPK_SPILL, scalar, vocab_start, PAD_KEY, HAS_INV_T=has, PLAN=lists,
-                HAS_TOP=lists and top is not None, BLOCK_N=BEST_ROWS, CHUNK=BEST_CHUNK, KK2=triton.next_power_of_2(kk),
+                HAS_TOP=top is not None, BLOCK_N=BEST_ROWS, CHUNK=BEST_CHUNK, KK2=triton.next_power_of_2(kk),
                 num_warps=4 if INTERPRET else 1)
     return best, thr, plan
 
