@@ -41,6 +41,8 @@ import torch
 SEG = 128  # vocabulary segment width in global ids
 FRAC_BITS = 40  # fixed-point fractional bits of the folded terms
 MAX_VOCAB = 1 << 22  # 128-wide terms below 2^(7+40) each: the sum of 2^15 segments stays below 2^62
+KEY_ID_BITS = 31  # top-k sort keys (select.sort_key): 32 order-preserving value bits above 31 bits of (2^31 - 1 - id)
+PAD_KEY = ((1 << 23) - 1) << KEY_ID_BITS  # sort_key(-inf, 2^31 - 1): below every logit's key
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
 _E_MIN, _E_MAX = -40, 60  # clamp of the logit-sum exponent (|logits| between 2^-40 and 2^60)

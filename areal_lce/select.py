@@ -56,10 +56,9 @@ GATHER_ROWS = 32  # fixed block shape of the torch gather_logits (on CUDA: GATHE
 GATHER_ROWS_CUDA = 512
 GATHER_IDS = 8
 SEG_ROWS_CUDA = 1024  # fixed GEMM height of the torch segment recompute for a CUDA backend with its own forward
-_ID_BITS = 31
+_ID_BITS = exact.KEY_ID_BITS
 _ID_MASK = (1 << _ID_BITS) - 1
 CHUNK_ELEMS = 1 << 24  # recomputed logits per row chunk (64 MiB fp32)
-PAD_KEY = ((1 << 23) - 1) << _ID_BITS  # sort_key(-inf, _ID_MASK): below every logit's key
 
 
 def sort_key(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -197,7 +196,7 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
         out = native.candidate_topk(hidden, weight, 0, segs, thr, inv_t if torch.is_tensor(inv_t) else it, sp,
                                     params.vocab_start, k, plan)
     else:  # in row chunks: the recompute's [rows · kk, 128] logits bound them
-        out = torch.full((n, k), PAD_KEY, dtype=torch.int64, device=dev)  # what a shard without columns offers
+        out = torch.full((n, k), exact.PAD_KEY, dtype=torch.int64, device=dev)  # what a shard without columns offers
         chunk = max(1, CHUNK_ELEMS // (max(kk, 1) * exact.SEG))
         for t0 in range(0, n if kk else 0, chunk):
             t1 = min(n, t0 + chunk)
@@ -226,7 +225,7 @@ def _chunk_keys(hidden, weight, t0, t1, segs, thr, inv_t, it, params: LCEParams,
     gid = (segs[t0:t1, :, None] * exact.SEG + cols + params.vocab_start).view(t1 - t0, -1)
     keys = sort_key(z, gid)
     if keys.shape[1] < k:  # a shard narrower than k columns: pad with keys below every logit
-        keys = torch.cat([keys, torch.full((t1 - t0, k - keys.shape[1]), PAD_KEY, device=dev)], 1)
+        keys = torch.cat([keys, torch.full((t1 - t0, k - keys.shape[1]), exact.PAD_KEY, device=dev)], 1)
     return keys.topk(k, dim=1).values
 
 

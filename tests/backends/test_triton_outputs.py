@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from areal_lce import select, select_grad
+from areal_lce import exact, select, select_grad
 from areal_lce.backends.base import head_transform
 from areal_lce.backends.triton import output_launch, select_launch
 from areal_lce.types import LCEParams
@@ -100,7 +100,7 @@ def test_topk_logprobs_bitwise(n, k):
     z = (torch.randn(n, k, generator=g) * 40).to(DEV)
     z[0, 0], z[1, -1], z[2, 0], z[3, -1] = -0.0, float("inf"), float("-inf"), 0.0
     keys = select.sort_key(z, torch.randint(0, 150000, (n, k), generator=g).to(DEV))
-    keys[4, -1] = select_launch.PAD_KEY
+    keys[4, -1] = exact.PAD_KEY
     lp, ids = output_launch.topk_logprobs(keys, y, lse, _params())
     valid = (y != IGNORE)[:, None]
     assert torch.equal(lp, torch.where(valid, (select.key_value(keys).double() - lse.double()[:, None]).float(), 0.0))

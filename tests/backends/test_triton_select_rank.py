@@ -7,7 +7,7 @@ import pytest
 import torch
 import triton
 
-from areal_lce import select
+from areal_lce import exact, select
 from areal_lce.backends.triton import select_launch
 
 pytestmark = pytest.mark.slow  # the Triton interpreter (on a GPU host: the kernels, same assertions)
@@ -78,8 +78,8 @@ def test_candidate_topk_is_the_oracles_top_k():
                                        0, 8).cpu()  # rows 2..4, segment 4 holds 4 real columns of 516
     assert torch.equal(few[:, :4], select.sort_key(z[2:5, 512:516], torch.arange(512, 516)[None, :].expand(3, 4))
                        .topk(4, dim=1).values)
-    assert torch.equal(few[:, 4:], torch.full((3, 4), select_launch.PAD_KEY))
-    assert select_launch.PAD_KEY == int(select.sort_key(torch.tensor([float("-inf")]), torch.tensor([2 ** 31 - 1])))
+    assert torch.equal(few[:, 4:], torch.full((3, 4), exact.PAD_KEY))
+    assert exact.PAD_KEY == int(select.sort_key(torch.tensor([float("-inf")]), torch.tensor([2 ** 31 - 1])))
 
 
 def test_forward_maxima_columns_spare_the_recompute(monkeypatch):
@@ -124,8 +124,8 @@ def test_forward_maxima_columns_spare_the_recompute(monkeypatch):
     recompute = plan.flags.bool()
     assert torch.equal(recompute, st.seg_top[1][segs_k, rows_k] >= thr[:, None])
     want = select.sort_key(st.seg[0][segs_k, rows_k], segs_k * 128 + st.seg_top[0][segs_k, rows_k].long() + 7)
-    want = torch.where(recompute, select_launch.PAD_KEY, want)  # each chosen segment's max key (ids + shard start 7)
-    assert torch.equal(plan.cand[:, :k], want) and torch.all(plan.cand[:, k:] == select_launch.PAD_KEY)
+    want = torch.where(recompute, exact.PAD_KEY, want)  # each chosen segment's max key (ids + shard start 7)
+    assert torch.equal(plan.cand[:, :k], want) and torch.all(plan.cand[:, k:] == exact.PAD_KEY)
     listed = torch.zeros(G, n, dtype=torch.bool, device=DEV)  # the per-segment row lists: exactly the flagged pairs
     for g in range(G):
         rows_g = plan.seg_list[g, :int(plan.seg_count[g])].long()
@@ -197,7 +197,7 @@ def test_rank_segments_lists_every_chosen_segment_without_the_forwards_columns()
     G, n, kk = 40, 9, 6
     seg = torch.randn(G, n, generator=g).round(decimals=1)  # ties
     segs, thr, plan = select_launch.rank_segments(seg.t().to(DEV), 1.0, kk, None, 0, lists=True)
-    assert torch.all(plan.flags == 1) and torch.all(plan.cand == select_launch.PAD_KEY)
+    assert torch.all(plan.flags == 1) and torch.all(plan.cand == exact.PAD_KEY)
     listed = torch.zeros(G, n, dtype=torch.bool)
     for s_ in range(G):
         rows_g = plan.seg_list[s_, :int(plan.seg_count[s_])].long().cpu()

@@ -10,6 +10,7 @@ import torch
 import triton
 
 from ... import exact
+from ...exact import PAD_KEY
 from ...types import LCEParams
 from ..base import head_transform
 from . import configs
@@ -161,7 +162,6 @@ def _inv_t_args(inv_t, like: torch.Tensor):
 # 512 maxima per step or 2 warps were no faster, results/h100_select_topk_lists/profiles.log)
 BEST_CHUNK = 256
 BEST_ROWS = 16 if INTERPRET else 1
-PAD_KEY = 0x7FFFFF << 31  # select.sort_key(-inf, 2^31 - 1): below every logit's key
 TOPK_CHUNK = 128  # candidates candidate_topk_kernel counts at a time (a row has about k of them)
 TOPK_ROWS = 64 if INTERPRET else 4  # rows per candidate_topk_kernel program (4 rows on one warp: the fastest,
 #                                      results/archive/h100_select_topk_profiles)
