@@ -162,6 +162,23 @@ def timed(fn, reps):
     return statistics.median(ts)
 
 
+def stream_timed(fn, calls):
+    """ms per call of `calls` calls issued back to back between one pair of events, with no synchronisation
+    between them: the host runs ahead as it does inside a training step, so this is the GPU's time for the
+    calls unless the host falls behind (timed() syncs before each call, so its times also hold the host's
+    time from the call to its first kernel)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(calls):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / calls
+
+
 def cost(name, n, h, v, rounds) -> dict:
     hid, w, y = inputs(n, h, v)
     hid.requires_grad_()

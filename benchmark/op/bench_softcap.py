@@ -5,7 +5,9 @@ that has soft-capping) in the same run.
 
 Cost: forward+backward of the default call (loss = Σ logprobs) with softcap=30 against the same call
 without it, paired rounds (median of each round's median); Liger's LigerFusedLinearCrossEntropyLoss
-(reduction="sum") with and without softcap in the same rounds, and both in ms. Target: <= 1.05.
+(reduction="sum") with and without softcap in the same rounds, and both in ms; stream_*: the same with each round's
+three calls issued back to back between one pair of events (the GPU's time, as inside a training step). Target:
+<= 1.05.
 Accuracy: 256 rows of a 1024x896x151936 bf16 call, logprob and entropy against the fp64 log_softmax of the
 capped logits; Liger's loss per row (reduction="none") likewise.
 """
@@ -17,7 +19,7 @@ import torch
 
 from areal_lce import linear_logprobs_entropy
 
-from .bench_invariant import SHAPES, inputs, timed
+from .bench_invariant import SHAPES, inputs, stream_timed, timed
 from ..harness import checks_then_costs, log, paired_ratios
 
 CAP = 30.0
@@ -73,13 +75,18 @@ def cost(name, n, h, v, rounds):
     fns = {"ours": ours(None), "ours_cap": ours(CAP), "liger": liger(None), "liger_cap": liger(CAP)}
     fns = {k: f for k, f in fns.items() if f is not None}
     times = {k: [] for k in fns}
+    streams = {k: [] for k in fns}
     for _ in range(rounds):
         for k, f in fns.items():
             times[k].append(timed(f, 3))
+            streams[k].append(stream_timed(f, 3))
     out = {f"{k}_ms": statistics.median(t) for k, t in times.items()}
+    out.update({f"stream_{k}_ms": statistics.median(t) for k, t in streams.items()})
     for k in ("ours", "liger"):
         if f"{k}_cap" in times:
             out[f"{k}_softcap_ratio"], out[f"{k}_softcap_ratio_spread"] = paired_ratios(times[f"{k}_cap"], times[k])
+            out[f"stream_{k}_softcap_ratio"], out[f"stream_{k}_softcap_ratio_spread"] = paired_ratios(
+                streams[f"{k}_cap"], streams[k])
     log(f"{name}: {out}")
     return out
 
