@@ -48,6 +48,60 @@ LOG2E = 1.0 / LN2
 _E_MIN, _E_MAX = -40, 60  # clamp of the logit-sum exponent (|logits| between 2^-40 and 2^60)
 
 
+# Elementwise functions of the invariant path, built from IEEE-754 basic operations only (add, subtract,
+# multiply, divide, floor, comparisons, exact integer conversions and bit moves), each correctly rounded in
+# a CPU's scalar and vector units and on every accelerator alike. torch.exp2 / torch.log are not: ATen's
+# CPU loops run whole vector chunks through SLEEF and the remainder (and each thread's chunk edge) through
+# the scalar libm, which differ by an ulp on a few percent of inputs, so an element's bits would follow its
+# position in the tensor, i.e. the row count, the segment count and the thread count.
+_EXP2_TAYLOR = tuple(LN2 ** i / math.factorial(i) for i in range(8, -1, -1))  # 2^f = Σ (f ln 2)^i / i!
+_LOG_SERIES = tuple(1.0 / (2 * i + 1) for i in range(13, -1, -1))  # atanh series: log m = 2 Σ u^(2i+1) / (2i+1)
+
+
+def pow2(e: torch.Tensor, dtype=torch.float64) -> torch.Tensor:
+    """2^e exactly for integer-valued e (normal range of `dtype`: fp64 |e| <= 1022, fp32 |e| <= 126), from
+    the exponent bits: no transcendental function involved."""
+    if dtype == torch.float64:
+        return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def exp2(x: torch.Tensor) -> torch.Tensor:
+    """2^x of fp32 x <= 0 (the shifts to a max the invariant path takes), the same bits wherever x sits.
+    x = k + f with k = floor(x + 1/2), |f| <= 1/2; 2^f from its degree-8 Taylor polynomial in fp64
+    (truncation < 2e-10 relative), times 2^k exactly, rounded once to fp32: within 0.51 ulp. Results below
+    2^-126 (x < -126) are 0, -inf gives 0, NaN stays NaN; x > 0 is outside the contract (capped at 2^127)."""
+    xd = x.to(torch.float64).clamp(-127.0, 127.0)  # NaN passes through clamp
+    k = torch.floor(xd + 0.5)
+    f = xd - k
+    p = torch.full_like(f, _EXP2_TAYLOR[0])
+    for c in _EXP2_TAYLOR[1:]:
+        p = p * f + c
+    k = torch.where(torch.isnan(k), torch.zeros_like(k), k)
+    y = (p * pow2(k)).to(torch.float32)
+    y = torch.where(x < -126.0, torch.zeros_like(y), y)
+    return torch.where(torch.isnan(x), x, y)
+
+
+def log(s: torch.Tensor) -> torch.Tensor:
+    """Natural log of fp64 s > 0 (the folded exp-sums, >= 1), the same bits wherever s sits: s = m · 2^e
+    with m in [1/√2, √2) (frexp is exact), log m = 2 atanh(u), u = (m - 1) / (m + 1), |u| <= 0.172, from 14
+    terms of its series (truncation < 1e-22), plus e · ln 2. Relative error a few fp64 ulp; the callers round
+    to fp32. s = 0 gives -inf, non-positive or non-finite s NaN (the rows invariant mode reports as bad)."""
+    m, e = torch.frexp(s)
+    low = m < 0.5 ** 0.5
+    m = torch.where(low, m * 2.0, m)
+    e = (e - low.to(e.dtype)).to(torch.float64)
+    u = (m - 1.0) / (m + 1.0)
+    u2 = u * u
+    p = torch.full_like(u, _LOG_SERIES[0])
+    for c in _LOG_SERIES[1:]:
+        p = p * u2 + c
+    y = e * LN2 + 2.0 * u * p
+    y = torch.where(s == 0, torch.full_like(y, float("-inf")), y)
+    return torch.where((s < 0) | ~torch.isfinite(s), torch.full_like(y, float("nan")), y)
+
+
 def segments(valid: int) -> int:
     """Segments covering `valid` columns starting at a segment boundary."""
     return -(-valid // SEG)
@@ -66,8 +120,8 @@ def sum_scales(mx: torch.Tensor, mn: torch.Tensor):
     r = torch.maximum(mx.abs(), mn.abs()).to(torch.float64)
     r = torch.where(torch.isfinite(r), r, torch.zeros_like(r))
     _, e = torch.frexp(r)  # r = f · 2^e, 0.5 <= f < 1 (e = 0 for r = 0)
-    e = e.clamp(_E_MIN, _E_MAX).to(torch.float64)
-    return torch.exp2(FRAC_BITS - e).float(), torch.exp2(FRAC_BITS - 2 * e).float()
+    e = e.clamp(_E_MIN, _E_MAX)
+    return pow2(FRAC_BITS - e).float(), pow2(FRAC_BITS - 2 * e).float()
 
 
 def fold_segments(seg: torch.Tensor, mx: torch.Tensor, inv_t, scales=None) -> torch.Tensor:
@@ -82,7 +136,7 @@ def fold_segments(seg: torch.Tensor, mx: torch.Tensor, inv_t, scales=None) -> to
     d2 = (rmax - mx) * c  # base-2 shift of each segment to the global max, <= 0
     empty = s == 0
     d2 = torch.where(empty, torch.zeros_like(d2), d2)
-    w = torch.exp2(d2)
+    w = exp2(d2)
     ts = s * w
     ta = torch.where(empty, torch.zeros_like(a), w * (a + (d2 * LN2) * s))
     one = float(2 ** FRAC_BITS)
@@ -127,7 +181,7 @@ def finish(q: torch.Tensor, zy: torch.Tensor, mx: torch.Tensor, mn: torch.Tensor
     a = q[1].to(torch.float64) * f
     bad = q[2] > 0
     big_m = (mx * inv_t).to(torch.float64)  # the tempered max, exactly as every segment saw it
-    log_s = torch.log(s)
+    log_s = log(s)
     lse64 = big_m + log_s
     nan = torch.full_like(mx, float("nan"))
 
@@ -157,7 +211,7 @@ def segment_stats_torch(r: torch.Tensor, inv_t, valid_cols: int, sums: bool) -> 
     rmax = v.amax(-1)
     c = inv_t * LOG2E if not torch.is_tensor(inv_t) else (inv_t.float() * LOG2E).view(R, 1, 1)
     d2 = (v - rmax[..., None]) * c
-    e = torch.exp2(d2)
+    e = exp2(d2)
     s = e.sum(-1)
     a = torch.where(e == 0, torch.zeros_like(e), d2 * e).sum(-1) * LN2
     rows = [rmax, s, a]

@@ -85,12 +85,19 @@ def _weight_block(weight, start: int, vv: int, g0: int, hidden) -> tuple:
         pad = weight.new_zeros((INV_COLS, h))
         pad[lo - g0:hi - g0] = wb
         wb = pad
-    return lo, hi, (wb.t() if _half_gemm(hidden) else wb.t().to(acc))
+    return lo, hi, (wb.t() if _half_gemm(hidden) else _fresh(wb.t(), acc))
+
+
+def _fresh(x: torch.Tensor, dtype) -> torch.Tensor:
+    """x as `dtype` in memory of its own. An fp32 block is otherwise a view into the weight or the hidden
+    states at an offset that follows the TP shard or the row count, and a CPU BLAS may take another kernel
+    for another alignment; a fresh allocation has the allocator's alignment on every call."""
+    return x.to(dtype, copy=True)
 
 
 def _hidden_block(hidden, t0: int):
     hb = _row_block(hidden, t0, INV_ROWS)
-    return hb if _half_gemm(hidden) else hb.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+    return hb if _half_gemm(hidden) else _fresh(hb, torch.float64 if hidden.dtype == torch.float64 else torch.float32)
 
 
 def add_sparse_columns(dl: torch.Tensor, sparse, t0: int, t1: int, v0: int, v1: int) -> None:
