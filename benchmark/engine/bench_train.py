@@ -30,19 +30,24 @@ from areal_lce.engine.microbatch import MicroBatch
 from ..harness import run_meta, sync, write_json
 
 
-def _engine(args, fused: bool, trainable: bool = True):
+def _engine(args, fused: bool, trainable: bool = True, route: str = ""):
+    """The engine of a route: fused / materialised / megatron as their flag sets them; fused_cache: the fused
+    route with a logits-cache budget that holds any micro-batch's fp32 logits; megatron_fusedce: megatron's
+    own loss with model.cross_entropy_loss_fusion on."""
     from areal_lce.engine.config import EngineConfig, LCEConfig, ModelConfig, OptimConfig, ParallelConfig
     from areal_lce.engine.engine import MegatronEngine
 
+    cache = args.lce_cache_bytes if args.lce_cache_bytes == "auto" else int(args.lce_cache_bytes)
     cfg = EngineConfig(
         model=ModelConfig(preset=args.preset, dtype="auto", max_seq_len=max(args.seq, 64),
                           vocab_size=args.vocab, num_layers=args.layers,
-                          rope_fusion=getattr(args, "rope_fusion", "on") == "on"),
+                          rope_fusion=getattr(args, "rope_fusion", "on") == "on",
+                          cross_entropy_loss_fusion=route == "megatron_fusedce"),
         parallel=ParallelConfig(tensor_parallel=args.tp, sequence_parallel=args.sp),
         optim=OptimConfig(lr=1e-5, clip_grad=1.0), use_fused_linear_ce=fused, seed=1234,
         model_cuda_graphs={"auto": "auto", "on": True, "off": False}[getattr(args, "model_graphs", "auto")],
         lce=LCEConfig(
-            cache_bytes=args.lce_cache_bytes if args.lce_cache_bytes == "auto" else int(args.lce_cache_bytes),
+            cache_bytes=1 << 40 if route == "fused_cache" else cache,
             compact_ignored={"auto": "auto", "on": True, "off": False}[getattr(args, "compact_ignored", "auto")]))
     return MegatronEngine(cfg, trainable=trainable)
 
@@ -78,18 +83,22 @@ def sft_loss(n_micro: int, logprobs_only: bool = False):
     return _NLL(n_micro, logprobs_only)
 
 
-SFT_ROUTES = ("fused", "megatron", "materialised")  # megatron: flag off, megatron-core's own loss path
+# megatron: flag off, megatron-core's own loss path (megatron_fusedce: with its cross_entropy_loss_fusion);
+# fused_cache: the fused route with a logits cache that holds every micro-batch's logits
+SFT_ROUTES = ("fused", "fused_cache", "megatron", "megatron_fusedce", "materialised")
 
 
 def run_sft(args, route: str) -> dict:
-    eng = _engine(args, route == "fused")
+    if route not in SFT_ROUTES:
+        raise SystemExit(f"--routes: the sft job takes {', '.join(SFT_ROUTES)}, got {route!r}")
+    eng = _engine(args, route.startswith("fused"), route=route)
     times, losses, peaks, reserved = [], [], [], []
     try:
         for step in range(args.steps):
             mbs = _batches(args, eng.vocab_size, step)
             sync()
             t0 = time.perf_counter()
-            out = eng.train_step(mbs, sft_loss(len(mbs), route == "megatron"))
+            out = eng.train_step(mbs, sft_loss(len(mbs), route.startswith("megatron")))
             sync()
             times.append(time.perf_counter() - t0)
             losses.append(out["loss"])
