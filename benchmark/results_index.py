@@ -152,9 +152,10 @@ def check_record(root: Path, ms: dict) -> list:
     for f, m in ms.items():
         if m.get("status") == "current":
             current.setdefault(question(f), []).append(f)
+    asked = {question(f) for f in ms}
     for q in QUESTIONS:
         runs = current.get(q, [])
-        if len(runs) != 1:
+        if len(runs) > 1 or (q in asked and not runs):
             bad.append(f"question {q!r} has {len(runs)} current folders ({', '.join(runs) or 'none'}): "
                        "exactly one answers it, every other run of it is historical in archive/")
     for f, m in ms.items():
