@@ -7,8 +7,9 @@ Checked:
   is `results/<the question's current folder>` and whose headline's figures that folder's manifest holds;
 - docs/benchmarks.md above its "## Historical runs": every table row's figures (every cell but the first),
   held by the manifest of a current folder its section cites (`results/<folder>`);
-- every result path that a doc or a code comment cites resolves to a file or folder under results/, by its
-  name or a former one (results_index.resolve).
+- every result path that a doc or a code comment cites, and every result folder it names alone
+  (`h100_op_peers`), resolves to a file or folder under results/, by its name or a former one
+  (results_index.resolve).
 
 A figure is a decimal number (1.09, 20.5, 3.8e-06), a count of passes (71/71), or a whole number with a unit
 (115 ms, 94%, 40k, 8192 tokens, 80 GB, and each number of a run that ends in one: 115 vs 137 ms); not text
@@ -37,6 +38,8 @@ _ANY = re.compile(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 # (only `benchmark/results/<folder>`: docs/results/ holds the docs' own files)
 BARE = r"(?<![\w/])(?:\.\./)?(?:benchmark/)?results/([\w.\-]+(?:/[\w.\-]+)*)"
 FULL = r"(?<![\w/])(?:\.\./)?benchmark/results/([\w.\-]+(?:/[\w.\-]+)*)"
+# a result folder named alone, in prose ("(h100_select_stream, same kernels)"): `<card>[x<n>]_<question>_<what>`
+NAME = r"(?<![\w/.\-])((?:archive/)?(?:%s)(?:x\d+)?_[a-z0-9]+_[a-z0-9_]*[a-z0-9])(?![\w])" % "|".join(ri.CARDS)
 
 
 def figures(text: str) -> list:
@@ -146,10 +149,10 @@ def citing() -> list:
 
 
 def check_cited(doc: str, text: str, pattern: str, root: Path = ri.RESULTS, former: dict | None = None) -> list:
-    """The result paths that text (the file doc) cites and that resolve to nothing under root."""
+    """The result paths and folder names that text (the file doc) cites and that resolve to nothing under root."""
     former = ri.aliases(root) if former is None else former
     return [f"{doc}:{n}: cites benchmark/results/{p}, which does not exist"
-            for n, ln in enumerate(text.splitlines(), 1) for p in re.findall(pattern, ln)
+            for n, ln in enumerate(text.splitlines(), 1) for p in re.findall(pattern, ln) + re.findall(NAME, ln)
             if not ri.resolve(p.rstrip("."), root, former).exists()]
 
 

@@ -123,6 +123,9 @@ def test_a_cited_result_path_that_does_not_resolve_fails():
     assert rd.check_cited("x.md", text, rd.BARE) == []
     assert rd.check_cited("x.md", text + "benchmark/results/h100_op_gone/a.json\n", rd.BARE) == \
         ["x.md:3: cites benchmark/results/h100_op_gone/a.json, which does not exist"]
+    assert rd.check_cited("x.md", "(h100_select_stream, same kernels; archive/h100_select_picks)", rd.FULL) == []
+    assert rd.check_cited("x.md", "a later run (h100_select_gone, same kernels)", rd.FULL) == \
+        ["x.md:1: cites benchmark/results/h100_select_gone, which does not exist"]
     cited = dict(rd.citing())
     for doc in ("README.md", "docs/op.md", "benchmark/README.md", "torchrun/README.md", "areal_lce/engine/graphs.py",
                 "benchmark/op/lce_run.py"):
