@@ -111,8 +111,9 @@ def test_check_names_each_problem(tmp_path, capsys):
     assert ri.main(["--check", "--root", str(tmp_path)]) == 1  # invalid manifests: README not written
     assert not (tmp_path / "README.md").exists()
 
-    for bad in ("h100_op_no_manifest", "h100_op_bad_status", "archive/h100_op_current_inside", "archive/h100_op_dangling",
-                "archive/h100_op_unexplained", "h100_op_old_on_top", "h100_op_missing_key", "run5_old_scheme", "h100_op", "h100_kernels_sweep",
+    for bad in ("h100_op_no_manifest", "h100_op_bad_status", "archive/h100_op_current_inside",
+                "archive/h100_op_dangling", "archive/h100_op_unexplained", "h100_op_old_on_top", "h100_op_missing_key",
+                "run5_old_scheme", "h100_op", "h100_kernels_sweep",
                 "h100_op_claims_too", "h100_op_bad_formerly"):
         (tmp_path / bad / "manifest.json").unlink(missing_ok=True)
         (tmp_path / bad).rmdir()

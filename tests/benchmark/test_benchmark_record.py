@@ -79,7 +79,8 @@ def test_an_experiment_script_beside_a_current_run_fails(tmp_path):
 
 
 def test_figures_are_decimals_counts_and_numbers_with_units():
-    text = "4096×896×151936 | 8192 (4×2048) | **1.10** / 1.12 | 115 ms, 20.5 GiB | 71/71 | `1.5` | 94% | 3.8e-6 | TP=2"
+    text = ("4096×896×151936 | 8192 (4×2048) | **1.10** / 1.12 | 115 ms, 20.5 GiB | 71/71 | `1.5` | 94% | 3.8e-6 "
+            "| TP=2")
     assert [f[0] for f in rd.figures(text)] == ["1.10", "1.12", "115", "20.5", "71/71", "94", "3.8e-6"]
     held = "ratios 1.096 / 1.115; 115.2 ms, 20.46 GiB; gpu_check 71/71; 94% ignored; |dlogp| 3.8e-06"
     assert all(rd.held(f, held) for f in rd.figures(text))
@@ -110,11 +111,13 @@ def test_a_narration_table_figure_no_current_manifest_holds_fails():
     assert bad == [f"{rd.NARRATION}:{_line(text, row)}: figure 20.8 is in no manifest of the current folders its "
                    f"section cites ({_cited(bad)})"], bad
     # a table whose section cites only an archived run: its figures are in no current manifest
-    archived = "## A section\n\n`results/archive/h200x2_invariant_tp2/`\n\n| what | cost |\n|---|---|\n| TP=2 | 1.001 |\n"
+    archived = ("## A section\n\n`results/archive/h200x2_invariant_tp2/`\n\n"
+                "| what | cost |\n|---|---|\n| TP=2 | 1.001 |\n")
     assert rd.check_narration(archived + "\n" + text)[0].endswith("figure 1.001 is in no manifest of the current "
                                                                   "folders its section cites (none)")
     # prose and the historical sections are not checked tables
-    assert rd.check_narration(text.replace(rd.HISTORICAL, rd.HISTORICAL + "\n\n| a | b |\n|---|---|\n| x | 9.99 |")) == []
+    later = text.replace(rd.HISTORICAL, rd.HISTORICAL + "\n\n| a | b |\n|---|---|\n| x | 9.99 |")
+    assert rd.check_narration(later) == []
 
 
 def test_a_cited_result_path_that_does_not_resolve_fails():
