@@ -9,15 +9,19 @@ Every folder in benchmark/results/ and benchmark/results/archive/ holds a manife
     device         the machine, in words
     versions       {package: version}: torch, triton, python, and megatron_core or the peers where used
     date           YYYY-MM-DD of the run
-    status         current: the latest run of its question and the code as it stands;
+    status         current: the latest run of its question and the code as it stands (one per question);
                    historical: a later run replaces it, it measured older code, or it was a trial not kept
-    what           one line: what it measured
-    superseded_by  (optional) the folder, relative to results/, that replaces it
-    note           (optional) anything a reader of the numbers must know
+    what           one line: what it measured, with its figures
+    superseded_by  (historical runs) the folder, relative to results/, that replaced it: a later run of the
+                   question or, for a trial or probe, the question's current run; following it from any
+                   historical run ends at a current one
+    note           (optional) anything a reader of the numbers must know: what the run was for, targets met
+                   or missed, why a figure moved
     formerly       (optional) the folder's earlier names, relative to results/: `resolve` maps them
                    (and any path under them) to the folder, so notes and comments that cite them still work
-A historical run names superseded_by or says why in a note. Current runs live at the top level;
-historical ones move to archive/ once no doc quotes them.
+Current runs live at the top level, one per question of QUESTIONS; historical ones live in archive/. A current
+folder holds what came back from the device and no experiment script beyond the one its command runs; the
+scripts of trials and probes stay with their archived results.
 
 Folder names follow one scheme, `<device>_<question>_<what>`: the device (h100, h200x2: card and count),
 the question the run answers (one of QUESTIONS, the rows of benchmark/README.md) and a few words on what
@@ -35,11 +39,31 @@ RESULTS = Path(__file__).resolve().parent / "results"
 STATUSES = ("current", "historical")
 REQUIRED = ("command", "commit", "device", "versions", "date", "status", "what")
 OPTIONAL = ("superseded_by", "note", "formerly")
-# the questions of benchmark/README.md: op vs peers, tensor parallel, ignored rows, invariant logprobs, selected
-# ids / top-k, soft-capping, the materialised route, engine step, packing, rollout, context parallel, GPU
-# correctness checks, profiles
-QUESTIONS = ("op", "tp", "ignored", "invariant", "select", "softcap", "materialised", "train", "packing", "rollout",
-             "cp", "check", "profile")
+# The questions, one row each of benchmark/README.md's table, in its order: {key: question}. The key is the
+# `<question>` of a folder's name; each question has exactly one current folder (its latest run on the code as
+# it stands), every other run of it is historical and lives in archive/.
+QUESTIONS = {
+    "op": "The op against its peers (fwd, fwd+bwd, memory, accuracy)",
+    "invariant": "Invariant logprobs: bitwise checks and cost",
+    "select": "Selected ids and top-k (distillation)",
+    "softcap": "Soft-capping against Liger",
+    "ignored": "Ignored rows (RL prompts)",
+    "materialised": "The materialised route (lean) against megatron-core's CE + entropy",
+    "tp": "Tensor parallel over NCCL: checks, TP=1 vs TP=2 bitwise",
+    "train": "Engine step against megatron-core's own loss, one GPU",
+    "traintp2": "Engine step against megatron-core's own loss at TP=2+SP (0.5B and 7B)",
+    "largest": "The largest micro-batch each route trains, one GPU",
+    "largesttp2": "The largest 7B micro-batch at TP=2+SP",
+    "graphs": "CUDA graphs of the engine's model calls",
+    "packing": "Packed (THD) vs padded micro-batches",
+    "rollout": "Rollouts: KV cache and graphed decode",
+    "cp": "Context parallelism: a 32k sequence at CP=2",
+    "longest": "The longest sequence each route trains at CP=2",
+    "check": "GPU correctness sweep (op, capture, graphs, attention)",
+    "profile": "Where an engine step's time goes",
+}
+# files that are programs, not results: in a current folder only the one its manifest's `command` runs
+SCRIPTS = (".py", ".sh", ".diff")
 # the cards of the runs so far; a run on another card adds it here
 CARDS = ("h100", "h200", "h800", "h20", "a100", "b200", "gb200", "mi300x", "ascend910b")
 DEVICE = re.compile(r"(?P<card>[a-z0-9]+?)(?:x(?P<count>[2-9]|[1-9][0-9]+))?")
@@ -83,8 +107,10 @@ def check_manifest(root: Path, folder: str, m) -> list:
         bad.append(f"{where}: 'status' must be one of {STATUSES}, got {status!r}")
     elif status == "current" and archived:
         bad.append(f"{where}: a current run does not belong in results/archive/")
-    elif status == "historical" and not (m.get("superseded_by") or m.get("note")):
-        bad.append(f"{where}: a historical run names 'superseded_by' or says why in 'note'")
+    elif status == "historical" and not archived:
+        bad.append(f"{where}: a historical run belongs in results/archive/")
+    elif status == "historical" and not m.get("superseded_by"):
+        bad.append(f"{where}: a historical run names 'superseded_by' (the run that replaced it)")
     sup = m.get("superseded_by")
     if isinstance(sup, str) and sup:
         if status != "historical":
@@ -109,8 +135,44 @@ def check_name(folder: str) -> list:
         return [f"{folder}/: device {device!r} is not a card of {CARDS} with an optional x<count> (h200x2); "
                 "a new card goes into results_index.CARDS"]
     if question not in QUESTIONS:
-        return [f"{folder}/: question {question!r} is not one of {QUESTIONS}"]
+        return [f"{folder}/: question {question!r} is not one of {tuple(QUESTIONS)}"]
     return []
+
+
+def question(folder: str) -> str:
+    """The question a folder's name says it answers (`h100_op_peers` -> `op`)."""
+    return folder.removeprefix("archive/").split("_", 2)[1]
+
+
+def check_record(root: Path, ms: dict) -> list:
+    """Problems of the record as a whole, from {folder: manifest} of the valid manifests: one current folder per
+    question, every superseded_by chain ending at a current run, no stray scripts beside a current run."""
+    bad = []
+    current = {}
+    for f, m in ms.items():
+        if m.get("status") == "current":
+            current.setdefault(question(f), []).append(f)
+    asked = {question(f) for f in ms}
+    for q in QUESTIONS:
+        runs = current.get(q, [])
+        if len(runs) > 1 or (q in asked and not runs):
+            bad.append(f"question {q!r} has {len(runs)} current folders ({', '.join(runs) or 'none'}): "
+                       "exactly one answers it, every other run of it is historical in archive/")
+    for f, m in ms.items():
+        seen, at = [f], m
+        while at.get("status") == "historical" and at.get("superseded_by") in ms and at["superseded_by"] not in seen:
+            seen.append(at["superseded_by"])
+            at = ms[at["superseded_by"]]
+        if m.get("status") == "historical" and at.get("status") != "current":
+            bad.append(f"{f}/manifest.json: superseded_by leads {' -> '.join(seen)} and not to a current run")
+    for f in current.values():
+        for folder in f:
+            cmd = ms[folder].get("command", "")
+            for p in sorted((root / folder).rglob("*")):
+                if p.suffix in SCRIPTS and p.is_file() and p.name not in cmd:
+                    bad.append(f"{folder}/{p.relative_to(root / folder)}: a script beside a current run that its "
+                               "command does not run (trials and probes go to archive/ with their results)")
+    return bad
 
 
 def aliases(root: Path = RESULTS) -> dict:
@@ -138,7 +200,7 @@ def resolve(path: str, root: Path = RESULTS, former: dict | None = None) -> Path
 
 
 def problems(root: Path = RESULTS) -> list:
-    out = []
+    out, valid = [], {}
     names = folders(root)
     for folder in names:
         out += check_name(folder)
@@ -150,7 +212,11 @@ def problems(root: Path = RESULTS) -> list:
         except (OSError, ValueError) as e:
             out.append(f"{folder}/manifest.json: unreadable: {e}")
             continue
-        out += check_manifest(root, folder, m)
+        found = check_manifest(root, folder, m)
+        out += found
+        if not found:
+            valid[folder] = m
+    out += check_record(root, valid) if len(valid) == len(names) else []
     for old, new in sorted(aliases(root).items()):
         if len(new) > 1:
             out.append(f"former name {old!r} claimed by {len(new)} folders: {', '.join(new)}")
@@ -177,25 +243,38 @@ def render(root: Path = RESULTS) -> str:
         "     manifests, then rerun it (`--check` fails while this file is stale) -->",
         "",
         "One folder per device run, each with the files that came back and a `manifest.json` (command,",
-        "commit, device, versions, date, status, what). Names follow `<device>_<question>_<what>` (the questions",
-        "are the rows of `benchmark/README.md`). Status: **current**, the latest run of its question on the code",
-        "as it stands; **historical**, a later run replaces it (`superseded_by`), it measured older code, or it",
-        "was a trial not kept (its note says which). Historical runs that no doc quotes are in `archive/`.",
-        "A folder's earlier names are in its manifest (`formerly`) and in the last table: `results_index.resolve`",
-        "finds a folder by either. `docs/benchmarks.md` presents the numbers and `benchmark/notes.md` tells what",
-        "each run was for. The manifest format: `benchmark/results_index.py`.",
+        "commit, device, versions, date, status, what, and for a historical run the run that replaced it).",
+        "Names follow `<device>_<question>_<what>`. Each question (a row of `benchmark/README.md`) has one",
+        "**current** folder at the top level: its latest run on the code as it stands. Every other run is",
+        "**historical** and lives in `archive/`: a later run replaced it, it measured older code, or it was a",
+        "trial or probe not kept (its note says which); `superseded_by` leads from it to a current run.",
+        "A folder's earlier names are in its manifest (`formerly`) and in the table of former names:",
+        "`results_index.resolve` finds a folder by either. `docs/benchmarks.md` presents the numbers; what each",
+        "run was for is in its manifest's `what` and `note` (below). The manifest format:",
+        "`benchmark/results_index.py`.",
+        "",
+        "## Current: one run per question",
+        "",
+        "| question | folder | date | commit | device | what |",
+        "|---|---|---|---|---|---|",
     ]
-    for title, group in (("Runs", [f for f in ms if not f.startswith("archive/")]),
-                         ("Archive", [f for f in ms if f.startswith("archive/")])):
-        group = sorted(group, key=lambda f: (STATUSES.index(ms[f]["status"]), ms[f]["date"], _natural(f)))
-        lines += ["", f"## {title}", "", "| folder | status | date | commit | device | what |",
-                  "|---|---|---|---|---|---|"]
-        for f in group:
+    current = {question(f): f for f, m in ms.items() if m["status"] == "current"}
+    for q, title in QUESTIONS.items():
+        f = current.get(q)
+        if f is not None:
             m = ms[f]
-            status = m["status"] + (f", superseded by [{m['superseded_by']}]({m['superseded_by']}/)" if m.get("superseded_by")
-                                    else "")
-            lines.append(f"| [{f}]({f}/) | {status} | {m['date']} | {m['commit']} | {_cell(m['device'])} | "
+            lines.append(f"| {_cell(title)} | [{f}]({f}/) | {m['date']} | {m['commit']} | {_cell(m['device'])} | "
                          f"{_cell(m['what'])} |")
+    archived = sorted((f for f in ms if ms[f]["status"] != "current"),
+                      key=lambda f: (list(QUESTIONS).index(question(f)) if question(f) in QUESTIONS else len(QUESTIONS),
+                                     ms[f]["date"], _natural(f)))
+    lines += ["", "## Archive", "", "| folder | superseded by | date | commit | device | what |",
+              "|---|---|---|---|---|---|"]
+    for f in archived:
+        m = ms[f]
+        sup = m.get("superseded_by", "")
+        lines.append(f"| [{f}]({f}/) | {f'[{sup}]({sup}/)' if sup else ''} | {m['date']} | {m['commit']} | "
+                     f"{_cell(m['device'])} | {_cell(m['what'])} |")
     old = aliases(root)
     if old:
         lines += ["", "## Former names", "", "| former name | folder |", "|---|---|"]

@@ -2,8 +2,8 @@
 
 Why: on a small model the eager step is limited by the host, not the GPU. A 0.5B SFT step of two 8192-
 token micro-batches issues ~3600 kernels from megatron-core's eager modules (about 180 ms of GPU work)
-and the host takes longer than that to issue them (benchmark/notes.md). A replayed graph issues the
-same kernels in one call.
+and the host takes longer than that to issue them (benchmark/results/archive/h100_train_rope_fusion). A
+replayed graph issues the same kernels in one call.
 
 What is captured, per key (packed length T, number of sequences, temperature, with or without grad, the
 LM head's compact_ignored choice; the route's other options, engine.lce's backend, invariant and logits

@@ -52,9 +52,9 @@ def paired(fn, gemm, rounds, rep, grad_to_none=None):
     calls, in the steady state the floor is defined in, reached by PAIRED_WARMUP_MS of warm-up calls: on
     a power-capped H100 the clock follows each kernel's power draw with a lag, and after 50 ms of
     warm-up a loop still ran at the clock the previous loop's kernel left (16384x4096 forward rounds
-    1.15 -> 1.08 in one provider, benchmark/notes.md). Alternating the GEMM and fn call by call instead
-    (bench_alternating) hands every call the other's clock and cost the fused kernels 3-8%. The first
-    PAIRED_DISCARD rounds are run and dropped."""
+    1.15 -> 1.08 in one provider, benchmark/results/archive/h100_op_warm_rounds). Alternating the GEMM and fn
+    call by call instead (bench_alternating) hands every call the other's clock and cost the fused kernels
+    3-8%. The first PAIRED_DISCARD rounds are run and dropped."""
     times, ratios, gemms = [], [], []
     for i in range(max(1, rounds) + PAIRED_DISCARD):
         g = bench(gemm, rep=rep, warmup=PAIRED_WARMUP_MS)["ms"]

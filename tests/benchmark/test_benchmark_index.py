@@ -1,7 +1,8 @@
 """benchmark/results/: every result folder has a valid manifest.json and a name of the one scheme, README.md
 is the index generated from them (`python -m benchmark.results_index --check`), every former folder name
-still finds its folder, the docs point at folders that exist, and the docs' first-measurements table is
-what `bench_lce --merge` prints from the committed result files.
+still finds its folder, and the docs' first-measurements table is what `bench_lce --merge` prints from the
+committed result files. The record's shape (one current run per question) and the docs' figures and paths:
+test_benchmark_record.py.
 """
 import json
 import re
@@ -26,7 +27,9 @@ archive/h100_backward_overlap_trials archive/h100_engine_syncfree archive/h100_g
 archive/h100_kernel_trials archive/run11_gpu_check_chunks archive/run12_tma_store_sweep
 archive/run2_correctness_sweep archive/run4_bench_small_qwen7b archive/run5_areal_small_qwen7b
 archive/run5_bench_large archive/run5_chunk_gemms archive/run6_bench_small_qwen7b
-archive/run7_label_split_tpp""".split()
+archive/run7_label_split_tpp h100_op_run8_final_small_qwen7b h100_select_softcap_stream
+h200x2_tp_select_materialised h200x2_train_tp2_megatron_own h100_train_largest_grpo_lean h200x2_train_tp2_7b_largest
+h100_train_model_graphs h200x2_cp_long_decode_tp2 h200_check_after_split h100_softcap_liger_tiles""".split()
 
 
 def test_every_result_folder_has_a_valid_manifest_and_name():
@@ -56,6 +59,8 @@ def test_every_former_name_resolves():
         assert (RESULTS / old[name][0] / "manifest.json").is_file(), name
         assert not (RESULTS / name).exists(), name  # the old folder is gone: the name moved
     assert ri.resolve("run8_final_small_qwen7b/bench_lce.json").is_file()
+    assert ri.resolve("h100_op_run8_final_small_qwen7b/bench_lce.json") == \
+        RESULTS / "archive" / "h100_op_run8_final_small_qwen7b" / "bench_lce.json"
     assert ri.resolve("archive/h100_alternating_pairs/probe_ab.log") == \
         RESULTS / "archive" / "h100_op_alternating_pairs" / "probe_ab.log"
     assert ri.resolve("h100_op_peers/gpu_check") == RESULTS / "h100_op_peers" / "gpu_check"  # current names pass
@@ -78,8 +83,9 @@ def test_check_names_each_problem(tmp_path, capsys):
     put("h100_op_no_manifest", None)
     put("h100_op_bad_status", _manifest(status="cited"))
     put("archive/h100_op_current_inside", _manifest())
-    put("h100_op_dangling", _manifest(status="historical", superseded_by="nowhere"))
-    put("h100_op_unexplained", _manifest(status="historical"))
+    put("archive/h100_op_dangling", _manifest(status="historical", superseded_by="nowhere"))
+    put("archive/h100_op_unexplained", _manifest(status="historical", note="a trial"))
+    put("h100_op_old_on_top", _manifest(status="historical", superseded_by="h100_op_good"))
     put("h100_op_missing_key", _manifest(commit=None, colour="blue", date="22.11.2026"))
     put("run5_old_scheme", _manifest())
     put("h100_op", _manifest())
@@ -91,8 +97,9 @@ def test_check_names_each_problem(tmp_path, capsys):
     for expected in ("h100_op_no_manifest/: no manifest.json",
                      "h100_op_bad_status/manifest.json: 'status' must be one of",
                      "archive/h100_op_current_inside/manifest.json: a current run does not belong",
-                     "h100_op_dangling/manifest.json: superseded_by 'nowhere'",
-                     "h100_op_unexplained/manifest.json: a historical run names",
+                     "archive/h100_op_dangling/manifest.json: superseded_by 'nowhere'",
+                     "archive/h100_op_unexplained/manifest.json: a historical run names 'superseded_by'",
+                     "h100_op_old_on_top/manifest.json: a historical run belongs in results/archive/",
                      "h100_op_missing_key/manifest.json: missing 'commit'", "unknown key 'colour'",
                      "'date' must be YYYY-MM-DD", "run5_old_scheme/: device 'run5' is not a card", "h100_op/: name does not follow <device>_<question>_<what>",
                      "h100_kernels_sweep/: question 'kernels' is not one of",
@@ -104,8 +111,9 @@ def test_check_names_each_problem(tmp_path, capsys):
     assert ri.main(["--check", "--root", str(tmp_path)]) == 1  # invalid manifests: README not written
     assert not (tmp_path / "README.md").exists()
 
-    for bad in ("h100_op_no_manifest", "h100_op_bad_status", "archive/h100_op_current_inside", "h100_op_dangling",
-                "h100_op_unexplained", "h100_op_missing_key", "run5_old_scheme", "h100_op", "h100_kernels_sweep",
+    for bad in ("h100_op_no_manifest", "h100_op_bad_status", "archive/h100_op_current_inside",
+                "archive/h100_op_dangling", "archive/h100_op_unexplained", "h100_op_old_on_top", "h100_op_missing_key",
+                "run5_old_scheme", "h100_op", "h100_kernels_sweep",
                 "h100_op_claims_too", "h100_op_bad_formerly"):
         (tmp_path / bad / "manifest.json").unlink(missing_ok=True)
         (tmp_path / bad).rmdir()
@@ -119,31 +127,12 @@ def test_check_names_each_problem(tmp_path, capsys):
     assert "is stale" in capsys.readouterr().err
 
 
-# where a folder is cited as `results/NAME` (the benchmark pages) or only as `benchmark/results/NAME`
-_BARE = r"(?<![\w/])(?:\.\./)?(?:benchmark/)?results/([\w.\-]+(?:/[\w.\-]+)*)"
-_FULL = r"(?<![\w/])(?:\.\./)?benchmark/results/([\w.\-]+(?:/[\w.\-]+)*)"
-DOCS = [("docs/benchmarks.md", _BARE), ("benchmark/notes.md", _BARE), ("benchmark/README.md", _BARE),
-        ("README.md", _FULL), ("areal_lce/backends/triton/configs.py", _FULL), ("areal_lce/engine/batch.py", _FULL)]
-DOCS += [(str(p.relative_to(REPO)), _FULL) for p in sorted((REPO / "docs").glob("*.md"))
-         if p.name != "benchmarks.md"]
-
-
-@pytest.mark.parametrize("doc,pattern", DOCS, ids=[d for d, _ in DOCS])
-def test_result_paths_in_docs_exist(doc, pattern):
-    """Every result folder a doc or comment names exists, under its name or a former one."""
-    paths = re.findall(pattern, (REPO / doc).read_text(encoding="utf-8"))
-    former = ri.aliases(RESULTS)
-    for p in paths:
-        assert ri.resolve(p.rstrip("."), RESULTS, former).exists(), \
-            f"{doc} names benchmark/results/{p}, which does not exist"
-
-
 def test_docs_table_is_the_merge_of_the_committed_runs(tmp_path, capsys):
     """docs/benchmarks.md's first-measurements table: `bench_lce --merge` of run8 and run9, from the result files."""
     from benchmark.op import bench_lce
 
-    files = [RESULTS / "h100_op_run8_final_small_qwen7b" / "bench_lce.json",
-             RESULTS / "h100_op_run9_final_large" / "bench_lce.json"]
+    files = [RESULTS / "archive" / "h100_op_run8_final_small_qwen7b" / "bench_lce.json",
+             RESULTS / "archive" / "h100_op_run9_final_large" / "bench_lce.json"]
     assert bench_lce.main(["--merge", ",".join(map(str, files)), "--out", str(tmp_path)]) == 0
     rows = [ln for ln in capsys.readouterr().out.splitlines() if re.match(r"\| \d+×", ln)]
     docs = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
@@ -151,4 +140,4 @@ def test_docs_table_is_the_merge_of_the_committed_runs(tmp_path, capsys):
     for row in rows:
         assert row in docs, row
     assert (tmp_path / "bench_lce.csv").read_text() == \
-        (RESULTS / "h100_op_run8_run9_combined" / "bench_lce.csv").read_text()
+        (RESULTS / "archive" / "h100_op_run8_run9_combined" / "bench_lce.csv").read_text()

@@ -1,7 +1,7 @@
 """Block sizes and workspace budgets of the Triton backend (the kernels hold none).
 
-GPU tiles were picked by `python -m benchmark.op.bench_lce --sweep` on an H100 (benchmark/notes.md says
-which run); the interpreter gets one small tile that keeps CPU tests fast (fewer, larger programs).
+GPU tiles were picked by `python -m benchmark.op.bench_lce --sweep` on an H100 (benchmark/results/archive/
+h100_op_run3_tma_sweep); the interpreter gets one small tile that keeps CPU tests fast (fewer, larger programs).
 `tuning()` lets a benchmark sweep swap tiles and load options for a block of calls, without touching
 the launcher.
 """
@@ -24,7 +24,7 @@ class TileConfig:
     maxnreg: int = 0  # >0: cap registers per thread (e.g. 128 lets two 8-warp programs share an SM)
 
 
-# Hopper (sm_90) bf16/fp16 defaults, from the H100 sweep in benchmark/results/h100_op_run3_tma_sweep (TMA loads):
+# Hopper (sm_90) bf16/fp16 defaults, from the H100 TMA-load sweep in results/archive/h100_op_run3_tma_sweep:
 # at 8192x4096x151936 the forward kernel ran 14.24 ms (0.995x the cuBLAS logits GEMM) and the backward
 # recompute kernel 15.87 ms with 128x256x64 tiles, 8 warps, 3 stages; 128x128 tiles were 6-10% slower.
 FWD_GPU = TileConfig(block_n=128, block_v=256, block_k=64, group_n=16, num_warps=8, num_stages=3)
@@ -50,7 +50,7 @@ CACHE_COLS = 256  # logits-cache column slab (kernels.py): one [BLOCK_N, 256] ti
 # Backward d_logits workspace [N, V_chunk] budget (bytes): at most WORKSPACE_BYTES, and shrunk so that
 # workspace + fp32 d_hidden (4·N·H) stay within BACKWARD_BYTES (never below MIN_WORKSPACE_BYTES).
 # At N=32768, H=2048 that keeps the backward's extra memory at most 0.5 GiB: 4096-column chunks there
-# (BACKWARD_BYTES was 480 MiB, 3584 columns: fwd+bwd 2.7% slower in benchmark/results/h100_op_chunk_budget).
+# (BACKWARD_BYTES was 480 MiB, 3584 columns: fwd+bwd 2.7% slower in benchmark/results/archive/h100_op_chunk_budget).
 WORKSPACE_BYTES = int(os.environ.get("AREAL_LCE_TRITON_WORKSPACE_MB", "256")) * (1 << 20)
 BACKWARD_BYTES = 512 * (1 << 20)
 MIN_WORKSPACE_BYTES = 64 * (1 << 20)

@@ -10,7 +10,7 @@ No allocation or host logic here (launch.py owns both):
                         another pass), and optionally the fp32 tempered logits (cache).
                         z_label comes from the same accumulator as the max and the sum, so logprob =
                         z_label - lse keeps their rounding correlated (a separate row dot gave 7-20x
-                        worse max |dlogp| on an H100, benchmark/notes.md run7).
+                        worse max |dlogp| on an H100, benchmark/results/archive/h100_op_run7_label_split_tpp).
   lce_fwd_merge_kernel  merges the per-split partials of each token in a fixed split order.
   lce_bwd_kernel        persistent over one vocab chunk's tiles: recomputes (or reads from the cache)
                         each logits tile in fp32 registers and writes d_logits = dz / T without the

@@ -22,7 +22,7 @@ TRANSPOSE_TILE = 64
 # shard's columns. That epilogue costs ~6 more operations per logit (N·V of them on each rank) and spares the
 # top-k all but ~2 of a row's k chosen segments; without it each rank recomputes all k of its chosen segments (a
 # GEMM of N·k·128·H, reading W once per segment). On an H100 the break-even lies between k·H/V = 0.2 and 0.5
-# (results/h100_select_topk_route: both ways at k = 8, 16, 64 and the four benchmark shapes, the same bits).
+# (results/archive/h100_select_topk_route: both ways at k = 8, 16, 64 and the four benchmark shapes, the same bits).
 TOP_KH_PER_ID = 0.4
 
 

@@ -40,7 +40,7 @@ PLAN_ROWS = 4 if INTERPRET else 2
 # the forward takes selected ids from its tiles when K · H >= PICK_KH_PER_ID · vocab_size: what that costs (the
 # plan, the plane's loads and a store per segment) does not grow with K, while the gather it spares reads K·H·2
 # bytes per row, so the break-even K grows as V / H; on an H100 it lies between K·H/V = 0.4 and 0.9
-# (results/h100_select_picks/route.log: both routes at K = 8 to 64 and the four benchmark shapes)
+# (results/archive/h100_select_picks/route.log: both routes at K = 8 to 64 and the four benchmark shapes)
 PICK_KH_PER_ID = 0.75
 PAIR_P, PAIR_H, PAIR_PROGRAMS_PER_SM = 16, 64, 4
 
@@ -159,7 +159,7 @@ def _inv_t_args(inv_t, like: torch.Tensor):
 
 
 # segment_best_kernel: maxima compared per row and step, rows per program (GPU: one row on one warp, 72 registers;
-# 512 maxima per step or 2 warps were no faster, results/h100_select_topk_lists/profiles.log)
+# 512 maxima per step or 2 warps were no faster, results/archive/h100_select_topk_lists/profiles.log)
 BEST_CHUNK = 256
 BEST_ROWS = 16 if INTERPRET else 1
 TOPK_CHUNK = 128  # candidates candidate_topk_kernel counts at a time (a row has about k of them)
@@ -168,7 +168,7 @@ TOPK_ROWS = 64 if INTERPRET else 4  # rows per candidate_topk_kernel program (4 
 TOPK_SPILL = 128  # candidate slots per row beyond its kk stored maxima (a row needs about 2 more for k = 64)
 OVERFLOW_PROGRAMS_PER_SM = 2  # overflow_topk_kernel: programs per SM striding over the rows
 # listed_candidates_kernel: programs per SM striding over the tasks, warps of a 64-row recompute task (2 and 4:
-# the fastest of the variants in results/h100_select_topk_lists/profiles.log)
+# the fastest of the variants in results/archive/h100_select_topk_lists/profiles.log)
 LISTED_PROGRAMS_PER_SM = 2
 RECOMPUTE_WARPS = 4
 
@@ -217,7 +217,7 @@ def _recompute_tile(h: int, dtype: torch.dtype):
     """The forward's tile, with 64-row tasks (one warpgroup) where it has 128 rows in two: the same
     tensor-core accumulation per row (tests/backends/test_triton_select_rank.py checks the bits on a GPU),
     half the work for the few rows a segment's recompute usually has (128-row tasks were no faster when
-    every chosen segment is recomputed either: results/h100_select_topk_route)."""
+    every chosen segment is recomputed either: results/archive/h100_select_topk_route)."""
     cfg = configs.tile("fwd", fp32=dtype == torch.float32, interpret=INTERPRET, H=h)
     if cfg.block_n == 128 and cfg.num_warps == 8:
         cfg = replace(cfg, block_n=64, num_warps=RECOMPUTE_WARPS)
