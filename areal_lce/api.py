@@ -17,7 +17,6 @@ from .checks import check_temperature, inv_temperature  # noqa: F401  (public he
 from .checks import (LOGITS_PRECISIONS, check_invariant_layout, check_logits_precision,  # noqa: F401
                      resolve_invariant)
 from .backends import get_backend, resolve_backend
-from .device import auto_cache_bytes
 from .function import LinearLogprobsEntropy
 from .types import LCEOutput, LCEParams, VocabParallel
 
@@ -115,14 +114,31 @@ def check_vocab_parallel(vocab_parallel, removed: dict, what: str = "linear_logp
     return vocab_parallel
 
 
+# cache_bytes="auto": keep the fp32 logits (4·N·V_shard bytes) for the backward when the hidden size is at least
+# AUTO_CACHE_MIN_HIDDEN and they take at most AUTO_CACHE_BYTES. Measured on one H200 (benchmark/results/
+# h200_head_cache_defaults): at H = 3584 (a 7B model's TP=2 rank, V_shard = 76032) the cache takes the head's
+# forward + backward from 0.93x to 0.75x of megatron-core's output GEMM + vocab_parallel_cross_entropy at 8k
+# and 16k tokens (the recompute is a 2NHV GEMM, the cache one write and one read of 4NV bytes); at H = 896 (the
+# 0.5B presets) the recompute costs less than that traffic and the SFT step was 1.03x slower with the cache.
+# 6 GiB holds a 16k-token micro-batch of a 152k vocabulary at TP=2 (4.64 GiB) or of 8192 x 151936 at TP=1.
+AUTO_CACHE_MIN_HIDDEN = 2048
+AUTO_CACHE_BYTES = 6 << 30
+
+
+def auto_cache_bytes(hidden_size: int) -> int:
+    """The budget of cache_bytes="auto" for this hidden size: a function of the shape alone, never of the
+    device's free memory, so a resumed run and a CUDA-graph capture take the path the first call took."""
+    return AUTO_CACHE_BYTES if hidden_size >= AUTO_CACHE_MIN_HIDDEN else 0
+
+
 @torch.compiler.assume_constant_result
 def _resolve(backend: str, device: torch.device, dtype: torch.dtype, cache_bytes, check_labels, compact_ignored,
-             invariant=None):
+             invariant=None, hidden_size: int = 0):
     """(backend name, cache budget in bytes, check mode, compact_ignored, invariant): host-side choices that
-    depend on the device only (torch.compile evaluates this once while tracing and keeps the result as a
-    constant). compact_ignored None: partition unless the backend skips ignored rows itself."""
+    depend on the device and the shapes only (torch.compile evaluates this once while tracing and keeps the
+    result as a constant). compact_ignored None: partition unless the backend skips ignored rows itself."""
     if cache_bytes == "auto":
-        cache_bytes = auto_cache_bytes(device)
+        cache_bytes = auto_cache_bytes(hidden_size)
     elif isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
         raise ValueError(f"cache_bytes must be an int >= 0 or 'auto', got {cache_bytes!r}")
     if compact_ignored is not None and not isinstance(compact_ignored, bool):
@@ -228,7 +244,7 @@ def linear_logprobs_entropy(
         costs two reductions per logit in the forward epilogue.
     cache_bytes: logits-cache budget in bytes. When this rank's fp32 logits (4·N·V_shard bytes) fit it, the
         forward keeps them and the backward skips the recompute GEMM. Default 0: always recompute.
-        "auto": min(4 GiB, device memory / 8), at least 1 GiB (1 GiB on CPU).
+        "auto": 6 GiB when H >= 2048, else 0 (a function of the shapes: see auto_cache_bytes).
     backend: "auto" | "triton" | "triton_ascend" | "torch" | "reference" (see docs/backends.md);
         "auto" consults the AREAL_LCE_BACKEND environment variable, then the device.
     vocab_parallel: `VocabParallel(group, d_hidden=...)` when `weight` is this rank's vocab shard
@@ -308,7 +324,7 @@ def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_siz
     sel_ids, top_k, softcap = _check_extras(selected_ids, top_k, softcap, labels, hidden)
     asked = invariant is not None
     name, cache_bytes, check, compact_ignored, invariant = _resolve(
-        backend, hidden.device, hidden.dtype, cache_bytes, check_labels, compact_ignored, invariant)
+        backend, hidden.device, hidden.dtype, cache_bytes, check_labels, compact_ignored, invariant, hidden.shape[-1])
     v_shard = weight.shape[0]
     v_total = v_shard * tp
     if vocab_size is None:

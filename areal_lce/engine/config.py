@@ -193,9 +193,10 @@ class LCEConfig:
                                   "triton_ascend on NPU, else torch"}
     )
     cache_bytes: Union[int, str] = field(
-        default=0,
-        metadata={"help": "fused op may keep fp32 logits for backward up to this many bytes; 'auto': "
-                  "min(4 GiB, device memory / 8), at least 1 GiB (1 GiB on CPU); 0: always recompute"},
+        default="auto",
+        metadata={"help": "fused op may keep fp32 logits for backward up to this many bytes; 'auto' (the "
+                  "default): 6 GiB when the hidden size is >= 2048, else 0, chosen from the shapes alone "
+                  "(measured: docs/op.md, Logits cache); 0: always recompute"},
     )
     compact_ignored: Union[bool, str] = field(
         default="auto",

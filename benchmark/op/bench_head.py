@@ -12,6 +12,8 @@ its calls, L2 flushed), in `--rounds` rounds that alternate the providers; the r
                       mode on, deferred label checks); loss = -Σ logprobs
     fused_cache       the same with a logits-cache budget that holds this shape's fp32 logits (4·N·V bytes):
                       the backward reads them instead of recomputing the GEMM
+    fused_auto        cache_bytes="auto", the Megatron engine's default (engine.lce.cache_bytes): a budget
+                      chosen from the shapes (api.auto_cache_bytes)
     megatron          the output layer's GEMM (bf16 logits [N, V], as ColumnParallelLinear computes them) and
                       megatron.core.tensor_parallel.vocab_parallel_cross_entropy; loss = Σ CE
     megatron_fused    the same GEMM and megatron.core.fusions.fused_cross_entropy.fused_vocab_parallel_cross_entropy
@@ -33,7 +35,7 @@ import torch
 from ..harness import PeakMemory, bench, clean, log, parse_shapes, run_meta, write_json
 
 SHAPES = {"7b_tp2_8k": (8192, 3584, 76032), "7b_tp2_16k": (16384, 3584, 76032)}
-PROVIDERS = ("fused", "fused_cache", "megatron", "megatron_fused")
+PROVIDERS = ("fused", "fused_cache", "fused_auto", "megatron", "megatron_fused")
 
 
 def _init_megatron():
@@ -55,9 +57,9 @@ def providers(tp_group):
 
     from areal_lce import linear_logprobs_entropy
 
-    def fused(cache: bool):
+    def fused(cache):
         def fn(h, w, y):
-            cb = 4 * h.shape[0] * w.shape[0] + 1 if cache else 0
+            cb = cache if cache == "auto" else 4 * h.shape[0] * w.shape[0] + 1 if cache else 0
             return -linear_logprobs_entropy(h, w, y, cache_bytes=cb).logprobs.sum()
         return fn
 
@@ -68,7 +70,7 @@ def providers(tp_group):
                   else vocab_parallel_cross_entropy(logits, y[:, None]))
             return ce.sum()
         return fn
-    return {"fused": fused(False), "fused_cache": fused(True), "megatron": megatron(False),
+    return {"fused": fused(False), "fused_cache": fused(True), "fused_auto": fused("auto"), "megatron": megatron(False),
             "megatron_fused": megatron(True)}
 
 

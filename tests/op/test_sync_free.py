@@ -94,7 +94,7 @@ def test_default_check_mode_per_device():
 CASES = {
     "scalar_t": dict(temperature=0.8),
     "tensor_t": dict(temperature=PER_TOKEN),
-    "cache_auto": dict(temperature=1.3, cache_bytes="auto"),
+    "cache": dict(temperature=1.3, cache_bytes=1 << 30),  # a budget that holds the logits (auto keeps none at this H)
     "no_compact": dict(temperature=0.8, compact_ignored=False),
     "logit_sums": dict(temperature=PER_TOKEN, return_logit_sums=True),
 }
@@ -175,7 +175,7 @@ def test_triton_launcher_reads_nothing_on_the_host(monkeypatch):
         monkeypatch.setattr(launch, name, _StubKernel())
     monkeypatch.setattr(value_check, "check_labels_kernel", _StubKernel())
     hidden, weight, labels, temp = _inputs()
-    for kw in (dict(temperature=temp), dict(temperature=0.7, cache_bytes="auto")):
+    for kw in (dict(temperature=temp), dict(temperature=0.7, cache_bytes=1 << 30)):
         with no_host_reads():
             _run(hidden, weight, labels, backend="triton", check_labels="deferred", **kw)
 
