@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import zlib
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -41,7 +41,7 @@ SHARDED, STATE = "sharded", "state.pt"
 _PLAIN = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 _HINT = "the engine.model options or the tokenizer's vocabulary differ from those of the run that saved it"
 
-__all__ = ["CheckpointMismatch", "check_plain", "save_state", "load_state", "load_weights"]
+__all__ = ["CheckpointMismatch", "check_plain", "save_state", "load_state", "load_weights", "saved_vocab_size"]
 
 
 def rng_file(path: str, rank: int) -> str:
@@ -142,8 +142,13 @@ def _open(path: str, info: DistInfo, vocab_size: int) -> dict:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointMismatch(f"{path}/{STATE}: not an engine checkpoint of format {FORMAT!r}")
     if state["vocab_size"] != vocab_size:
+        # a run saved while engine.model.vocab_size: 0 meant the tokenizer's size resolves to the checkpoint
+        # config's / preset's now: it resumes only with its own vocabulary set explicitly
         raise CheckpointMismatch(f"checkpoint {path} does not fit this model: it was written for a vocabulary of "
-                                 f"{state['vocab_size']} tokens, this model has {vocab_size} ({_HINT})")
+                                 f"{state['vocab_size']} tokens, this model has {vocab_size} ({_HINT}; "
+                                 "engine.model.vocab_size: 0 takes the checkpoint config's or preset's vocab_size, "
+                                 f"not the tokenizer's: set engine.model.vocab_size={state['vocab_size']} to load it "
+                                 "with the vocabulary it was trained with)")
     return state
 
 
@@ -217,6 +222,15 @@ def load_weights(path: str, gpt, info: DistInfo, vocab_size: int) -> None:
         return
     _open(path, info, vocab_size)
     _load_model(gpt, _load_tensors(path, {"model": sharded.model_sharded_state(gpt)})["model"], path)
+
+
+def saved_vocab_size(path: str) -> Optional[int]:
+    """The true vocabulary `save`'s directory `path` was written for (None: the previous per-rank format, which
+    checks shapes only). Read without the manifest check that loading does (state.pt loads weights-only)."""
+    if state_v1.is_v1(path):
+        return None
+    state = sharded.load_plain(os.path.join(path, STATE))
+    return int(state["vocab_size"]) if isinstance(state, dict) and "vocab_size" in state else None
 
 
 def _load_v1(path: str, gpt, optimizer, info: DistInfo) -> Dict[str, int]:
