@@ -39,7 +39,7 @@ COUNTERS = ("step_count", "gen_calls")  # the engine's counters
 SHARDED, STATE = "sharded", "state.pt"
 # what torch.load(weights_only=True) rebuilds without an allowlist: the only leaves state files may hold
 _PLAIN = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
-_HINT = "the engine.model options or the tokenizer's vocabulary differ from those of the run that saved it"
+_HINT = "the engine.model options (engine.model.vocab_size included) differ from those of the run that saved it"
 
 __all__ = ["CheckpointMismatch", "check_plain", "save_state", "load_state", "load_weights", "saved_vocab_size"]
 
@@ -142,8 +142,7 @@ def _open(path: str, info: DistInfo, vocab_size: int) -> dict:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointMismatch(f"{path}/{STATE}: not an engine checkpoint of format {FORMAT!r}")
     if state["vocab_size"] != vocab_size:
-        # a run saved while engine.model.vocab_size: 0 meant the tokenizer's size resolves to the checkpoint
-        # config's / preset's now: it resumes only with its own vocabulary set explicitly
+        # a run trained over another vocabulary (e.g. its tokenizer's ids) resumes with that one set explicitly
         raise CheckpointMismatch(f"checkpoint {path} does not fit this model: it was written for a vocabulary of "
                                  f"{state['vocab_size']} tokens, this model has {vocab_size} ({_HINT}; "
                                  "engine.model.vocab_size: 0 takes the checkpoint config's or preset's vocab_size, "

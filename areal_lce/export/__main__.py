@@ -64,8 +64,7 @@ def export_checkpoint(step_dir, out_dir, *, dtype: Optional[str] = None, max_sha
     cfg = job_config(step_dir)
     tok = load_tokenizer(cfg.data.tokenizer)
     engine_cfg = dataclasses.replace(cfg.engine, model_cuda_graphs=False)
-    # the vocabulary the checkpoint was trained with (a run whose engine.model.vocab_size: 0 once meant the
-    # tokenizer's size exports those rows), else the job's (engine.model.vocab_size wins either way)
+    # the vocabulary the checkpoint was trained with (state.pt), else the job's; engine.model.vocab_size wins
     vocab = saved_vocab_size(str(step_dir / "engine")) or model_vocab_size(cfg, tok)
     engine = MegatronEngine(engine_cfg, vocab_size=vocab, trainable=False)
     load_weights(engine, step_dir)

@@ -43,8 +43,8 @@ def checkpoint(tmp_path_factory):
 def job_engine(checkpoint, *overrides) -> MegatronEngine:
     """The engine the SFT job builds on `checkpoint` with the builtin tokenizer; padding rows made dominant."""
     cfg = load_config(REPO / "configs" / "sft_tiny.yaml", [
-        f"engine.model.hf_checkpoint_dir={checkpoint}", "engine.model.max_seq_len=64", "data.max_seq_len=64", "engine.lce.backend=torch",
-        *overrides])
+        f"engine.model.hf_checkpoint_dir={checkpoint}", "engine.model.vocab_size=0", "engine.model.max_seq_len=64",
+        "data.max_seq_len=64", "engine.lce.backend=torch", *overrides])
     engine = MegatronEngine(cfg.engine, vocab_size=model_vocab_size(cfg, ByteTokenizer()), trainable=False)
     assert (engine.vocab_size, engine.gpt.vocab_size) == (ROWS, PADDED)
     w = engine.gpt.output_layer.weight
@@ -103,7 +103,8 @@ def test_a_tokenizer_with_fewer_ids_decodes_the_models_extra_ids_to_nothing(tmp_
 
 
 def test_a_model_vocabulary_smaller_than_the_tokenizer_is_refused(checkpoint):
-    cfg = load_config(REPO / "configs" / "sft_tiny.yaml", [f"engine.model.hf_checkpoint_dir={checkpoint}"])
+    cfg = load_config(REPO / "configs" / "sft_tiny.yaml", [f"engine.model.hf_checkpoint_dir={checkpoint}",
+                                                             "engine.model.vocab_size=0"])
     big = ByteTokenizer()
     big.vocab_size = ROWS + 1
     with pytest.raises(ValueError, match=r"vocabulary of 520 ids \(the vocab_size of .*\) is smaller than the "

@@ -25,9 +25,10 @@ ROWS = 520  # the checkpoint's rows (megatron pads them to 640); the builtin tok
 
 
 def _sft(src, out, *overrides):
-    """One SFT step at lr=0 on checkpoint `src` with the builtin 259-id tokenizer, saved at step 1."""
+    """One SFT step at lr=0 on checkpoint `src` with the builtin 259-id tokenizer, saved at step 1
+    (engine.model.vocab_size: 0, the default, unless an override sets it)."""
     return sft.run(load_config(REPO / "configs" / "sft_tiny.yaml", [
-        f"engine.model.hf_checkpoint_dir={src}", "engine.model.max_seq_len=64",
+        f"engine.model.hf_checkpoint_dir={src}", "engine.model.vocab_size=0", "engine.model.max_seq_len=64",
         "data.max_seq_len=64", f"trainer.output_dir={out}", "trainer.steps=1", "trainer.save_interval=1",
         "trainer.global_batch_size=2", "trainer.micro_batch_size=2", "trainer.progress=false",
         "trainer.sample_prompts=0", "engine.optim.warmup_steps=0", "engine.optim.lr=0", "engine.optim.min_lr=0",
@@ -46,9 +47,9 @@ def test_sft_then_export_keeps_every_row_of_the_checkpoint(tmp_path, family, tie
 
 
 def test_a_run_saved_with_the_tokenizers_vocabulary_resumes_only_when_told(tmp_path):
-    # a run trained over the tokenizer's 259 ids (what engine.model.vocab_size: 0 meant before it took the
-    # checkpoint config's vocab_size): resuming it with 0 is refused naming the option and the value to set;
-    # setting it resumes; its export keeps the vocabulary it was trained with
+    # a run trained over the tokenizer's 259 ids of the 520-row checkpoint: resuming it with
+    # engine.model.vocab_size: 0 (the checkpoint's 520) is refused naming the option and the value to set;
+    # setting it resumes; its export keeps the vocabulary it was trained with (state.pt's)
     src, run = tmp_path / "src", tmp_path / "run"
     make_checkpoint(src, "qwen2", True, vocab=ROWS)
     _sft(src, run, "engine.model.vocab_size=259")
