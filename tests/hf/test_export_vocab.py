@@ -60,3 +60,24 @@ def test_a_run_saved_with_the_tokenizers_vocabulary_resumes_only_when_told(tmp_p
     assert _sft(src, run, *resume, "engine.model.vocab_size=259")["step"] == 2
     assert export_main([str(ckpt.latest_checkpoint(run)), str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 259
+
+
+def test_grpo_samples_and_decodes_the_ids_the_tokenizer_lacks(tmp_path, monkeypatch):
+    from areal_lce.train import rl
+    from areal_lce.train.tokenizer import ByteTokenizer
+
+    # a GRPO step on the 520-row checkpoint: the rollouts draw from all 520 rows (about half of a random
+    # model's mass lies past the tokenizer's 259 ids), the rewards read their text (those ids decode to "")
+    src = tmp_path / "src"
+    make_checkpoint(src, "qwen2", True, vocab=ROWS)
+    seen = []
+    real = ByteTokenizer.decode
+    monkeypatch.setattr(ByteTokenizer, "decode", lambda self, ids, **kw: seen.extend(ids) or real(self, ids, **kw))
+    res = rl.run(load_config(REPO / "configs" / "grpo_tiny.yaml", [
+        f"engine.model.hf_checkpoint_dir={src}", "engine.model.vocab_size=0", "engine.lce.backend=torch",
+        f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=1", "trainer.save_interval=0",
+        "trainer.progress=false", "trainer.plot=false", "trainer.save_final=false", "trainer.micro_batch_size=8",
+        "rl.prompts_per_step=2", "rl.group_size=4",
+        "rl.max_new_tokens=4", "rl.minibatches=1"]))
+    assert res["step"] == 1
+    assert max(seen) < ROWS and sum(i >= 259 for i in seen) > len(seen) // 4, seen
