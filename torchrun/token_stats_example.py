@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-VOCAB = 1000  # the tokenizer's vocabulary; Megatron pads the embedding to a multiple of 128 x TP
+VOCAB = 1000  # the true vocabulary (an HF config's vocab_size); Megatron pads the embedding to a multiple of 128 x TP
 
 
 def build_model(tp: int, sequence_parallel: bool):

@@ -88,8 +88,11 @@ class ModelConfig:
     )
     vocab_size: int = field(
         default=0,
-        metadata={"help": "true vocabulary size override (0: from the tokenizer passed to the engine, "
-                  "else from the HF config / preset)"},
+        metadata={"help": "the model's true vocabulary, the ids its softmax runs over (0: the vocab_size of "
+                  "hf_checkpoint_dir's / hf_config_dir's config.json or of the preset, as vLLM and SGLang take "
+                  "it). With a checkpoint it may not exceed the checkpoint's rows; rows past it are masked like "
+                  "megatron's padding. Without one, the model is built with this many rows. The tokenizer may "
+                  "have fewer ids, not more"},
     )
 
     def __post_init__(self):

@@ -14,6 +14,9 @@ What runs where:
     requires_grad False, called without the DDP wrapper (no grad buffers) and with no optimizer;
     `token_stats(grad=False)`, `generate`, `save` / `load` and parameter copies work, training refuses.
 
+The true vocabulary (`self.vocab_size`, what every route normalises over and the sampler draws from) is
+engine.model.vocab_size, else the `vocab_size` argument, else the checkpoint config's / preset's
+(`builder.true_vocab_size`); only the rows past it (megatron's padding) are masked.
 The LM-head route is chosen once, at construction: `self.route` (route.py) from `use_fused_linear_ce`,
 `capture_seam` and `engine.lce` (backend, cache_bytes, invariant, logits_precision; compact_ignored is
 chosen per micro-batch); `token_stats`, `train_step` and `generate` all run through it, except that on the
@@ -55,7 +58,7 @@ from ..megatron.context_parallel import CPGroup
 from .config import EngineConfig
 from .metrics import StepShare, reduce_step
 from .microbatch import MicroBatch, check_microbatches
-from .model.builder import build_gpt_model, load_hf_checkpoint, resolve_arch, use_te_spec
+from .model.builder import build_gpt_model, load_hf_checkpoint, resolve_arch, true_vocab_size, use_te_spec
 from .optim import build_optimizer, lr_at, optimizer_step
 from .own_loss import check_temperature_one, logprobs_only, megatron_loss_call
 from .parallel import init_distributed, object_from_last_stage
@@ -78,12 +81,9 @@ class MegatronEngine:
         self.device = self.dist.device
         self.dtype = _resolve_dtype(cfg.model.dtype)
         arch = resolve_arch(cfg.model)
-        true_vocab = cfg.model.vocab_size or vocab_size or arch.vocab_size  # the config overrides
-        if cfg.model.hf_checkpoint_dir:
-            if true_vocab > arch.vocab_size:
-                raise ValueError(f"vocab_size={true_vocab} exceeds the checkpoint's vocab_size={arch.vocab_size}")
-        elif true_vocab != arch.vocab_size:
-            arch = dataclasses.replace(arch, vocab_size=true_vocab)
+        true_vocab = true_vocab_size(cfg.model, arch, vocab_size)
+        if not cfg.model.hf_checkpoint_dir and true_vocab != arch.vocab_size:
+            arch = dataclasses.replace(arch, vocab_size=true_vocab)  # a random-init model gets exactly those rows
         self.arch, self.vocab_size = arch, true_vocab
         d = self.dist
         self.tp_group, self.mp_group, self.dp_group, self.pp_group, self.cp_group = (

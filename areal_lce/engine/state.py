@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import zlib
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -39,9 +39,9 @@ COUNTERS = ("step_count", "gen_calls")  # the engine's counters
 SHARDED, STATE = "sharded", "state.pt"
 # what torch.load(weights_only=True) rebuilds without an allowlist: the only leaves state files may hold
 _PLAIN = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
-_HINT = "the engine.model options or the tokenizer's vocabulary differ from those of the run that saved it"
+_HINT = "the engine.model options (engine.model.vocab_size included) differ from those of the run that saved it"
 
-__all__ = ["CheckpointMismatch", "check_plain", "save_state", "load_state", "load_weights"]
+__all__ = ["CheckpointMismatch", "check_plain", "save_state", "load_state", "load_weights", "saved_vocab_size"]
 
 
 def rng_file(path: str, rank: int) -> str:
@@ -141,10 +141,19 @@ def _open(path: str, info: DistInfo, vocab_size: int) -> dict:
     state = sharded.load_plain(os.path.join(path, STATE))
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointMismatch(f"{path}/{STATE}: not an engine checkpoint of format {FORMAT!r}")
-    if state["vocab_size"] != vocab_size:
-        raise CheckpointMismatch(f"checkpoint {path} does not fit this model: it was written for a vocabulary of "
-                                 f"{state['vocab_size']} tokens, this model has {vocab_size} ({_HINT})")
+    _check_vocab(path, state["vocab_size"], vocab_size)
     return state
+
+
+def _check_vocab(path: str, saved: Optional[int], vocab_size: int) -> None:
+    """Refuse a checkpoint written for another true vocabulary (None: not recorded), naming the option that
+    loads it: a run trained over another vocabulary (e.g. its tokenizer's ids) resumes with that one set."""
+    if saved is not None and saved != vocab_size:
+        raise CheckpointMismatch(f"checkpoint {path} does not fit this model: it was written for a vocabulary of "
+                                 f"{saved} tokens, this model has {vocab_size} ({_HINT}; "
+                                 "engine.model.vocab_size: 0 takes the checkpoint config's or preset's vocab_size, "
+                                 f"not the tokenizer's: set engine.model.vocab_size={saved} to load it "
+                                 "with the vocabulary it was trained with)")
 
 
 def _load_tensors(path: str, request: dict) -> dict:
@@ -168,7 +177,7 @@ def load_state(path: str, gpt, optimizer, megatron_optimizer: bool, info: DistIn
     """Collective: restore model, optimizer (when given) and, at the writer's layout, RNG states from `save`'s
     directory `path`, at any parallel layout; returns the counters."""
     if state_v1.is_v1(path):
-        return _load_v1(path, gpt, optimizer, info)
+        return _load_v1(path, gpt, optimizer, info, vocab_size)
     state = _open(path, info, vocab_size)
     if optimizer is not None and not state["has_optimizer"]:
         raise CheckpointMismatch(f"checkpoint {path!r} has no optimizer state (written by a trainable=False "
@@ -213,14 +222,28 @@ def load_weights(path: str, gpt, info: DistInfo, vocab_size: int) -> None:
     """Collective: the model weights only from `save`'s directory `path` (either format; the sharded one at any
     layout), once it matches its manifest."""
     if state_v1.is_v1(path):
-        state_v1.load_model(gpt, state_v1.read(path, info), path)
+        state = state_v1.read(path, info)
+        _check_vocab(path, state["meta"].get("vocab_size"), vocab_size)
+        state_v1.load_model(gpt, state, path)
         return
     _open(path, info, vocab_size)
     _load_model(gpt, _load_tensors(path, {"model": sharded.model_sharded_state(gpt)})["model"], path)
 
 
-def _load_v1(path: str, gpt, optimizer, info: DistInfo) -> Dict[str, int]:
+def saved_vocab_size(path: str) -> Optional[int]:
+    """The true vocabulary `save`'s directory `path` was written for (None: not recorded). Read without the
+    manifest check that loading does (the files load weights-only)."""
+    if state_v1.is_v1(path):
+        state = sharded.load_plain(state_v1.rank_file(path, 0))
+        meta = state.get("meta") if isinstance(state, dict) else None
+        return int(meta["vocab_size"]) if isinstance(meta, dict) and "vocab_size" in meta else None
+    state = sharded.load_plain(os.path.join(path, STATE))
+    return int(state["vocab_size"]) if isinstance(state, dict) and "vocab_size" in state else None
+
+
+def _load_v1(path: str, gpt, optimizer, info: DistInfo, vocab_size: int) -> Dict[str, int]:
     state = state_v1.read(path, info)
+    _check_vocab(path, state["meta"].get("vocab_size"), vocab_size)
     state_v1.load_model(gpt, state, path)
     if optimizer is not None:
         state_v1.load_optimizer(optimizer, state, path)

@@ -58,7 +58,7 @@ def read(path: str, info: DistInfo) -> dict:
 def load_model(gpt, state: dict, path: str) -> None:
     """The model shard of a per-rank file into `gpt`, a changed shape named as such."""
     ours, saved = gpt.state_dict(), state["model"]
-    hint = "the engine.model options or the tokenizer's vocabulary differ from those of the run that saved it"
+    hint = "the engine.model options (engine.model.vocab_size included) differ from those of the run that saved it"
     for name in ours:
         if name not in saved:
             raise CheckpointMismatch(f"checkpoint {path} does not fit this model: it lacks {name!r} ({hint})")

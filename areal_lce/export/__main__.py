@@ -55,6 +55,7 @@ def export_checkpoint(step_dir, out_dir, *, dtype: Optional[str] = None, max_sha
     import torch
 
     from ..engine.engine import MegatronEngine
+    from ..engine.state import saved_vocab_size
     from ..train.job import model_vocab_size
     from ..train.tokenizer import load_tokenizer
     from .hf import DEFAULT_SHARD_BYTES, export_hf
@@ -63,7 +64,9 @@ def export_checkpoint(step_dir, out_dir, *, dtype: Optional[str] = None, max_sha
     cfg = job_config(step_dir)
     tok = load_tokenizer(cfg.data.tokenizer)
     engine_cfg = dataclasses.replace(cfg.engine, model_cuda_graphs=False)
-    engine = MegatronEngine(engine_cfg, vocab_size=model_vocab_size(cfg, tok), trainable=False)
+    # the vocabulary the checkpoint was trained with (state.pt), else the job's; engine.model.vocab_size wins
+    vocab = saved_vocab_size(str(step_dir / "engine")) or model_vocab_size(cfg, tok)
+    engine = MegatronEngine(engine_cfg, vocab_size=vocab, trainable=False)
     load_weights(engine, step_dir)
     torch_dtype = getattr(torch, DTYPES[dtype]) if dtype else None
     return export_hf(engine, out_dir, tokenizer=tok, dtype=torch_dtype,

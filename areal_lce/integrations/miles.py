@@ -19,7 +19,7 @@ is, outputs and gradients, miles'
 Default mode (miles' normal path): softmax over every column of the shard (padding included; miles passes
 no vocabulary size there), logits from the GEMM in the input dtype (logits_precision="bf16" for bf16
 inputs), fp32 outputs. `vocab_size=` here excludes the padding columns in either mode (the exact mode with
-logits_precision="fp32").
+logits_precision="fp32"); to match SGLang pass the HF config's `vocab_size` (not the tokenizer's size).
 true_on_policy=True (miles' `--true-on-policy-mode`, which all-gathers the bf16 logits over TP, truncates them
 to vocab_size and takes a bf16 `log_softmax`): here the op with logits_precision="bf16" and invariant=True
 (each row's result independent of the TP split and the batch, no all-gather of [R, V] logits), the softmax

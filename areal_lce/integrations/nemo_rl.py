@@ -24,8 +24,8 @@ Semantics. Default (NeMo-RL's own): the softmax runs over every column of the sh
 padding included, as NeMo-RL's signature carries no vocabulary size — and the logits are the GEMM's output
 in the input dtype (bf16 for a bf16 model) before the fp32 softmax: `logits_precision="bf16"` for bf16
 inputs, "fp32" for fp32 inputs. fp16 inputs are refused unless logits_precision is given (the op has no
-fp16 rounding). Exact mode: `vocab_size=` the true vocabulary (padding rows out of the softmax) and
-`logits_precision="fp32"`.
+fp16 rounding). Exact mode: `vocab_size=` the true vocabulary (the HF config's `vocab_size`, what vLLM and
+SGLang normalise over; not the tokenizer's size; padding rows out of the softmax) and `logits_precision="fp32"`.
 Tolerance against NeMo-RL's own function (tests/integrations/zero_mismatch_worker.py `bounds`, relative to max(1, |ref|)):
 logprobs 1e-5 for fp32 inputs (fp32 reductions in another order) and 2⁻⁷ for bf16 (both round the same
 logits, and may round one differently at a tie); gradients 1e-4 (fp32), and for bf16 2⁻⁸ per rounding on

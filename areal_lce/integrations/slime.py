@@ -24,7 +24,8 @@ is, outputs and gradients, slime's
 Semantics. Default (slime's for a bf16 model): the softmax over every column of the shard (megatron's
 vocabulary padding included) of logits that come out of the GEMM in the input dtype: logits_precision="bf16"
 for bf16 inputs, "fp32" for fp32 inputs (fp16 inputs need an explicit logits_precision). Exact mode:
-`vocab_size=` the true vocabulary and `logits_precision="fp32"`. invariant and check_labels go to the op.
+`vocab_size=` the true vocabulary (the HF config's `vocab_size`, what vLLM and SGLang normalise over; not the
+tokenizer's size) and `logits_precision="fp32"`. invariant and check_labels go to the op.
 Refused: `log_prob_keep_mask` (slime's top-p replay, `--rollout-top-p != 1`): it is a [T, V/tp] mask, the
 very size the fused op avoids; a token outside [0, tp·V/tp) (slime scores -lse for it silently).
 

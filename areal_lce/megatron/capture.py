@@ -60,7 +60,8 @@ class CaptureContext:
 
     labels: global next-token ids laid out like the model's input_ids ([b, s], or [1, T] for packed THD),
     ignore_index where there is no target. temperature: a float, or a per-token tensor shaped like labels.
-    vocab_size: the true vocabulary (required: Megatron's padded rows must not enter the softmax).
+    vocab_size: the true vocabulary (required: Megatron's padded rows must not enter the softmax): the HF
+        config's `vocab_size` to match vLLM / SGLang, not the tokenizer's size.
     fused: True computes the stats with the fused op; False builds the logits through the output layer
     (the materialised route, same outputs).
     backend, cache_bytes, compact_ignored: passed to `linear_logprobs_entropy` (fused route).

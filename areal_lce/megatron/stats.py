@@ -121,7 +121,9 @@ def token_stats(model, input_ids: torch.Tensor, labels: torch.Tensor, *, vocab_s
                  or a `PackedLayout`, whose `packed_seq_params()` the model then gets).
     labels       laid out like input_ids, already shifted (the target after each position; see
                  `packed_next_token_labels` for THD), ignore_index where there is no target.
-    vocab_size   the true vocabulary (required): Megatron's padded rows never enter the softmax.
+    vocab_size   the true vocabulary (required): Megatron's padded rows never enter the softmax. Pass the HF
+                 config's `vocab_size` (the checkpoint's rows, what vLLM / SGLang normalise over), not the
+                 tokenizer's size: docs/rl.md, "The vocabulary".
     temperature  float, or a tensor broadcastable to labels ([b, s], [b, 1], [1, T]); not differentiated.
     fused        True: the fused op at the LM head (no logits); False: the output layer's logits
                  (materialised route), same outputs and gradients.

@@ -14,6 +14,7 @@ from typing import Any, Dict, Protocol, Sequence, Tuple
 
 # the one metric reduction (the engine's step share and the jobs' own metrics), re-exported for the jobs
 from ..engine.metrics import REDUCE_OPS, last_stage_share, reduce_metrics  # noqa: F401
+from ..engine.model.builder import resolve_arch, true_vocab_size
 from .data import check_special_ids
 
 class Job(Protocol):
@@ -43,14 +44,19 @@ class Job(Protocol):
 
 
 def model_vocab_size(cfg, tok) -> int:
-    """The model's vocabulary for tokenizer `tok`: engine.model.vocab_size when set (a model vocabulary
-    larger than the tokenizer's), else the tokenizer's. Raises when it is smaller than the tokenizer's
-    or lacks one of the tokenizer's special ids, which the jobs feed to the model."""
-    model_vocab = cfg.engine.model.vocab_size
-    if model_vocab and model_vocab < tok.vocab_size:
-        raise ValueError(f"engine.model.vocab_size={model_vocab} is smaller than the tokenizer's "
-                         f"{tok.vocab_size} ids (data.tokenizer={cfg.data.tokenizer!r})")
-    vocab_size = model_vocab or tok.vocab_size
+    """The model's true vocabulary (`builder.true_vocab_size`): engine.model.vocab_size when set, else the
+    checkpoint config's / preset's vocab_size, whatever the tokenizer's size. A tokenizer with fewer ids is
+    fine (the model's extra rows stay in the softmax, as in vLLM / SGLang); raises when the tokenizer has
+    more ids, or a special id the model cannot embed, since the jobs feed its ids to the model."""
+    model = cfg.engine.model
+    vocab_size = true_vocab_size(model, resolve_arch(model))
+    if vocab_size < tok.vocab_size:
+        source = (f"engine.model.vocab_size={model.vocab_size}" if model.vocab_size else
+                  f"the vocab_size of {model.hf_checkpoint_dir or model.hf_config_dir or 'preset ' + model.preset}")
+        raise ValueError(f"the model's vocabulary of {vocab_size} ids ({source}) is smaller than the tokenizer's "
+                         f"{tok.vocab_size} ids (data.tokenizer={cfg.data.tokenizer!r}): use the model's own "
+                         "tokenizer" + ("" if model.hf_checkpoint_dir else
+                                        f", or set engine.model.vocab_size >= {tok.vocab_size}"))
     check_special_ids(tok, vocab_size)
     return vocab_size
 

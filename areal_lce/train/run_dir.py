@@ -36,9 +36,11 @@ from .config_io import ConfigError, to_dict, yaml_load
 
 LOCK_FILE = "run.lock"
 # Options that change the model's parameters (shapes, dtype): a checkpoint of the old model cannot load.
+# engine.model.vocab_size is not among them: the engine compares the true vocabulary it resolves with the one
+# state.pt was written for (0 -> the value it resolved to resumes; a different vocabulary is refused there).
 MODEL_OPTIONS = tuple(f"engine.model.{k}" for k in (
     "preset", "hf_config_dir", "hf_checkpoint_dir", "tie_word_embeddings", "num_layers",
-    "make_vocab_size_divisible_by", "vocab_size", "dtype"))
+    "make_vocab_size_divisible_by", "dtype"))
 # Options of one invocation, not of the run: never reported.
 INVOCATION_OPTIONS = ("trainer.resume", "trainer.stop_at", "trainer.progress", "trainer.log_interval",
                       "trainer.plot", "trainer.output_dir", "engine.parallel.timeout_s")

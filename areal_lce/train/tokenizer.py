@@ -7,6 +7,10 @@ Both expose the same small surface the jobs use: `encode(text) -> list[int]` (no
 ids 0..255 are the UTF-8 bytes, 256 = <pad>, 257 = <bos>, 258 = <eos>, so any text round-trips and the
 vocabulary is 259.
 
+The model's vocabulary may be larger than the tokenizer's (Qwen2.5: 151936 rows, 151665 tokenizer ids; the
+engine samples over all of the model's rows, as vLLM and SGLang do). `decode` turns an id the tokenizer does
+not have (>= its `vocab_size`) into nothing, as vLLM's detokenizer does (an out-of-range id decodes to "").
+
 The built-in tokenizer's files: a `tokenizer.json` (tokenizers library) whose byte-level pre-tokenizer
 maps every byte to one character of GPT-2's byte alphabet, a BPE model without merges whose vocabulary
 gives that character the byte's id, and the three special tokens as added tokens 256..258; plus a
@@ -61,10 +65,10 @@ class ByteTokenizer:
         out = bytearray()
         for i in ids:
             i = int(i)
-            if i < 256:
+            if 0 <= i < 256:
                 out.append(i)
-            elif not skip_special_tokens:
-                out.extend({self.PAD: b"<pad>", self.BOS: b"<bos>", self.EOS: b"<eos>"}.get(i, b"<unk>"))
+            elif not skip_special_tokens:  # ids past the tokenizer's (a larger model vocabulary): nothing
+                out.extend({self.PAD: b"<pad>", self.BOS: b"<bos>", self.EOS: b"<eos>"}.get(i, b""))
         return out.decode("utf-8", errors="replace")
 
     def save_pretrained(self, directory) -> list[str]:
@@ -112,7 +116,8 @@ class HFTokenizer:
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        known = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]  # ids past the tokenizer's: nothing
+        return self.hf.decode(known, skip_special_tokens=skip_special_tokens)
 
     def save_pretrained(self, directory) -> list[str]:
         """The tokenizer's own files (transformers' save_pretrained) in `directory`; returns their names."""

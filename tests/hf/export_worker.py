@@ -26,13 +26,13 @@ from areal_lce.engine.microbatch import MicroBatch  # noqa: E402
 VOCAB = 300  # megatron pads it to 384 (and at TP=2 too): the export must cut the embedding and LM head back
 
 
-def make_checkpoint(path, family: str, tied: bool, seed: int = 0) -> None:
+def make_checkpoint(path, family: str, tied: bool, seed: int = 0, vocab: int = VOCAB) -> None:
     """A tiny random transformers model (random norm weights and q/k/v biases, so no layout hides behind
     ones and zeros) saved as safetensors. Qwen3's head_dim (24) is not hidden/heads (16)."""
     import transformers
 
     torch.manual_seed(seed)
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=tied,
               max_position_embeddings=256)
     cls = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3Config"}[family]

@@ -234,10 +234,10 @@ def test_export_cli_of_an_sft_run_generates_as_the_engine(tmp_path, capsys):
     assert main([str(step), str(out)]) == 0
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors",
                                        "tokenizer.json", "tokenizer_config.json"]
-    assert json.loads((out / "config.json").read_text())["vocab_size"] == 259  # megatron's 384 cut back
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 259  # the config's; megatron's 384 cut back
 
     cfg = job_config(step)  # the run's engine at TP=1, with the step's weights
-    engine = MegatronEngine(cfg.engine, vocab_size=259, trainable=False)
+    engine = MegatronEngine(cfg.engine, trainable=False)
     load_weights(engine, step)
     tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
     exact = PreTrainedTokenizerFast.from_pretrained(out, local_files_only=True)

@@ -199,7 +199,8 @@ def test_collective_timeout_option():
 # ------------------------------------------------------------------------ token ids beyond the vocabulary
 
 class SmallVocabTokenizer(ByteTokenizer):
-    """Bytes as ids, but a 128-id vocabulary: any non-ASCII character gives an id the model lacks."""
+    """Bytes as ids, but a 128-id vocabulary: with a model of 128 ids (engine.model.vocab_size=128, as the tests
+    below set), any non-ASCII character gives an id the model lacks."""
 
     name = "small-vocab"
 
@@ -227,7 +228,7 @@ def test_sft_token_id_beyond_vocab_fails_at_data_load(tmp_path, monkeypatch, no_
                     + json.dumps({"prompt": "Sag:", "response": "schön"}) + "\n")
     monkeypatch.setattr(sft, "load_tokenizer", lambda spec: SmallVocabTokenizer())
     cfg = load_config(SFT_TINY, [f"data.path={data}", f"trainer.output_dir={tmp_path / 'run'}",
-                                 "trainer.progress=false"])
+                                 "trainer.progress=false", "engine.model.vocab_size=128"])
     with pytest.raises(ValueError, match=rf"{data}:2\).*token id 195 .*vocabulary of 128 ids"):
         sft.run(cfg)
 
@@ -235,7 +236,7 @@ def test_sft_token_id_beyond_vocab_fails_at_data_load(tmp_path, monkeypatch, no_
 def test_rl_token_id_beyond_vocab_is_named(monkeypatch, no_engine):
     from areal_lce.train import rl
 
-    cfg = load_config(GRPO_TINY, ["rl.task_options={template: 'Sag {x}:ü'}"])
+    cfg = load_config(GRPO_TINY, ["rl.task_options={template: 'Sag {x}:ü'}", "engine.model.vocab_size=128"])
     info = types.SimpleNamespace(dp_size=1, dp_rank=0, tp_size=1)
     monkeypatch.setattr(rl, "load_tokenizer", lambda spec: SmallVocabTokenizer(special_ids=(125, 126, 300)))
     with pytest.raises(ValueError, match="eos_id: token id 300 .*vocabulary of 128"):

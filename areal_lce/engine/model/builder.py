@@ -24,7 +24,7 @@ import glob
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -123,7 +123,9 @@ def arch_from_hf(hf) -> ArchSpec:
 
 
 def resolve_arch(cfg: ModelConfig) -> ArchSpec:
-    """ArchSpec from the model config: checkpoint dir, config dir or preset, plus the overrides."""
+    """ArchSpec from the model config: checkpoint dir, config dir or preset, plus the overrides. With a
+    checkpoint, `vocab_size` stays the checkpoint config's (its embedding rows); `model.vocab_size` then
+    only sets the true vocabulary (`true_vocab_size`), which may not exceed it."""
     import dataclasses
 
     if cfg.hf_checkpoint_dir or cfg.hf_config_dir:
@@ -142,9 +144,21 @@ def resolve_arch(cfg: ModelConfig) -> ArchSpec:
         over["tie_word_embeddings"] = cfg.tie_word_embeddings
     if cfg.num_layers:
         over["num_layers"] = cfg.num_layers
-    if cfg.vocab_size:
+    if cfg.vocab_size and not cfg.hf_checkpoint_dir:  # a checkpoint's rows are its own (the engine checks)
         over["vocab_size"] = cfg.vocab_size
     return dataclasses.replace(arch, **over) if over else arch
+
+
+def true_vocab_size(cfg: ModelConfig, arch: ArchSpec, caller: Optional[int] = None) -> int:
+    """The model's true vocabulary: `model.vocab_size` when set, else `caller` (an engine's `vocab_size`
+    argument) when given, else the checkpoint config's / HF config's / preset's `vocab_size` (what vLLM and
+    SGLang normalise over). Only megatron's own padding, the rows past it, stays out of the softmax. A
+    tokenizer may have fewer ids."""
+    vocab = cfg.vocab_size or caller or arch.vocab_size
+    if cfg.hf_checkpoint_dir and vocab > arch.vocab_size:
+        raise ValueError(f"engine.model.vocab_size={vocab} exceeds the {arch.vocab_size} rows of "
+                         f"engine.model.hf_checkpoint_dir={cfg.hf_checkpoint_dir!r} (its config's vocab_size)")
+    return vocab
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
