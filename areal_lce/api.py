@@ -115,12 +115,13 @@ def check_vocab_parallel(vocab_parallel, removed: dict, what: str = "linear_logp
 
 
 # cache_bytes="auto": keep the fp32 logits (4·N·V_shard bytes) for the backward when the hidden size is at least
-# AUTO_CACHE_MIN_HIDDEN and they take at most AUTO_CACHE_BYTES. Measured on one H200 (benchmark/results/
-# h200_head_cache_defaults): at H = 3584 (a 7B model's TP=2 rank, V_shard = 76032) the cache takes the head's
-# forward + backward from 0.93x to 0.75x of megatron-core's output GEMM + vocab_parallel_cross_entropy at 8k
-# and 16k tokens (the recompute is a 2NHV GEMM, the cache one write and one read of 4NV bytes); at H = 896 (the
-# 0.5B presets) the recompute costs less than that traffic and the SFT step was 1.03x slower with the cache.
-# 6 GiB holds a 16k-token micro-batch of a 152k vocabulary at TP=2 (4.64 GiB) or of 8192 x 151936 at TP=1.
+# AUTO_CACHE_MIN_HIDDEN and they take at most AUTO_CACHE_BYTES. Measured on one H200
+# (benchmark/results/h200_head_7b_rank_cache, h200_defaults_cache_ce_fusion): at H = 3584 (a 7B model's TP=2
+# rank, V_shard = 76032) the cache takes the head's forward + backward from 0.93x to 0.75x of megatron-core's
+# output GEMM + vocab_parallel_cross_entropy at 8k and 16k tokens (the recompute is a 2NHV GEMM, the cache one
+# write and one read of 4NV bytes); at H = 896 (the 0.5B presets) the recompute costs less than that traffic
+# and the SFT step was 1.03x slower with the cache. 6 GiB holds a 16k-token micro-batch of a 152k vocabulary
+# at TP=2 (4.64 GiB) or 8192 x 151936 at TP=1.
 AUTO_CACHE_MIN_HIDDEN = 2048
 AUTO_CACHE_BYTES = 6 << 30
 
