@@ -3,17 +3,17 @@ binaries, offline (the ptxas bundled in the triton wheel), one subprocess per ta
 check values, not typing or lowering: a kernel edit that only breaks on a GPU (a loop-carried type, a store of
 the wrong shape, a tile past a GPU's shared memory) fails here on a CPU-only machine.
 
-Each kernel family is compiled once per target, with every epilogue flag on. The GEMM kernels (forward, the
-backward's recompute, the invariant forward) are built at the launcher's bf16 tiles (configs.FWD_GPU /
-BWD_GPU: warps, stages and block sizes) with TMA loads, the launcher's default: its host-side
-`TensorDescriptor` arguments take the signature `tensordesc<bf16[rows, cols]>` (the descriptor's block
-shape), which is all the compiler needs; no device is involved. The build must fit the target's shared
-memory per block (what Triton checks at launch). On sm_90 and sm_100 the descriptor loads lower to TMA
-(the binary's `tensordesc_meta` names each descriptor); for sm_80, which has no TMA, Triton rewrites them
-into masked pointer loads, and the launcher's descriptors are passed as base pointer, shape and strides.
-On sm_90 and sm_100 the pointer-load path (USE_TMA=False, taken where the layout does not allow TMA)
-is compiled too, with the epilogue flags off. Every kernel builds for every target, so `backend="auto"`
-needs no capability fallback.
+Each kernel in _GEMM and _OTHER is compiled once per target, with every epilogue flag on (docs/backends.md,
+What runs where, names the kernels left out). The GEMM kernels (forward, the backward's recompute, the
+invariant forward) are built at the launcher's bf16 tiles (configs.FWD_GPU / BWD_GPU: block sizes, warps,
+stages) with TMA loads, the launcher's default: its host-side `TensorDescriptor` arguments take the signature
+`tensordesc<bf16[rows, cols]>` (the descriptor's block shape), which is all the compiler needs; no device is
+involved. Each build must fit the target's shared memory per block (what Triton checks at launch). On sm_90
+and sm_100 the descriptor loads lower to TMA (the binary's `tensordesc_meta` names each descriptor); for
+sm_80, which has no TMA, Triton rewrites them into masked pointer loads, and Triton's launcher passes the
+host descriptors as base pointer, shape and strides. On sm_90 and sm_100 the pointer-load path
+(USE_TMA=False, taken where the layout does not allow TMA) is compiled too, with the epilogue flags off.
+Every kernel builds for every target, so `backend="auto"` needs no capability fallback.
 """
 from __future__ import annotations
 
@@ -72,11 +72,13 @@ common = dict(EVEN_K=True, UPCAST=False, DOT_PRECISION="tf32", CACHE_COLS=config
 for tma in (load == "tma" for load in LOADS):
     on = tma  # every epilogue with TMA loads, none with pointer loads
     fwd_boxes = ((fwd.block_n, fwd.block_k), (fwd.block_v, fwd.block_k))
-    tiles = dict(common, USE_TMA=tma, BLOCK_N=fwd.block_n, BLOCK_V=fwd.block_v, BLOCK_K=fwd.block_k, GROUP_N=fwd.group_n)
+    tiles = dict(common, USE_TMA=tma, BLOCK_N=fwd.block_n, BLOCK_V=fwd.block_v, BLOCK_K=fwd.block_k,
+                 GROUP_N=fwd.group_n)
     compile_(K.lce_fwd_kernel, dict(tiles, HAS_INV_T=on, HAS_CACHE=False, HAS_SUMS=on, BF16_LOGITS=on, SOFTCAP=on),
              fwd, fwd_boxes)
     compile_(K.lce_fwd_merge_kernel, dict(HAS_SUMS=on, BLOCK_N=configs.MERGE_BLOCK_N))
-    tiles = dict(common, USE_TMA=tma, BLOCK_N=bwd.block_n, BLOCK_V=bwd.block_v, BLOCK_K=bwd.block_k, GROUP_N=bwd.group_n)
+    tiles = dict(common, USE_TMA=tma, BLOCK_N=bwd.block_n, BLOCK_V=bwd.block_v, BLOCK_K=bwd.block_k,
+                 GROUP_N=bwd.group_n)
     compile_(K.lce_bwd_kernel, dict(tiles, HAS_INV_T=on, USE_CACHE=False, BF16_LOGITS=on, SOFTCAP=on),
              bwd, ((bwd.block_n, bwd.block_k), (bwd.block_v, bwd.block_k)))
     # the invariant forward with every epilogue (top-k maxima, selected ids' picks, soft-cap): 128-column
