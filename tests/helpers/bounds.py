@@ -69,6 +69,19 @@ def rounded_gemm_bound(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, out_
     return 2 * e + out_u * (ref.detach().double().abs() + 2 * e)
 
 
+def assert_ranks_fixed(name: str, values: torch.Tensor, k: int, tol: float) -> None:
+    """Every tensor within `tol` of `values` [..., V] elementwise has the same top-k ids in the same order:
+    each gap between consecutive ones of the k + 1 largest values exceeds 2·tol, so no two of them can swap
+    and nothing outside can enter. Asserted before comparing the top-k ids of two computations that differ
+    by rounding only (other summation orders): their ids are then equal by the math, not by luck."""
+    top = values.detach().double().topk(min(k + 1, values.shape[-1]), dim=-1).values
+    gap = top[..., :-1] - top[..., 1:]
+    i = int(gap.argmin())
+    assert (gap > 2 * tol).all(), (
+        f"{name}: two of the top-{k} values lie {gap.flatten()[i].item():.3e} apart, within 2·tol = {2 * tol:.3e}: "
+        "rounding alone may reorder them (the test's inputs must separate them)")
+
+
 class OpBounds(NamedTuple):
     """Elementwise bounds of one fp32 evaluation's error against the exact value (fp64 tensors)."""
     logprobs: torch.Tensor  # [N]
