@@ -11,6 +11,7 @@ import torch
 
 
 from helpers.bounds import assert_within, rounded_gemm_bound
+from helpers.inputs import available_backends
 
 from areal_lce import linear_logprobs_entropy  # noqa: E402
 from areal_lce.main_grad import linear_logprobs_entropy_into_main_grad  # noqa: E402
@@ -44,16 +45,9 @@ def _backward(op, p, h, y, g_lp, g_ent, backend):
     return out, hh.grad
 
 
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-# every backend returns its d_weight in fp32 when asked (the Triton ones through the interpreter on CPU)
-BACKENDS = ["torch", "reference"] + (["triton", "triton_ascend"] if _triton_available() else [])
+# every backend returns its d_weight in fp32 when asked: the CPU tensors' backends (the Triton ones through the
+# interpreter, where helpers/kernel_device.py turns it on)
+BACKENDS = available_backends()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
