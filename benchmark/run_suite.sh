@@ -25,9 +25,10 @@ PER_TEST=${SUITE_TEST_TIMEOUT_S:-240}
 REST_MARK=${SUITE_REST_MARK:-not gpu}
 mkdir -p "$OUT"
 start=$(date +%s)
-if ls .carry/*.whl > /dev/null 2>&1; then
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if ls .carry/*.whl > /dev/null 2>&1; then  # every wheel there (megatron-core; import-linter, grimp if carried)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+  export PYTHONPATH=/tmp/site:$PYTHONPATH PATH=/tmp/site/bin:$PATH
 fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset TRITON_INTERPRET  # the kernels compiled on CUDA; tests/helpers/kernel_device.py decides
@@ -52,6 +53,7 @@ phase() {  # name limit_s pytest-args...
 }
 phase gpu "$GPU_LIMIT" -m gpu $(grep -rl "pytest.mark.gpu" tests --include="test_*.py")  # those files only: a short collection
 left=$(( BUDGET - ($(date +%s) - start) - 20 ))  # 20 s for the manifest
+[ "$left" -ge 60 ] || left=60
 export OMP_NUM_THREADS=$(( $(nproc) / WORKERS > 0 ? $(nproc) / WORKERS : 1 ))  # the workers share the cores
 phase rest "$left" -m "$REST_MARK" ${spread[@]+"${spread[@]}"} tests
 python3 -m benchmark.suite_report --junit "$OUT/suite_gpu.xml" "$OUT/suite_rest.xml" --names gpu rest \
