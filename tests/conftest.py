@@ -1,37 +1,41 @@
 """Test-wide setup, done here first, before any test module imports areal_lce or triton:
 
-* Without CUDA, Triton kernels run through the interpreter on CPU tensors (TRITON_INTERPRET=1 must be
-  set before any @triton.jit function is defined).
+* Where the Triton kernels run (helpers/kernel_device.py, imported first): with a CUDA device, compiled on
+  CUDA tensors; without one, through the interpreter on CPU tensors (TRITON_INTERPRET=1, which must be set
+  before any @triton.jit function is defined). Kernel tests put their tensors on `kernel_device()`.
 * NaN poisoning: every buffer a backend's kernels write (areal_lce.backends.base.alloc) starts as NaN
   (AREAL_LCE_POISON_OUTPUTS=1, read once when areal_lce.backends loads), so an output element a kernel
   fails to write fails the test that reads it. torchrun workers launched by the tests inherit it.
 * Under the interpreter, numpy's inf/NaN RuntimeWarnings from inside it are hidden (the poisoned
   buffers make them on purpose); every other warning is shown.
-* Markers (pyproject.toml): `gpu` tests are skipped without CUDA; a test that launches several ranks
-  through helpers.launch.torchrun must carry `distributed` (the launcher refuses otherwise).
+* Markers (pyproject.toml): `gpu` tests are skipped without CUDA, and under TRITON_INTERPRET=1 (their
+  Triton kernels would be interpreted); a test that launches several ranks through helpers.launch.torchrun
+  must carry `distributed` (the launcher refuses otherwise).
 """
 import os
-import shutil
 
-if shutil.which("nvidia-smi") is None:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("AREAL_LCE_POISON_OUTPUTS", "1")
 
+from helpers import kernel_device  # noqa: E402  (before anything imports triton: it sets TRITON_INTERPRET)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if not torch.cuda.is_available():
+        reason = "needs a CUDA device"
+    elif kernel_device.interpreter_on():
+        reason = "TRITON_INTERPRET=1: this session interprets the Triton kernels on CPU tensors"
+    else:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skip = pytest.mark.skip(reason=reason)
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # the marker, not a keyword (a parameter id "gpu" is one)
             item.add_marker(skip)
 
 
 def pytest_configure(config):
-    if os.environ.get("TRITON_INTERPRET") == "1":  # numpy runs the kernels on NaN-poisoned buffers: expected
+    if kernel_device.interpreter_on():  # numpy runs the kernels on NaN-poisoned buffers: expected
         config.addinivalue_line("filterwarnings", "ignore::RuntimeWarning:triton.runtime.interpreter")
 
 

@@ -3,7 +3,7 @@ grids, its knobs, the kernels through a real Triton compiler), on top of the sha
 test_backends.py.
 
 The kernels are the ones that run on an NPU through Triton-Ascend; here TRITON_INTERPRET=1 (set by
-tests/conftest.py on machines without a GPU, before any kernel is defined) executes them on CPU tensors.
+helpers/kernel_device.py on machines without a GPU, before any kernel is defined) executes them on CPU tensors.
 Oracle and pass rule: tests/helpers/backends.py.
 """
 import os
@@ -17,12 +17,11 @@ from areal_lce.backends.reference import reference_logprobs_entropy
 from areal_lce.types import LCEParams
 from helpers.backends import ShardCase, run_case
 from helpers.inputs import PER_TOKEN
+from helpers.kernel_device import needs_interpreter
 from helpers.paths import REPO
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-# Kernel runs use CPU tensors, so they need the interpreter; without it (a GPU machine) they are skipped
-# and the calculator / compiler tests below still run.
-needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="kernels run on CPU tensors only under TRITON_INTERPRET=1")
+# Kernel runs use CPU tensors, so they need the interpreter (`needs_interpreter`); without it (a GPU machine)
+# they are skipped and the calculator / compiler tests below still run.
 
 MIN_UB = max(configs.ub_bytes(k, 16, 16, 16, 4) for k in configs.KINDS)  # fits only 16x16x16 tiles
 # Minimal tiles and a 3-program grid: every kernel's persistent loop runs over many tiles.

@@ -1,25 +1,21 @@
 """Triton backend: what only it has (tile and launch knobs, the logits-cache layout and budget, grid
 planning, launcher checks), on top of the shared harness in test_backends.py.
 
-Without CUDA the kernels run in the Triton interpreter on CPU tensors (TRITON_INTERPRET=1, set below and
-by tests/conftest.py before the kernels' module is imported). Oracle and pass rule: tests/helpers/backends.py.
+The kernels run on `kernel_device()` (helpers/kernel_device.py): the interpreter on CPU tensors without
+CUDA, the compiled kernels on a GPU. Oracle and pass rule: tests/helpers/backends.py.
 """
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from areal_lce.backends.reference import shard_logits  # noqa: E402
 from areal_lce.backends.triton import configs, launch  # noqa: E402
 from areal_lce.backends.triton.launch import TritonBackend  # noqa: E402
 from areal_lce.types import LCEParams  # noqa: E402
 from helpers.backends import case_by_id, lse_ent, make_shard, run_case  # noqa: E402
+from helpers.kernel_device import kernel_device, needs_kernels  # noqa: E402
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy inf*0 inside the interpreter
+DEV = kernel_device() or torch.device("cpu")
+pytestmark = [needs_kernels, pytest.mark.filterwarnings("ignore::RuntimeWarning")]  # numpy inf*0 (interpreter)
 
 
 @pytest.fixture(autouse=True)

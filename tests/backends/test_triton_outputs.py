@@ -14,9 +14,10 @@ from areal_lce import exact, select, select_grad
 from areal_lce.backends.base import head_transform
 from areal_lce.backends.triton import output_launch, select_launch
 from areal_lce.types import LCEParams
+from helpers.kernel_device import kernel_device, needs_kernels
 
-pytestmark = pytest.mark.slow  # the Triton interpreter
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.slow, needs_kernels]  # the Triton interpreter
+DEV = kernel_device() or torch.device("cpu")
 IGNORE = -100
 START, VALID, VOCAB = 256, 600, 1000
 

@@ -9,9 +9,10 @@ import triton
 
 from areal_lce import exact, select
 from areal_lce.backends.triton import select_launch
+from helpers.kernel_device import kernel_device, needs_kernels
 
-pytestmark = pytest.mark.slow  # the Triton interpreter (on a GPU host: the kernels, same assertions)
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.slow, needs_kernels]  # the interpreter (on a GPU host: the kernels, same assertions)
+DEV = kernel_device() or torch.device("cpu")
 
 
 def _reference(seg_max, it, kk):

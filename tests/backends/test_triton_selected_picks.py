@@ -11,9 +11,10 @@ import torch
 from areal_lce import linear_logprobs_entropy as lce
 from areal_lce.backends.triton import select_launch
 from areal_lce.types import LCEParams
+from helpers.kernel_device import kernel_device, needs_kernels
 
-pytestmark = pytest.mark.slow  # the Triton interpreter
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [pytest.mark.slow, needs_kernels]  # the Triton interpreter
+DEV = kernel_device() or torch.device("cpu")
 IGNORE = -100
 
 

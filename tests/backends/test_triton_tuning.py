@@ -1,24 +1,20 @@
 """The Triton launcher's tuning and profiling knobs that `benchmark.op.bench_lce` uses instead of patching
 launcher internals: `configs.tuning(...)` (tiles, TMA loads, backward tiles per program for a block of
 calls) and `TritonBackend(backward_gemms=False)` (the backward's Triton kernels without its cuBLAS
-GEMMs). Without CUDA the kernels run in the Triton interpreter on CPU tensors.
+GEMMs). The kernels run on `kernel_device()`: the interpreter on CPU tensors without CUDA.
 """
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from areal_lce.backends.triton import configs, launch  # noqa: E402
 from areal_lce.backends.triton.configs import TileConfig  # noqa: E402
 from areal_lce.backends.triton.launch import TritonBackend  # noqa: E402
 from areal_lce.types import LCEParams  # noqa: E402
 from helpers.bounds import assert_within, op_bounds  # noqa: E402
+from helpers.kernel_device import kernel_device, needs_kernels  # noqa: E402
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy inf*0 inside the interpreter
+DEV = kernel_device() or torch.device("cpu")
+pytestmark = [needs_kernels, pytest.mark.filterwarnings("ignore::RuntimeWarning")]  # numpy inf*0 (interpreter)
 N, H, V = 17, 32, 1001
 SMALL = TileConfig(block_n=16, block_v=64, block_k=16, group_n=2, num_warps=4, num_stages=1)
 

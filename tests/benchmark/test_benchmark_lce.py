@@ -10,8 +10,9 @@ import torch
 from areal_lce import reference
 from benchmark.op import bench_lce
 from benchmark.harness import exact_reference
+from helpers.kernel_device import kernel_device
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = str(kernel_device() or "cpu")  # the Triton providers: the interpreter on CPU, else the kernels on CUDA
 SHAPE = "40x32x384"
 
 

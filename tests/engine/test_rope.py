@@ -13,7 +13,6 @@ are at the end.
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 
 import pytest
@@ -22,10 +21,10 @@ import torch
 warnings.filterwarnings("ignore")
 
 from areal_lce.engine.model import rope  # noqa: E402
+from helpers.kernel_device import kernel_device, needs_kernels  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(DEV == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
-                                reason="the kernel runs on CPU tensors only under TRITON_INTERPRET=1")
+DEV = kernel_device() or torch.device("cpu")
+pytestmark = needs_kernels
 
 
 def oracle(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

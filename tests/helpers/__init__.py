@@ -2,6 +2,8 @@
 under pytest, and helpers.launch puts it on the PYTHONPATH of every rank it launches).
 
     paths           REPO and TESTS, the one definition of where the checkout and the tests are
+    kernel_device   where the Triton kernels run in this session (compiled on CUDA, or the interpreter on
+                    CPU): TRITON_INTERPRET set on import (conftest, first), kernel_device(), skip markers
     inputs          the op's case type (Case; PER_TOKEN, the one spelling of a per-token temperature), its
                     case list and input builders, with the one peaked-logits builder
     backends        the backend harness: shard-level cases (ShardCase, the same fields at shard level) and

@@ -34,6 +34,8 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 U32 = 2.0 ** -24  # unit roundoff of fp32
+U_BF16 = 2.0 ** -8  # unit roundoff of bf16 (8 significant bits): round-to-nearest moves a value by <= U_BF16·|x|
+FP32_TINY = 2.0 ** -126  # smallest normal fp32: what a flush of a subnormal to zero (DAZ / FTZ) moves a value by
 EXP_ULPS = 4  # exp/log accuracy allowed per call (libdevice and numpy are within 1-2 ulp; fast exp2 paths within 4)
 MIN_TILE = 16  # no backend folds the vocabulary in tiles narrower than this: tile merges <= ceil(V / 16)
 
@@ -41,6 +43,43 @@ MIN_TILE = 16  # no backend folds the vocabulary in tiles narrower than this: ti
 def gamma(k: int, u: float = U32) -> float:
     """γ_k: relative bound of a k-term floating-point sum (or a k-factor product)."""
     return k * u / (1 - k * u)
+
+
+def gemm_bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise bound of |fl(a·b) − a·b| for a [M, K] · b [K, N] accumulated in fp32 in any order and
+    blocking (any vendor kernel: MKL, oneDNN, OpenBLAS, cuBLAS): γ_K · Σ_k |a_ik||b_kj|, the products exact
+    (bf16 / fp16 operands: their products fit fp32; fp32 operands: one more rounding, inside γ_(K+1)), plus
+    the flushes of subnormals to zero (oneDNN's bf16 dot products run with DAZ / FTZ): per k, a flushed
+    operand moves its product by < 2⁻¹²⁶ · the other operand, a flushed product or partial sum by < 2⁻¹²⁶.
+    fp64."""
+    a, b = a.detach().double().abs(), b.detach().double().abs()
+    k = a.shape[-1]
+    top = max(float(a.max()), float(b.max())) if a.numel() and b.numel() else 0.0
+    flush = (k + 1) * FP32_TINY * (2 + 2 * top)
+    return gamma(k + 1) * (a @ b) + flush
+
+
+def rounded_gemm_bound(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, out_u: float = U_BF16) -> torch.Tensor:
+    """Elementwise bound of |r − ref| where r is a·b accumulated in fp32 by one kernel and then rounded to a
+    dtype of unit roundoff `out_u` (a bf16 `mm`: oneDNN or MKL's bf16 GEMM, or an fp32 GEMM rounded), and
+    ref is a·b accumulated in fp32 by another kernel (another order, blocking or ISA). Each accumulation is
+    within e = gemm_bound(a, b) of the exact a·b, so the unrounded r is within 2e of ref and its rounding
+    moves it by at most out_u · (|ref| + 2e): |r − ref| <= 2e + out_u · (|ref| + 2e). fp64."""
+    e = gemm_bound(a, b)
+    return 2 * e + out_u * (ref.detach().double().abs() + 2 * e)
+
+
+def assert_ranks_fixed(name: str, values: torch.Tensor, k: int, tol: float) -> None:
+    """Every tensor within `tol` of `values` [..., V] elementwise has the same top-k ids in the same order:
+    each gap between consecutive ones of the k + 1 largest values exceeds 2·tol, so no two of them can swap
+    and nothing outside can enter. Asserted before comparing the top-k ids of two computations that differ
+    by rounding only (other summation orders): their ids are then equal by the math, not by luck."""
+    top = values.detach().double().topk(min(k + 1, values.shape[-1]), dim=-1).values
+    gap = top[..., :-1] - top[..., 1:]
+    i = int(gap.argmin())
+    assert (gap > 2 * tol).all(), (
+        f"{name}: two of the top-{k} values lie {gap.flatten()[i].item():.3e} apart, within 2·tol = {2 * tol:.3e}: "
+        "rounding alone may reorder them (the test's inputs must separate them)")
 
 
 class OpBounds(NamedTuple):

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 from typing import Iterable, Optional
 
 import torch
+
+from .kernel_device import interpreter_on
 
 
 def peak_logits(weight: torch.Tensor, hidden: torch.Tensor, rows: Iterable[int], cols: Iterable[int],
@@ -105,14 +106,10 @@ def make_inputs(c: Case, seed: int = 0, device="cpu"):
     return h, w, y, t
 
 
-def interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def available_backends():
-    """Every backend that can run on these CPU tensors: reference and torch always; the Triton kernels
-    through the interpreter (tests/conftest.py turns it on when there is no GPU). On a GPU machine the
-    Triton backend's CUDA correctness run is `python -m benchmark.gpu_check`."""
+    """Every backend that can run on CPU tensors: reference and torch always; the Triton kernels through the
+    interpreter (helpers/kernel_device.py turns it on where there is no CUDA device). On a GPU machine the
+    Triton backends' CUDA cases are the tests that take `kernel_device()` and `python -m benchmark.op.gpu_check`."""
     names = ["reference", "torch"]
     for name, mod in (("triton", "areal_lce.backends.triton.launch"),
                       ("triton_ascend", "areal_lce.backends.ascend.launch")):

@@ -11,6 +11,7 @@ from areal_lce.backends.reference import ReferenceBackend, grad_logits, shard_lo
 from areal_lce.types import LCEParams
 from helpers.bounds import assert_within, gamma, op_bounds
 from helpers.inputs import peak_logits
+from helpers.kernel_device import on_kernel_device
 
 N, H, V = 17, 32, 1001
 INV_T = 1 / 0.7
@@ -45,7 +46,8 @@ def test_gamma_is_the_k_term_sum_bound():
 def test_every_fp32_backend_is_within_the_bound_of_the_fp64_oracle(backend, peaked):
     h, w, y, g_lp, g_ent = _inputs(1, peaked)
     exact = _run(ReferenceBackend(), h.double(), w.double(), y, g_lp.double(), g_ent.double())
-    got = _run(ReferenceBackend() if backend == "reference" else get_backend(backend), h, w, y, g_lp, g_ent)
+    args = on_kernel_device(h, w, y, g_lp, g_ent) if backend == "triton" else (h, w, y, g_lp, g_ent)
+    got = _run(ReferenceBackend() if backend == "reference" else get_backend(backend), *args)
     b = op_bounds(h, w, y, INV_T, g_lp, g_ent)
     for name, a, e, bound in zip(("entropy", "d_hidden", "d_weight"), got, exact, (b.entropy, b.d_hidden, b.d_weight)):
         assert_within(f"{backend} {name}", a, e, bound)

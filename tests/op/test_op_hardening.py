@@ -15,6 +15,7 @@ import areal_lce
 from areal_lce.materialised import logprobs_entropy_from_logits
 
 from helpers.groups import fake_group  # noqa: F401  (fixture: a recording 2-rank TP group)
+from helpers.kernel_device import on_kernel_device
 
 IGNORE = -100
 
@@ -77,6 +78,8 @@ def test_nan_in_an_ignored_row_reaches_no_d_hidden(backend):
     y[[1, 4]] = IGNORE
     h[1] = float("nan")
     h[4, 0] = float("inf")
+    if backend == "triton":
+        h, w, y = on_kernel_device(h, w, y)  # the interpreter on CPU, or the kernels on a GPU
     h.requires_grad_()
     out = areal_lce.linear_logprobs_entropy(h, w, y, backend=backend, compact_ignored=False)
     (out.logprobs.sum() + out.entropy.sum()).backward()

@@ -11,10 +11,13 @@ import areal_lce
 from areal_lce import linear_logprobs_entropy as lce
 
 from helpers.bounds import U32, gamma, op_bounds
+from helpers.kernel_device import needs_interpreter, on_kernel_device
 
 IGNORE = -100
 H, V, V_PAD = 40, 300, 384  # the vocabulary Megatron would pad to 384; rows past 300 are garbage
-BACKENDS = ["torch", "reference", pytest.param("triton", marks=pytest.mark.slow)]
+# the triton rows compare CPU tensors with the CPU oracle: the interpreter's case (on a GPU: benchmark.op.gpu_check)
+INTERPRETED = [pytest.mark.slow, needs_interpreter]
+BACKENDS = ["torch", "reference", pytest.param("triton", marks=INTERPRETED)]
 
 
 def _inputs(n=37, k_sel=6, dtype=torch.float32, seed=0, flat=False):
@@ -64,7 +67,7 @@ def _route(backend, monkeypatch):
     return backend.split(":")[0]
 
 
-@pytest.mark.parametrize("backend", BACKENDS + [pytest.param("triton:picks", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("backend", BACKENDS + [pytest.param("triton:picks", marks=INTERPRETED)])
 @pytest.mark.parametrize("temp_kind", ["scalar", "per_token"])
 @pytest.mark.parametrize("softcap", [None, 3.0])
 def test_values_and_gradients_match_the_float64_oracle(backend, temp_kind, softcap, monkeypatch):
@@ -234,11 +237,11 @@ def test_deferred_check_marks_bad_selected_ids_nan():
     areal_lce.checks._reset(areal_lce.checks._record_of(hidden.device))
 
 
-@pytest.mark.slow  # the Triton interpreter
+@pytest.mark.slow  # the Triton interpreter (on a GPU: the kernels)
 def test_softcapped_outputs_are_batch_invariant_on_triton():
     """Soft-capped outputs on the Triton kernels: a row's results are bitwise the same alone as in a batch
     (the cap is elementwise, inside the invariant segment kernels); selected / top-k included."""
-    hidden, weight, labels, sel = _inputs(n=45, dtype=torch.bfloat16)
+    hidden, weight, labels, sel = on_kernel_device(*_inputs(n=45, dtype=torch.bfloat16))
     kw = dict(vocab_size=V, top_k=6, backend="triton", softcap=3.0, return_stats=True)
     full = lce(hidden, weight, labels, selected_ids=sel, **kw)
     fields = ("logprobs", "entropy", "lse", "max_logit", "min_logit", "selected_logprobs", "topk_ids",
@@ -266,8 +269,8 @@ def test_triton_topk_with_compacted_rows_is_the_same(route, monkeypatch):
     sel = torch.randint(0, v, (n, 5), generator=g)
     sel[1, 1:] = sel[1, 0] // 128 * 128 + torch.arange(4)  # ids sharing a segment (one picked, the rest listed)
     sel[2, 3] = sel[2, 0]  # a repeat
-    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter, else the kernels themselves
-    hidden, weight, labels, sel = (t.to(dev) for t in (hidden, weight, labels, sel))
+    hidden, weight, labels, sel = on_kernel_device(hidden, weight, labels, sel)  # the interpreter, or the kernels
+    dev = hidden.device
     kw = dict(vocab_size=v, selected_ids=sel, top_k=4, backend=_route(route, monkeypatch),
               temperature=torch.linspace(0.6, 1.4, n, device=dev))
     a = lce(hidden, weight, labels, compact_ignored=True, **kw)

@@ -19,9 +19,10 @@ from areal_lce.backends.triton.kernel_common import soft_cap
 from areal_lce.backends.triton.launch import INTERPRET
 
 from helpers.bounds import U32
+from helpers.kernel_device import kernel_device, needs_interpreter, needs_kernels
 from helpers.softcap_bounds import softcap_check
 
-pytestmark = pytest.mark.slow  # the Triton interpreter
+pytestmark = [pytest.mark.slow, needs_kernels]  # the Triton interpreter (on a GPU: the kernels)
 
 IGNORE, H, V, V_PAD, CAP = -100, 40, 300, 384, 3.0
 
@@ -42,7 +43,7 @@ def test_in_kernel_tanh_is_within_its_absolute_bound():
     grid = torch.cat([torch.linspace(0, 1, 20001), torch.logspace(-38, 1.5, 4001),
                       torch.tensor([0.55, math.nextafter(0.55, 0), math.nextafter(0.55, 1), 1e-45, 9.0, 40.0])])
     x = torch.cat([grid, -grid, torch.tensor([float("inf"), -float("inf"), float("nan")])]).float()
-    dev = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: the rcp.approx path
+    dev = kernel_device()  # on a GPU: the rcp.approx path
     out, t = torch.empty_like(x, device=dev), torch.empty_like(x, device=dev)
     cap_kernel[(triton.cdiv(x.numel(), 1024),)]((x * CAP).to(dev), out, t, x.numel(), CAP, 1 / CAP, INTERP=INTERPRET,
                                                 BLOCK=1024)
@@ -69,6 +70,7 @@ def _inputs(n=37, seed=0):
     return hidden, weight, labels
 
 
+@needs_interpreter  # CPU tensors against the CPU oracle (on a GPU: benchmark.op.gpu_check)
 @pytest.mark.parametrize("kw", [
     dict(invariant=False, temperature="per_token"),  # the online-softmax kernels (lce_fwd_kernel)
     dict(invariant=False, temperature=0.7, cache_bytes="auto"),  # backward reads the capped cache

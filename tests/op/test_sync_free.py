@@ -12,7 +12,6 @@ row that is ignored can reach, and the Triton kernels' skipping of ignored rows 
 interpreter).
 """
 import contextlib
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +23,7 @@ from areal_lce.backends import get_backend
 from areal_lce.function import partition_rows
 
 from helpers.inputs import PER_TOKEN, available_backends
+from helpers.kernel_device import interpreter_on, kernel_device
 from helpers.groups import fake_group  # noqa: F401  (fixture: a recording 2-rank TP group)
 
 IGNORE = -100
@@ -165,8 +165,8 @@ class _StubKernel:
 
 
 def test_triton_launcher_reads_nothing_on_the_host(monkeypatch):
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        pytest.skip("the triton backend runs on CPU tensors only under TRITON_INTERPRET=1")
+    if not interpreter_on():
+        pytest.skip("the stubbed launcher runs on CPU tensors: only under TRITON_INTERPRET=1")
     from areal_lce.backends.triton import launch
 
     from areal_lce.backends.triton import value_check
@@ -244,12 +244,12 @@ def test_triton_label_check_kernel_folds_the_same_record(monkeypatch):
     atomics combine several) leaves the same record and returns the same bad-row mask as the torch ops,
     over two calls (the record accumulates), with bad labels on both sides, ignore_index rows, and bad
     1/T values (0, negative, NaN, inf)."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available():
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    dev = kernel_device()
+    if dev is None:
+        pytest.skip("no device runs the Triton kernels here")
     from areal_lce.backends.triton import configs, launch
 
     monkeypatch.setattr(configs, "CHECK_BLOCK", 64)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(3)
     calls = []
     for n, bad_rows, t_bad in ((300, {7: -5, 64: 1000, 65: 2**40, 299: 999}, {3: 0.0, 200: float("nan")}),
@@ -285,14 +285,14 @@ def test_triton_skips_ignored_rows_in_place(cache):
     from areal_lce.backends import base
 
     assert base.POISON
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available():
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    dev = kernel_device()
+    if dev is None:
+        pytest.skip("no device runs the Triton kernels here")
     from areal_lce.backends.reference import ReferenceBackend
     from areal_lce.backends.triton import configs
     from areal_lce.backends.triton.launch import TritonBackend
     from areal_lce.types import LCEParams
 
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bn = configs.tile("bwd", fp32=False, interpret=dev.type == "cpu", H=32).block_n
     n, h, v = 3 * bn + 5, 32, 300
     ignored = torch.zeros(n, dtype=torch.bool)

@@ -13,12 +13,12 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from helpers.kernel_device import interpreter_on
 from helpers.paths import REPO
 from helpers.groups import fake_group  # noqa: F401  (fixture: a recording 2-rank TP group)
 
@@ -189,9 +189,8 @@ def test_no_group_no_collectives(fake_group):
 @pytest.mark.distributed
 def test_torchrun_tp2_gloo():
     """2 gloo ranks on CPU: every case of the script against the fp64 oracle, then the bad-input errors."""
-    # The Triton backends run here only through the interpreter (set by conftest on machines without a GPU).
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    backends = "reference,torch" + (",triton,triton_ascend" if interpret else "")
+    # CPU ranks: the Triton backends only through the interpreter (helpers/kernel_device.py; the ranks inherit it)
+    backends = "reference,torch" + (",triton,triton_ascend" if interpreter_on() else "")
     from helpers.launch import torchrun
 
     proc = torchrun(REPO / "torchrun" / "run_lce_tp2.py", "--quick", "--bad-input", "--device", "cpu",
