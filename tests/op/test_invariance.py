@@ -18,6 +18,7 @@ from areal_lce import linear_logprobs_entropy as lce
 from areal_lce.megatron.context_parallel import zigzag_positions
 from areal_lce.megatron.packing import pack_rows
 
+from helpers.kernel_device import on_kernel_device
 from helpers.launch import torchrun
 
 FIELDS = ("logprobs", "entropy", "max_logit", "min_logit", "lse", "sum_logit", "sumsq_logit")
@@ -42,9 +43,20 @@ def _inputs(n=70, h=H, v=V, dtype=torch.bfloat16, seed=0, pad_to=None):
     return hidden.to(dtype), weight.to(dtype), labels
 
 
+def _lce(backend, h, w, y, **kw):
+    """The op on the backend's device: the Triton cases on kernel_device() (the interpreter's CPU tensors on a
+    CPU host, CUDA where there is a GPU), every output brought back to the CPU to compare."""
+    if backend == "triton":
+        h, w, y = on_kernel_device(h, w, y)
+        if torch.is_tensor(kw.get("temperature")):
+            kw["temperature"] = on_kernel_device(kw["temperature"])
+    out = lce(h, w, y, backend=backend, **kw)
+    return type(out)(*(None if t is None else t.cpu() for t in out))
+
+
 def _call(backend, h, w, y, **kw):
-    return lce(h, w, y, backend=backend, vocab_size=V, return_stats=True, return_logit_sums=True,
-               invariant=kw.pop("invariant", True), **kw)
+    return _lce(backend, h, w, y, vocab_size=V, return_stats=True, return_logit_sums=True,
+                invariant=kw.pop("invariant", True), **kw)
 
 
 def _assert_rows_equal(a, b, rows_b=None, what=""):
@@ -160,8 +172,8 @@ def test_bf16_logits_mode_matches_a_bf16_head(backend):
     lp16_ref = ref16[keep].gather(1, yk[:, None]).squeeze(1)
     lp32_ref = ref32[keep].gather(1, yk[:, None]).squeeze(1)
     for inv in (True, False):
-        o16 = lce(h, w, y, backend=backend, vocab_size=V, logits_precision="bf16", invariant=inv)
-        o32 = lce(h, w, y, backend=backend, vocab_size=V, logits_precision="fp32", invariant=inv)
+        o16 = _lce(backend, h, w, y, vocab_size=V, logits_precision="bf16", invariant=inv)
+        o32 = _lce(backend, h, w, y, vocab_size=V, logits_precision="fp32", invariant=inv)
         e16 = (o16.logprobs[keep].double() - lp16_ref).abs().max().item()
         e32 = (o32.logprobs[keep].double() - lp32_ref).abs().max().item()
         gap = (o32.logprobs[keep].double() - lp16_ref).abs().max().item()
