@@ -238,6 +238,41 @@ def test_resume_refuses_a_crafted_or_damaged_checkpoint(engine_ckpt, tmp_path):
         ckpt.load_checkpoint(engine_ckpt[0], step1)
 
 
+def _point_past_the_data(step_dir: Path) -> None:
+    """Damage checkpoint `step_dir` so that it matches its manifests but cannot be decoded: every entry of the
+    tensors' index points past its file's data (torch's reader raises CheckpointException, a BaseException)."""
+    from areal_lce.engine.sharded import read_metadata
+
+    index = step_dir / "engine" / "sharded"
+    metadata = read_metadata(str(index))
+    for info in metadata.storage_data.values():
+        info.offset += 1 << 30
+    (index / ".metadata").write_bytes(pickle.dumps(metadata))
+    durable.write_manifest(step_dir / "engine")
+    durable.write_manifest(step_dir, only=ckpt.OWN)
+
+
+def test_a_checkpoint_that_cannot_be_decoded_falls_back_or_ends_in_one_line(engine_ckpt, tmp_path):
+    run = tmp_path / "run"
+    loop.train(EngineJob(engine_ckpt[0]), _cfg(run, "trainer.steps=3", "trainer.stop_at=2"), ONE_RANK)
+    _point_past_the_data(ckpt.checkpoint_dir(run, 2))
+    with pytest.warns(RuntimeWarning, match=r"step_00000002 is marked COMPLETE but cannot be loaded "
+                                            r"\(CheckpointException on rank 0: .*\); falling back"):
+        res = loop.train(EngineJob(engine_ckpt[0]), _cfg(run, "trainer.steps=3", "trainer.resume=auto"), ONE_RANK)
+    assert [r["step"] for r in res["records"]] == [2, 3]  # from step 1, the previous complete checkpoint
+    for step in (1, 2, 3):
+        _point_past_the_data(ckpt.checkpoint_dir(run, step))
+    with pytest.warns(RuntimeWarning), pytest.raises(ckpt.UnreadableCheckpoint) as none_left:
+        loop.train(EngineJob(engine_ckpt[0]), _cfg(run, "trainer.steps=3", "trainer.resume=auto"), ONE_RANK)
+    assert "\n" not in str(none_left.value) and str(none_left.value).startswith(
+        f"no complete checkpoint under {run / 'checkpoints'} can be loaded: step_00000003: CheckpointException")
+    # the model weights alone (an export, a teacher): one line naming the checkpoint
+    with pytest.raises(ckpt.UnreadableCheckpoint, match=r"^checkpoint .*step_00000001 cannot be read: "
+                                                        r"CheckpointException on rank 0: [^\n]*$"):
+        ckpt.load_model_weights(engine_ckpt[0], ckpt.checkpoint_dir(run, 1))
+    engine_ckpt[0].load(str(engine_ckpt[2]))  # the fixture's engine as it was
+
+
 def test_fresh_start_deletes_nothing_and_refuses_another_runs_files(tmp_path):
     run = tmp_path / "run"
     loop.train(CounterJob(), _cfg(run, "trainer.stop_at=2"), ONE_RANK)
