@@ -100,7 +100,8 @@ def _check_input_ids(gpt, input_ids: torch.Tensor) -> None:
     accelerator this costs a host sync, so the check runs on CPU tensors only."""
     embedding = getattr(getattr(gpt, "embedding", None), "word_embeddings", None)
     rows = getattr(embedding, "num_embeddings", None)
-    if not getattr(gpt, "pre_process", False) or rows is None or input_ids.device.type != "cpu" or not input_ids.numel():
+    on_host = input_ids.device.type == "cpu" and input_ids.numel() > 0
+    if not (getattr(gpt, "pre_process", False) and rows is not None and on_host):
         return
     bad = (input_ids < 0) | (input_ids >= rows)
     if bool(bad.any()):

@@ -146,7 +146,8 @@ def check_finite(rec: dict, name: str, out: Path) -> None:
 
 def summary_line(job: Job, cfg, start: int, step: int, records: list, out: Path) -> str:
     """The run's closing line: steps run, the last step's metrics, where its files are."""
-    ran = f"steps {start + 1}-{step} of {cfg.trainer.steps}" if step > start else f"no steps (at {step} of {cfg.trainer.steps})"
+    total = cfg.trainer.steps
+    ran = f"steps {start + 1}-{step} of {total}" if step > start else f"no steps (at {step} of {total})"
     last = format_record(records[-1], [k for k in job.log_keys if k != "step"]) if records else ""
     latest = ckpt.latest_checkpoint(out)
     files = ", ".join(n for n in ckpt.OUTPUTS if (out / n).exists())

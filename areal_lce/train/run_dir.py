@@ -131,7 +131,7 @@ def check_layout(out: Path) -> None:
         if (out / name).exists() and not (out / name).is_dir():
             raise ConfigError(f"trainer.output_dir={out}: {out / name} is a file, but the run keeps its {name} in a "
                               "directory of that name; move the file away, or give another trainer.output_dir")
-    for name in (*ckpt.OUTPUTS[:4], LOCK_FILE):
+    for name in ("config.yaml", "metrics.jsonl", "metrics.png", "samples.jsonl", LOCK_FILE):
         if (out / name).is_dir():
             raise ConfigError(f"trainer.output_dir={out}: {out / name} is a directory, but the run writes a file of "
                               "that name; move it away, or give another trainer.output_dir")
@@ -191,16 +191,23 @@ def open_run(cfg, output_dir, is_main: bool) -> Run:
     if not all_ranks_true(not error):
         raise ConfigError(error or f"trainer.output_dir={out}: rank 0 could not lock it (another job uses it)")
     try:
-        resume_from = ckpt.resolve_resume(cfg.trainer.resume, out)
-        run_id = uuid.uuid4().hex
-        if resume_from is None:
-            if cfg.trainer.resume is False or not used_before:
-                ckpt.refuse_foreign_files(out, cfg.trainer.resume)
-        else:
-            saved_id, saved_config, where = _saved_run(out, resume_from)
-            run_id = saved_id or run_id
-            if saved_config is not None:
-                check_resume_config(config_changes(saved_config, to_dict(cfg)), where, is_main)
+        refused = None
+        try:
+            resume_from = ckpt.resolve_resume(cfg.trainer.resume, out)
+            run_id = uuid.uuid4().hex
+            if resume_from is None:
+                if cfg.trainer.resume is False or not used_before:
+                    ckpt.refuse_foreign_files(out, cfg.trainer.resume)
+            else:
+                saved_id, saved_config, where = _saved_run(out, resume_from)
+                run_id = saved_id or run_id
+                if saved_config is not None:
+                    check_resume_config(config_changes(saved_config, to_dict(cfg)), where, is_main)
+        except ConfigError as e:
+            refused = e
+        # every rank has looked at the directory before any goes on to write in it (rank 0: config.yaml)
+        if not all_ranks_true(refused is None):
+            raise refused or ConfigError(f"trainer.output_dir={out}: another rank refused it (its error says why)")
     except BaseException:
         if lock is not None and held is None:
             lock.release()
