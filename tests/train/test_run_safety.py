@@ -16,7 +16,6 @@ import pytest
 from areal_lce import durable
 from areal_lce.train import checkpoint as ckpt
 from areal_lce.train import loop
-from areal_lce.train.__main__ import one_line_warning, quiet_known_warnings
 from areal_lce.train.config import ConfigError, load_config
 
 from test_train_loop import CounterJob
@@ -165,6 +164,8 @@ def test_a_run_ends_with_a_summary_line(tmp_path, capsys):
 
 
 def test_only_known_noise_is_hidden_and_warnings_print_without_source_lines():
+    from areal_lce.train.__main__ import one_line_warning, quiet_known_warnings
+
     with warnings.catch_warnings(record=True) as shown:
         warnings.simplefilter("always")
         quiet_known_warnings()
