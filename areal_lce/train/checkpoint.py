@@ -292,7 +292,7 @@ def describe(e: BaseException) -> str:
 def report_refused(path: Path, why: str, move: bool) -> str:
     """Log a refused payload in checkpoint `path` as a security event (error level); with `move`, rename
     the checkpoint to step_N.refused (kept as evidence, out of resume's and any re-save's way). Returns
-    the message."""
+    the short message of the error the caller raises (the logged line holds the details)."""
     where = ""
     if move:
         aside = path.with_name(path.name + REFUSED_SUFFIX)
@@ -306,7 +306,7 @@ def report_refused(path: Path, why: str, move: bool) -> str:
     msg = (f"security: checkpoint {path} holds a file the loader refused to unpickle, a payload the job did "
            f"not write ({why}){where}; nothing of it was run. Find out who wrote it before resuming")
     SECURITY.error(msg)
-    return msg
+    return f"checkpoint {path} holds a payload the loader refused (a security event: see the line above){where}"
 
 
 def load_resumable(engine, output_dir, path, is_main: bool = True) -> tuple[Path, dict]:
@@ -330,8 +330,7 @@ def load_resumable(engine, output_dir, path, is_main: bool = True) -> tuple[Path
         if all_ranks_true(not error):
             return candidate, state
         if not all_ranks_true(not refused):  # a crafted payload on some rank: stop, every rank alike
-            msg = report_refused(candidate, error or "refused on another rank", move=is_main)
-            raise RefusedCheckpoint(msg)
+            raise RefusedCheckpoint(report_refused(candidate, error or "refused on another rank", move=is_main))
         why = error or "another rank could not read its files"
         failures.append(f"{candidate.name}: {why}")
         warnings.warn(f"checkpoint {candidate} is marked {MARKER} but cannot be loaded ({why}); falling back to "

@@ -7,8 +7,10 @@ the `gpu` case saves and reloads megatron's mixed-precision optimizer state.
 """
 from __future__ import annotations
 
+import logging
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -205,7 +207,7 @@ class EngineJob(CounterJob):
         return {"value": float(step)}
 
 
-def test_resume_refuses_a_crafted_or_damaged_checkpoint(engine_ckpt, tmp_path):
+def test_resume_refuses_a_crafted_or_damaged_checkpoint(engine_ckpt, tmp_path, caplog):
     run, marker = tmp_path / "run", tmp_path / "code_ran"
     loop.train(EngineJob(engine_ckpt[0]), _cfg(run, "trainer.steps=2", "trainer.stop_at=1"), ONE_RANK)
     step1 = ckpt.checkpoint_dir(run, 1)
@@ -221,12 +223,17 @@ def test_resume_refuses_a_crafted_or_damaged_checkpoint(engine_ckpt, tmp_path):
     durable.write_manifest(step1 / "engine")
     durable.write_manifest(step1, only=ckpt.OWN)
     tampered = (step1 / "engine" / "sharded" / ".metadata").read_bytes()
-    with pytest.raises(ckpt.RefusedCheckpoint, match=r"security: .*step_00000001 .*refused: not a checkpoint "
-                                                     r"index.*moved to .*step_00000001\.refused"):
+    with caplog.at_level(logging.ERROR, logger="areal_lce.security"), \
+            pytest.raises(ckpt.RefusedCheckpoint, match=r"step_00000001 holds a payload the loader refused \(a "
+                                                        r"security event.*moved to .*step_00000001\.refused"):
         loop.train(EngineJob(engine_ckpt[0]), _cfg(run, "trainer.steps=2", "trainer.resume=auto"), ONE_RANK)
+    [event] = [r for r in caplog.records if r.name == "areal_lce.security"]
+    assert event.levelno == logging.ERROR and re.match(r"security: checkpoint .*step_00000001 holds a file the "
+                                                       r"loader refused to unpickle.*refused: not a checkpoint index",
+                                                       event.getMessage())
     aside = step1.with_name(step1.name + ".refused")
     assert not step1.exists() and (aside / "engine" / "sharded" / ".metadata").read_bytes() == tampered
-    with pytest.raises(ckpt.RefusedCheckpoint, match="refused: not a checkpoint index"):
+    with pytest.raises(ckpt.RefusedCheckpoint, match="holds a payload the loader refused"):
         ckpt.load_model_weights(engine_ckpt[0], aside)
     assert not marker.exists(), "the crafted pickle's code ran"
     step1 = aside
