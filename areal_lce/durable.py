@@ -45,6 +45,14 @@ def write_atomic(path: PathLike, write: Callable) -> Path:
     return path
 
 
+def chmod_default(path: PathLike) -> None:
+    """Give `path` the mode open() gives a new file (0o666 less the umask): for a file whose writer made it
+    private (safetensors' save_file writes 0o600), so that the files of one output share one mode."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_text(path: PathLike, text: str) -> Path:
     """`path` holds `text` (UTF-8), durably."""
     return write_atomic(path, lambda f: f.write(text.encode("utf-8")))
@@ -77,14 +85,18 @@ def sha256_file(path: PathLike) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _listing(root: Path, exclude, sealed) -> dict:
+def _listing(root: Path, exclude, sealed, only=None) -> dict:
     """{relative posix path: Path} of the files under `root` that a manifest covers: everything but the
-    manifest and `exclude` at the top, and only the manifest of each subdirectory in `sealed`. A link or
-    special file is an error (the job writes none)."""
+    manifest and `exclude` at the top (with `only`: just the top-level files and directories it names,
+    anything else there is not the writer's and is left out), and only the manifest of each subdirectory
+    in `sealed`. A link or special file is an error (the job writes none)."""
     found = {}
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         rel_dir = here.relative_to(root).as_posix()
+        if rel_dir == "." and only is not None:
+            dirnames[:] = [d for d in dirnames if d in only]
+            filenames = [n for n in filenames if n in only]
         for d in list(dirnames):
             if (here / d).is_symlink():
                 raise IntegrityError(f"{here / d}: a link, not a directory the job wrote")
@@ -102,15 +114,16 @@ def _listing(root: Path, exclude, sealed) -> dict:
     return found
 
 
-def write_manifest(root: PathLike, exclude=()) -> Path:
+def write_manifest(root: PathLike, exclude=(), only=None) -> Path:
     """Seal `root`: hash the files now on disk (call it once every writer is done) into `root/MANIFEST.json`,
-    durably. Names in `exclude` (at the top, e.g. a completion marker written after) are not covered."""
+    durably. Names in `exclude` (at the top, e.g. a completion marker written after) are not covered; with
+    `only`, just the top-level names it lists are (see _listing)."""
     root = Path(root)
     sealed = sorted(p.parent.relative_to(root).as_posix() for p in root.glob(f"*/**/{MANIFEST}")
-                    if p.parent != root)
+                    if p.parent != root and (only is None or p.relative_to(root).parts[0] in only))
     sealed = [s for s in sealed if not any(s.startswith(o + "/") for o in sealed)]  # outermost only
     files = {rel: {"size": p.stat().st_size, "sha256": sha256_file(p)}
-             for rel, p in sorted(_listing(root, exclude, sealed).items())}
+             for rel, p in sorted(_listing(root, exclude, sealed, only).items())}
     body = {"format": MANIFEST_FORMAT, "sealed": sealed, "files": files}
     return write_text(root / MANIFEST, json.dumps(body, indent=1))
 
@@ -137,14 +150,15 @@ def _well_formed(body: dict) -> bool:
                     for e in files.values()))
 
 
-def check_manifest(root: PathLike, exclude=(), hash_only: Callable[[str], bool] = None) -> dict:
+def check_manifest(root: PathLike, exclude=(), hash_only: Callable[[str], bool] = None, only=None) -> dict:
     """Refuse (IntegrityError naming the file) unless the files under `root` are exactly its manifest's,
     with their sizes and sha256 (hashing only the files `hash_only(relative path)` picks, by default all;
-    sizes and names are checked for every file). Returns {relative path: entry} of the manifest."""
+    sizes and names are checked for every file; with `only`, top-level names outside it are not looked
+    at). Returns {relative path: entry} of the manifest."""
     root = Path(root)
     body = _read_manifest(root)
     files, sealed = body["files"], body.get("sealed", [])
-    on_disk = _listing(root, exclude, set(sealed))
+    on_disk = _listing(root, exclude, set(sealed), only)
     for rel in sorted(set(files) | set(on_disk)):
         where = root / rel
         if rel not in on_disk:
@@ -161,12 +175,12 @@ def check_manifest(root: PathLike, exclude=(), hash_only: Callable[[str], bool] 
     return files
 
 
-def sealed_files(root: PathLike, exclude=()) -> list:
+def sealed_files(root: PathLike, exclude=(), only=None) -> list:
     """Every file of the sealed directory `root` (its manifest, and those of sealed subdirectories, included),
     after checking names and sizes against the manifests (IntegrityError otherwise; nothing is hashed)."""
     root = Path(root)
     body = _read_manifest(root)
-    check_manifest(root, exclude, hash_only=lambda rel: False)
+    check_manifest(root, exclude, hash_only=lambda rel: False, only=only)
     out = [root / MANIFEST]
     for rel in body["files"]:
         sub = (root / rel).parent
@@ -177,16 +191,22 @@ def sealed_files(root: PathLike, exclude=()) -> list:
     return out
 
 
-def remove_sealed(root: PathLike, marker: str) -> None:
-    """Delete the sealed directory `root`, which must hold exactly its manifests' files plus `marker` (removed
-    first, so that a half-deleted directory is no longer marked complete); else raise IntegrityError naming
-    the odd file, deleting nothing."""
+def remove_sealed(root: PathLike, marker: str, only=None) -> list:
+    """Delete the files of the sealed directory `root` that its manifests list, and `marker` (removed first,
+    so that a half-deleted directory is no longer marked complete); a file the manifests do not cover (a
+    user's, outside `only`) and the directories holding it stay. Raises IntegrityError naming the odd file,
+    deleting nothing, when a covered file does not match. Returns the directories left (not empty)."""
     root = Path(root)
-    files = sealed_files(root, exclude=(marker,))
+    files = sealed_files(root, exclude=(marker,), only=only)
     (root / marker).unlink(missing_ok=True)
     fsync_dir(root)
     for f in files:
         f.unlink()
+    left = []
     for dirpath, _dirs, _files in sorted(os.walk(root), key=lambda w: -len(w[0])):
-        os.rmdir(dirpath)  # deepest first; fails (leaving it) if a file appeared meanwhile
+        try:
+            os.rmdir(dirpath)  # deepest first
+        except OSError:  # not empty: it holds a file the job did not write
+            left.append(Path(dirpath))
     fsync_dir(root.parent)
+    return left

@@ -72,12 +72,15 @@ def grad_norm_and_clip(model, mp_group, device, clip: float) -> float:
 
 def optimizer_step(model, optimizer, megatron_optimizer: bool, lr: float, mp_group, device, clip: float) -> float:
     """One optimizer step at learning rate `lr` on the finalised grad buffers; returns the grad norm
-    (before clipping). Megatron's optimizer clips and steps itself; the torch one is fed main_grad."""
+    (before clipping: the run loop stops on a non-finite one). Megatron's optimizer clips and steps
+    itself; the torch one is fed main_grad."""
     for g in optimizer.param_groups:
         g["lr"] = lr
     if megatron_optimizer:
         _ok, grad_norm, _zeros = optimizer.step()
-        return float(grad_norm) if grad_norm is not None else float("nan")
+        if grad_norm is None:  # clip_grad=0: megatron computes no norm; its own helper, on the same grads
+            grad_norm = optimizer.get_grad_norm()
+        return float(grad_norm)
     grad_norm = grad_norm_and_clip(model, mp_group, device, clip)
     for p in model.parameters():
         if p.requires_grad:

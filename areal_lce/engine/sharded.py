@@ -49,12 +49,17 @@ class CheckpointMismatch(ValueError):
     """A readable checkpoint that does not fit this model or layout (not a damaged one)."""
 
 
+class RefusedPayload(pickle.UnpicklingError):
+    """A checkpoint file holds a pickled object that loading would have to build by running code outside
+    the allowlist (a crafted payload, or a file of another program): nothing of it was built."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if (module, name) in _METADATA_TYPES or (module == "torch" and isinstance(getattr(torch, name, None),
                                                                                   torch.dtype)):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not a checkpoint index type")
+        raise RefusedPayload(f"{module}.{name} is not a checkpoint index type")
 
 
 def read_metadata(directory: str):
@@ -64,6 +69,8 @@ def read_metadata(directory: str):
     with open(path, "rb") as f:
         try:
             return _MetadataUnpickler(f).load()
+        except RefusedPayload as e:
+            raise RefusedPayload(f"{path}: refused: not a checkpoint index ({e})") from e
         except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
             raise pickle.UnpicklingError(f"{path}: refused: not a checkpoint index ({e})") from e
 
@@ -79,7 +86,7 @@ def load_plain(f: str, device=None):
         return torch.load(f, map_location=device or "cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise pickle.UnpicklingError(f"{f}: refused: it holds something other than tensors and plain values "
+        raise RefusedPayload(f"{f}: refused: it holds something other than tensors and plain values "
                                      f"(torch.load(weights_only=True): {first})") from e
 
 

@@ -27,6 +27,9 @@ def job_config(step_dir: Path):
     from ..train.config import ConfigError, JobConfig, from_dict
     from ..train.yaml_strict import yaml_load
 
+    if not step_dir.is_dir():
+        what = "is not a directory" if step_dir.exists() else "does not exist"
+        raise ConfigError(f"{step_dir} {what}: give a checkpoint directory, RUN_DIR/checkpoints/step_N")
     if not (step_dir / ckpt.MARKER).is_file():
         found = ckpt.list_checkpoints(step_dir)
         hint = f" (its newest complete checkpoint: {found[-1][1]})" if found else ""

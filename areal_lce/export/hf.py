@@ -105,6 +105,7 @@ class _ShardWriter:
             return
         part = f"part-{len(self.files):05d}.safetensors"
         save_file(self.pending, str(self.dir / part), metadata={"format": "pt"})
+        durable.chmod_default(self.dir / part)  # save_file writes 0o600; the other files get open()'s mode
         self.files.append((part, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 

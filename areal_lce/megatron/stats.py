@@ -86,11 +86,28 @@ def model_output(model, input_ids, labels, *, vocab_size: int, position_ids=None
     sends on) on the other stages."""
     route = Route.choose(fused, seam, backend, cache_bytes, invariant, logits_precision)
     _check_cpu_backward(find_gpt_model(model))
+    _check_input_ids(find_gpt_model(model), input_ids)
     with compat.cpu_shims():  # a no-op with CUDA
         return route.stats(model, input_ids, labels, vocab_size=vocab_size, position_ids=position_ids,
                            attention_mask=attention_mask, packed_seq_params=packed_seq_params,
                            temperature=temperature, ignore_index=ignore_index, compact_ignored=compact_ignored,
                            selected_ids=selected_ids, top_k=top_k)
+
+
+def _check_input_ids(gpt, input_ids: torch.Tensor) -> None:
+    """On the stage that embeds, ids on the host must index the embedding: an id past it is named (torch's
+    lookup says only `index out of range`, and a tensor-parallel embedding masks it to a zero row). On an
+    accelerator this costs a host sync, so the check runs on CPU tensors only."""
+    embedding = getattr(getattr(gpt, "embedding", None), "word_embeddings", None)
+    rows = getattr(embedding, "num_embeddings", None)
+    on_host = input_ids.device.type == "cpu" and input_ids.numel() > 0
+    if not (getattr(gpt, "pre_process", False) and rows is not None and on_host):
+        return
+    bad = (input_ids < 0) | (input_ids >= rows)
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"input_ids{list(where)} = {int(input_ids[where])} is outside the model's embedding of {rows} "
+                         f"rows (ids 0..{rows - 1}): check the tokenizer against the model's vocabulary")
 
 
 def _check_cpu_backward(gpt) -> None:

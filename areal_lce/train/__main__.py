@@ -70,11 +70,28 @@ def config_path(arg: Optional[str]) -> Path:
     return path
 
 
+# The warnings known to be noise here: (module that issues it, message), both regular expressions matched
+# from the start. Anything else, the user's own deprecations and the project's included, is shown.
+KNOWN_NOISE = (
+    (r"megatron\.core(\..*)?", r".*(Apex|Transformer Engine|absl\.logging).* not installed"),  # optional packages
+    (r"megatron\.core\.tensor_parallel\.layers", r".*tp_group is None"),
+    (r"megatron\.core\.transformer\.mlp", r".*requires ffn_hidden_size"),
+    (r"megatron\.core\.inference\.contexts", r"The following imports from `dynamic_context\.py`"),
+    (r"torch\.jit\._script", r"`torch\.jit\.script_method` is deprecated"),  # megatron-core's jit helpers
+)
+
+
+def one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """warnings.formatwarning without the source line that the default one prints under the message."""
+    return f"{filename}:{lineno}: {category.__name__}: {message}\n"
+
+
 def quiet_known_warnings() -> None:
-    """Hide megatron-core's start-up notices about optional packages absent on this machine."""
-    for pattern in (r".*(Apex|Transformer Engine|absl\.logging).* not installed", r".*is deprecated",
-                    r".*tp_group is None", r".*requires ffn_hidden_size"):
-        warnings.filterwarnings("ignore", message=pattern)
+    """Hide the start-up notices megatron-core and torch issue on this machine (KNOWN_NOISE, by module and
+    message), and print every other warning on one line."""
+    for module, message in KNOWN_NOISE:
+        warnings.filterwarnings("ignore", message=message, module=module + r"\Z")
+    warnings.formatwarning = one_line_warning
 
 
 def limit_cpu_threads() -> None:

@@ -33,8 +33,16 @@ def read_metrics(path) -> list[dict]:
     return records
 
 
+def strict_json(record: dict) -> str:
+    """The record as strict JSON (RFC 8259: no NaN / Infinity): a value that is not a finite number is
+    written as null (a metric not computed that step)."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()},
+                      allow_nan=False)
+
+
 class MetricsLog:
-    """Append-only `metrics.jsonl` (one JSON object per step). Inactive off rank 0.
+    """Append-only `metrics.jsonl` (one strict JSON object per step, null for a value not computed). Inactive
+    off rank 0.
 
     On a resumed run, lines past the resumed step (written by the killed run after its last
     checkpoint) are dropped first, so the file reads as one uninterrupted run: the kept lines go to a
@@ -49,14 +57,14 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step] if resume_step else []
         # a new file renamed over the old one: a kill at any moment leaves the old lines or the kept ones
-        text = "".join(json.dumps(r) + "\n" for r in kept)
+        text = "".join(strict_json(r) + "\n" for r in kept)
         durable.write_atomic(self.path, lambda f: f.write(text.encode("utf-8")))
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(strict_json(record) + "\n")
 
 
 class _NoBar:
@@ -111,7 +119,7 @@ def _fmt(v) -> str:
 
 def format_record(record: dict, keys: Sequence[str] = LOG_KEYS) -> str:
     """The metrics line of a record: `key=value` for each of `keys` that it holds."""
-    return "  ".join(f"{k}={_fmt(record[k])}" for k in keys if k in record)
+    return "  ".join(f"{k}={_fmt(record[k])}" for k in keys if record.get(k) is not None)
 
 
 def plot_metrics(records: Iterable[dict], png_path, keys: Sequence[str] = PLOT_KEYS, title: str = "") -> Optional[Path]:

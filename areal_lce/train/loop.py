@@ -20,12 +20,16 @@
              during the steps only set a flag; at the step boundary the ranks agree on it, save a
              checkpoint of that step, print "interrupted at step N; resume with trainer.resume=auto" and
              raise ranks.Interrupted (the entry point exits 130 / 143);
-6. finish    after the last step: `job.finish()` and metrics.png (trainer.plot).
+             A step whose loss or gradient norm is not finite stops the run (NonFiniteError naming
+             the step) before its record or any checkpoint of it is written;
+6. finish    after the last step: `job.finish()` and metrics.png (trainer.plot); rank 0 prints one
+             closing line (steps run, the last metrics, the run directory and its newest checkpoint).
 
 Returns {'output_dir', 'step' (last step run), 'records' (this invocation's metric records)}.
 """
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 from typing import Callable
@@ -75,7 +79,7 @@ def train(job: Job, cfg, dist_info) -> dict:
     torch.manual_seed(tr.seed)
     start = 0
     if resume_from is not None:
-        resume_from, state = ckpt.load_resumable(job.engine, out, resume_from)  # falls back past a damaged one
+        resume_from, state = ckpt.load_resumable(job.engine, out, resume_from, is_main)  # past a damaged one
         start = int(state["step"])
     metrics = RunLoggers(tr.loggers, out, resume_step=start, config=to_dict(cfg), enabled=is_main)
     if is_main:
@@ -89,6 +93,7 @@ def train(job: Job, cfg, dist_info) -> dict:
     with StopOnSignal() as stop, metrics:
         for step in range(start + 1, tr.steps + 1):
             rec = {"step": step, **job.step(step)}
+            check_finite(rec, job.name, out)  # before the record and any checkpoint of this step are written
             records.append(rec)
             metrics.write(rec)
             bar.update({key: format(rec[key], spec) for key, spec in job.postfix})
@@ -113,5 +118,38 @@ def train(job: Job, cfg, dist_info) -> dict:
                                title=f"{job.plot_title} {out.name}")
             if png:
                 print(f"[{job.name}] wrote {out / 'metrics.jsonl'} and {png}", flush=True)
+    if is_main:
+        print(summary_line(job, cfg, start, step, records, out), flush=True)
     close_run(run_dir)
     return {"output_dir": str(out), "step": step, "records": records}
+
+
+# Megatron-LM's --check-for-nan-in-loss-and-grad: a step whose loss or gradient norm is not finite stops the
+# run (every rank sees the same reduced values, so every rank stops at the same step).
+FINITE_KEYS = ("loss", "grad_norm")
+
+
+class NonFiniteError(FloatingPointError):
+    """A training step produced a non-finite loss or gradient norm."""
+
+
+def check_finite(rec: dict, name: str, out: Path) -> None:
+    """Raise NonFiniteError naming the step and the values when the record's loss or grad norm is NaN / inf."""
+    bad = [f"{k}={rec[k]}" for k in FINITE_KEYS if isinstance(rec.get(k), float) and not math.isfinite(rec[k])]
+    if bad:
+        last = ckpt.latest_checkpoint(out)
+        where = f"the newest checkpoint is {last}" if last else "no checkpoint was saved"
+        raise NonFiniteError(f"[{name}] step {rec['step']}: {', '.join(bad)}: training diverged; the run stops "
+                             f"without saving this step ({where}). Lower engine.optim.lr or check the data, then "
+                             "resume with trainer.resume=auto or start over")
+
+
+def summary_line(job: Job, cfg, start: int, step: int, records: list, out: Path) -> str:
+    """The run's closing line: steps run, the last step's metrics, where its files are."""
+    total = cfg.trainer.steps
+    ran = f"steps {start + 1}-{step} of {total}" if step > start else f"no steps (at {step} of {total})"
+    last = format_record(records[-1], [k for k in job.log_keys if k != "step"]) if records else ""
+    latest = ckpt.latest_checkpoint(out)
+    files = ", ".join(n for n in ckpt.OUTPUTS if (out / n).exists())
+    saved = f"; newest checkpoint {latest}" if latest else "; no checkpoint"
+    return f"[{job.name}] done: {ran}{'; last ' + last if last else ''}; wrote {out} ({files}){saved}"

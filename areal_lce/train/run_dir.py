@@ -10,11 +10,16 @@
   network file systems (on NFS flock may be local to one host, or not enforced), and jobs on several
   hosts sharing one directory. Within one process the hold is re-entrant (a run that raised keeps it
   until the process ends or opens the directory again).
-* A fresh start (trainer.resume=false) deletes nothing: it refuses a directory holding another run's
-  checkpoints or metrics (checkpoint.refuse_foreign_files).
+* The layout is checked first: trainer.output_dir, and checkpoints/ (tensorboard/, wandb/) in it, must be
+  directories where they exist; a file there stops the job at start-up naming trainer.output_dir.
+* A fresh start deletes and overwrites nothing it did not write: trainer.resume=false refuses a directory
+  holding another run's checkpoints or metrics, or a file of a name the run writes (config.yaml,
+  metrics.png, samples.jsonl, ...: checkpoint.OUTPUTS); trainer.resume=auto with no checkpoint to resume
+  refuses the same in a directory no areal_lce run used (no run.lock), and in one that an earlier run of
+  this directory used starts over its files.
 * A resume compares the config saved with the checkpoint with this one and names every changed option:
-  a change of the model's shape is refused, others (lr, steps, engine.parallel: checkpoints load at any
-  parallel layout) go ahead with a warning.
+  a change of the model's shape or of `job:` is refused, others (lr, steps, engine.parallel: checkpoints
+  load at any parallel layout) go ahead with a warning.
 * Each run gets an id, recorded in its checkpoints (a resumed run keeps it): trainer.keep_last deletes
   only checkpoints with this id.
 """
@@ -114,12 +119,37 @@ def config_changes(saved: dict, current: dict) -> list[tuple[str, object, object
             if k not in INVOCATION_OPTIONS and a.get(k, missing) != b.get(k, missing)]
 
 
+def check_layout(out: Path) -> None:
+    """trainer.output_dir and what the run creates in it are directories where directories go (and files
+    where files go); else a ConfigError naming the option, before anything is written."""
+    for parent in (out, *out.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                where = "is a file" if parent == out else f"is inside {parent}, a file"
+                raise ConfigError(f"trainer.output_dir={out} {where}, not a directory: give a directory (created "
+                                  "when missing)")
+            break
+    for name in ("checkpoints", "tensorboard", "wandb"):
+        if (out / name).exists() and not (out / name).is_dir():
+            raise ConfigError(f"trainer.output_dir={out}: {out / name} is a file, but the run keeps its {name} in a "
+                              "directory of that name; move the file away, or give another trainer.output_dir")
+    for name in ("config.yaml", "metrics.jsonl", "metrics.png", "samples.jsonl", LOCK_FILE):
+        if (out / name).is_dir():
+            raise ConfigError(f"trainer.output_dir={out}: {out / name} is a directory, but the run writes a file of "
+                              "that name; move it away, or give another trainer.output_dir")
+
+
 def check_resume_config(changes, checkpoint, is_main: bool) -> None:
-    """Refuse changes of the model naming each option; warn about the others (engine.parallel included:
-    checkpoints load at any parallel layout)."""
+    """Refuse changes of the job or the model naming each option; warn about the others (engine.parallel
+    included: checkpoints load at any parallel layout)."""
     def show(items):
         return ", ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in items)
 
+    job = [c for c in changes if c[0] == "job"]
+    if job:
+        raise ConfigError(f"resuming {checkpoint} with a changed job ({show(job)}): a run directory holds one job's "
+                          f"checkpoints and metrics. Resume with job: {job[0][1]}, or start the {job[0][2]} job in "
+                          "another trainer.output_dir")
     model = [c for c in changes if c[0] in MODEL_OPTIONS]
     if model:
         raise ConfigError(f"resuming {checkpoint} with a changed model ({show(model)}): the checkpoint's "
@@ -149,6 +179,9 @@ def open_run(cfg, output_dir, is_main: bool) -> Run:
     """Collective: take the run directory (lock on rank 0), pick the checkpoint to resume from
     (trainer.resume) and check what the run may do there; raises ConfigError naming the option."""
     out = Path(output_dir)
+    check_layout(out)
+    # an areal_lce run used this directory before: every rank looks before rank 0 takes (creates) the lock
+    used_before = all_ranks_true((out / LOCK_FILE).is_file())
     key = os.path.realpath(out)
     held = _OPEN.get(key)
     lock, error = None, ""
@@ -160,16 +193,23 @@ def open_run(cfg, output_dir, is_main: bool) -> Run:
     if not all_ranks_true(not error):
         raise ConfigError(error or f"trainer.output_dir={out}: rank 0 could not lock it (another job uses it)")
     try:
-        resume_from = ckpt.resolve_resume(cfg.trainer.resume, out)
-        run_id = uuid.uuid4().hex
-        if resume_from is None:
-            if cfg.trainer.resume is False:
-                ckpt.refuse_foreign_files(out)
-        else:
-            saved_id, saved_config, where = _saved_run(out, resume_from)
-            run_id = saved_id or run_id
-            if saved_config is not None:
-                check_resume_config(config_changes(saved_config, to_dict(cfg)), where, is_main)
+        refused = None
+        try:
+            resume_from = ckpt.resolve_resume(cfg.trainer.resume, out)
+            run_id = uuid.uuid4().hex
+            if resume_from is None:
+                if cfg.trainer.resume is False or not used_before:
+                    ckpt.refuse_foreign_files(out, cfg.trainer.resume)
+            else:
+                saved_id, saved_config, where = _saved_run(out, resume_from)
+                run_id = saved_id or run_id
+                if saved_config is not None:
+                    check_resume_config(config_changes(saved_config, to_dict(cfg)), where, is_main)
+        except ConfigError as e:
+            refused = e
+        # every rank has looked at the directory before any goes on to write in it (rank 0: config.yaml)
+        if not all_ranks_true(refused is None):
+            raise refused or ConfigError(f"trainer.output_dir={out}: another rank refused it (its error says why)")
     except BaseException:
         if lock is not None and held is None:
             lock.release()

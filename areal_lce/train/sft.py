@@ -31,6 +31,11 @@ _REDUCE = {"nll": "sum", "entropy": "sum", "tokens": "sum", "max_logit": "max", 
 STATS_KEYS = ("entropy", "max_logit", "min_logit")  # what megatron-core's own loss path does not compute
 
 
+def _number(value):
+    """A metric the engine may not have computed: a float, or None."""
+    return None if value is None else float(value)
+
+
 class SFTJob:
     """The SFT job as the run loop drives it (job.Job)."""
 
@@ -87,13 +92,13 @@ class SFTJob:
         return {
             "loss": s["nll"] / n,
             **stats,
-            "grad_norm": float(result.get("grad_norm", float("nan"))),
-            "lr": float(result.get("lr", float("nan"))),
+            "grad_norm": _number(result.get("grad_norm")),  # None (null in metrics.jsonl): not computed
+            "lr": _number(result.get("lr")),
             "tokens": tokens,  # loss (target) tokens of the global batch
             "input_tokens": input_tokens,  # non-padding input tokens of the global batch
             "tokens_per_s": input_tokens / dt if dt > 0 else 0.0,
             "step_time_s": dt,
-            "peak_mem_gib": float(result.get("peak_mem_gib", float("nan"))),
+            "peak_mem_gib": _number(result.get("peak_mem_gib")),
         }
 
     def finish(self, output_dir: Path) -> None:

@@ -124,6 +124,13 @@ def test_refusals_name_the_option():
     with pytest.raises(ValueError, match="defer_embedding_wgrad_compute"):
         call(labels)
     model.config.defer_embedding_wgrad_compute = False
+    rows = G.padded_vocab(1)
+    for bad in (rows, -1):  # an input id the embedding has no row for: named, not torch's bare IndexError
+        past = ids.clone()
+        past[1, 2] = bad
+        with pytest.raises(ValueError, match=rf"input_ids\[1, 2\] = {bad} is outside the model's embedding of "
+                                             rf"{rows} rows"):
+            token_stats(model, past, labels, vocab_size=G.VOCAB)
 
 
 def test_square_batch_layout():

@@ -7,8 +7,10 @@ the `gpu` case saves and reloads megatron's mixed-precision optimizer state.
 """
 from __future__ import annotations
 
+import logging
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -205,7 +207,7 @@ class EngineJob(CounterJob):
         return {"value": float(step)}
 
 
-def test_resume_refuses_a_crafted_or_damaged_checkpoint(engine_ckpt, tmp_path):
+def test_resume_refuses_a_crafted_or_damaged_checkpoint(engine_ckpt, tmp_path, caplog):
     run, marker = tmp_path / "run", tmp_path / "code_ran"
     loop.train(EngineJob(engine_ckpt[0]), _cfg(run, "trainer.steps=2", "trainer.stop_at=1"), ONE_RANK)
     step1 = ckpt.checkpoint_dir(run, 1)
@@ -213,17 +215,28 @@ def test_resume_refuses_a_crafted_or_damaged_checkpoint(engine_ckpt, tmp_path):
                                            *(f"engine/{f}" for f in ENGINE_FILES)])
     _craft(step1 / "engine" / "sharded" / ".metadata", marker)
     with pytest.warns(RuntimeWarning, match=r"\.metadata"), \
-            pytest.raises(RuntimeError, match=r"no complete checkpoint .* can be loaded:\n.*\.metadata"):
+            pytest.raises(ckpt.UnreadableCheckpoint, match=r"no complete checkpoint .* can be loaded: "
+                                                           r"step_00000001: IntegrityError: .*\.metadata[^\n]*$"):
         loop.train(EngineJob(engine_ckpt[0]), _cfg(run, "trainer.steps=2", "trainer.resume=auto"), ONE_RANK)
-    # both manifests forged to match: the index's allowlist unpickler still refuses it
+    # both manifests forged to match: the index's allowlist unpickler still refuses it, a security event
+    # (error level), the run stops and the checkpoint is kept aside, out of any re-save's way
     durable.write_manifest(step1 / "engine")
-    durable.write_manifest(step1, exclude=(ckpt.MARKER,))
-    with pytest.warns(RuntimeWarning, match="refused: not a checkpoint index"), \
-            pytest.raises(RuntimeError, match="no complete checkpoint"):
+    durable.write_manifest(step1, only=ckpt.OWN)
+    tampered = (step1 / "engine" / "sharded" / ".metadata").read_bytes()
+    with caplog.at_level(logging.ERROR, logger="areal_lce.security"), \
+            pytest.raises(ckpt.RefusedCheckpoint, match=r"step_00000001 holds a payload the loader refused \(a "
+                                                        r"security event.*moved to .*step_00000001\.refused"):
         loop.train(EngineJob(engine_ckpt[0]), _cfg(run, "trainer.steps=2", "trainer.resume=auto"), ONE_RANK)
-    with pytest.raises(pickle.UnpicklingError, match="refused: not a checkpoint index"):
-        ckpt.load_model_weights(engine_ckpt[0], step1)
+    [event] = [r for r in caplog.records if r.name == "areal_lce.security"]
+    assert event.levelno == logging.ERROR and re.match(r"security: checkpoint .*step_00000001 holds a file the "
+                                                       r"loader refused to unpickle.*refused: not a checkpoint index",
+                                                       event.getMessage())
+    aside = step1.with_name(step1.name + ".refused")
+    assert not step1.exists() and (aside / "engine" / "sharded" / ".metadata").read_bytes() == tampered
+    with pytest.raises(ckpt.RefusedCheckpoint, match="holds a payload the loader refused"):
+        ckpt.load_model_weights(engine_ckpt[0], aside)
     assert not marker.exists(), "the crafted pickle's code ran"
+    step1 = aside
 
     # the step directory's own files: a flipped byte in trainer_state.json, an extra file
     state = step1 / ckpt.STATE_FILE
@@ -232,14 +245,49 @@ def test_resume_refuses_a_crafted_or_damaged_checkpoint(engine_ckpt, tmp_path):
         ckpt.load_checkpoint(engine_ckpt[0], step1)
 
 
+def _point_past_the_data(step_dir: Path) -> None:
+    """Damage checkpoint `step_dir` so that it matches its manifests but cannot be decoded: every entry of the
+    tensors' index points past its file's data (torch's reader raises CheckpointException, a BaseException)."""
+    from areal_lce.engine.sharded import read_metadata
+
+    index = step_dir / "engine" / "sharded"
+    metadata = read_metadata(str(index))
+    for info in metadata.storage_data.values():
+        info.offset += 1 << 30
+    (index / ".metadata").write_bytes(pickle.dumps(metadata))
+    durable.write_manifest(step_dir / "engine")
+    durable.write_manifest(step_dir, only=ckpt.OWN)
+
+
+def test_a_checkpoint_that_cannot_be_decoded_falls_back_or_ends_in_one_line(engine_ckpt, tmp_path):
+    run = tmp_path / "run"
+    loop.train(EngineJob(engine_ckpt[0]), _cfg(run, "trainer.steps=3", "trainer.stop_at=2"), ONE_RANK)
+    _point_past_the_data(ckpt.checkpoint_dir(run, 2))
+    with pytest.warns(RuntimeWarning, match=r"step_00000002 is marked COMPLETE but cannot be loaded "
+                                            r"\(CheckpointException on rank 0: .*\); falling back"):
+        res = loop.train(EngineJob(engine_ckpt[0]), _cfg(run, "trainer.steps=3", "trainer.resume=auto"), ONE_RANK)
+    assert [r["step"] for r in res["records"]] == [2, 3]  # from step 1, the previous complete checkpoint
+    for step in (1, 2, 3):
+        _point_past_the_data(ckpt.checkpoint_dir(run, step))
+    with pytest.warns(RuntimeWarning), pytest.raises(ckpt.UnreadableCheckpoint) as none_left:
+        loop.train(EngineJob(engine_ckpt[0]), _cfg(run, "trainer.steps=3", "trainer.resume=auto"), ONE_RANK)
+    assert "\n" not in str(none_left.value) and str(none_left.value).startswith(
+        f"no complete checkpoint under {run / 'checkpoints'} can be loaded: step_00000003: CheckpointException")
+    # the model weights alone (an export, a teacher): one line naming the checkpoint
+    with pytest.raises(ckpt.UnreadableCheckpoint, match=r"^checkpoint .*step_00000001 cannot be read: "
+                                                        r"CheckpointException on rank 0: [^\n]*$"):
+        ckpt.load_model_weights(engine_ckpt[0], ckpt.checkpoint_dir(run, 1))
+    engine_ckpt[0].load(str(engine_ckpt[2]))  # the fixture's engine as it was
+
+
 def test_fresh_start_deletes_nothing_and_refuses_another_runs_files(tmp_path):
     run = tmp_path / "run"
     loop.train(CounterJob(), _cfg(run, "trainer.stop_at=2"), ONE_RANK)
     (ckpt.checkpoint_root(run) / "notes.txt").write_text("mine")
     before = _tree(run)
     with pytest.raises(ConfigError, match=rf"trainer.resume=false .* trainer.output_dir={run} holds another "
-                                          r"run's files \(checkpoints/notes.txt, checkpoints/step_00000001.*"
-                                          r"metrics.jsonl\); nothing was deleted.*trainer.resume=auto"):
+                                          r"run's files .*\(checkpoints/notes.txt, checkpoints/step_00000001.*"
+                                          r"\); nothing was deleted.*trainer.resume=auto"):
         loop.train(CounterJob(), _cfg(run), ONE_RANK)
     after = _tree(run)
     assert {k: v for k, v in after.items() if k != LOCK_FILE} == {k: v for k, v in before.items() if k != LOCK_FILE}
@@ -287,14 +335,20 @@ def test_keep_last_deletes_only_this_runs_old_checkpoints(tmp_path):
     run = tmp_path / "run"
     loop.train(CounterJob(), _cfg(run, "trainer.keep_last=2", "trainer.stop_at=3"), ONE_RANK)
     assert [s for s, _ in ckpt.list_checkpoints(run)] == [2, 3]
-    # not this run's: a complete checkpoint without a manifest, and one of ours holding a file we did not write
+    # not this run's: a complete checkpoint without a manifest; one of ours holding a user's files beside its
+    # own (an export into step_N/hf, an eval result): its own files go, the user's and their directories stay
     alien = ckpt.checkpoint_dir(run, 1)
     alien.mkdir()
     (alien / ckpt.MARKER).write_text("ok\n")
-    (ckpt.checkpoint_dir(run, 2) / "notes.txt").write_text("mine")
-    loop.train(CounterJob(), _cfg(run, "trainer.keep_last=2", "trainer.resume=auto"), ONE_RANK)
-    assert [s for s, _ in ckpt.list_checkpoints(run)] == [1, 2, 4, 5]  # 3 went; 1 and 2 are not provably ours
-    assert (ckpt.checkpoint_dir(run, 2) / "notes.txt").read_text() == "mine"
+    step2 = ckpt.checkpoint_dir(run, 2)
+    (step2 / "notes.txt").write_text("mine")
+    (step2 / "hf").mkdir()
+    (step2 / "hf" / "config.json").write_text("{}")
+    with pytest.warns(RuntimeWarning, match=r"keep_last: deleted the checkpoint files of .*step_00000002; kept the "
+                                            r"directory, which holds files the job did not write"):
+        loop.train(CounterJob(), _cfg(run, "trainer.keep_last=2", "trainer.resume=auto"), ONE_RANK)
+    assert [s for s, _ in ckpt.list_checkpoints(run)] == [1, 4, 5]  # 2 and 3 went; 1 is not provably ours
+    assert _tree(step2) == {"notes.txt": b"mine", "hf/config.json": b"{}"}
     assert not ckpt.checkpoint_dir(run, 3).exists()
 
 
