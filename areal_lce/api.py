@@ -93,22 +93,8 @@ def _check_options(ignore_index, vocab_size) -> None:
         raise TypeError(f"vocab_size must be an int or None, got {vocab_size!r}")
 
 
-REMOVED_TP_KEYWORDS = ("tp_group", "sequence_parallel", "reduce_d_hidden")
-
-
-def check_vocab_parallel(vocab_parallel, removed: dict, what: str = "linear_logprobs_entropy"):
-    """The one tensor-parallel option, `vocab_parallel=VocabParallel(...)` or None. `removed`: the call's
-    other keyword arguments; the former TP keywords (tp_group=, sequence_parallel=, reduce_d_hidden=)
-    raise a TypeError naming VocabParallel, any other name the usual unexpected-keyword TypeError."""
-    if removed:
-        old = sorted(k for k in removed if k in REMOVED_TP_KEYWORDS)
-        if old:
-            names = ", ".join(f"{k}=" for k in old)
-            raise TypeError(f"{what}: {names} {'was' if len(old) == 1 else 'were'} removed; pass "
-                            "vocab_parallel=areal_lce.VocabParallel(group, "
-                            "d_hidden=...) instead: tp_group=g is VocabParallel(g), with sequence_parallel=True "
-                            "d_hidden='reduce_scatter', with reduce_d_hidden=False d_hidden='caller'")
-        raise TypeError(f"{what}() got an unexpected keyword argument {sorted(removed)[0]!r}")
+def check_vocab_parallel(vocab_parallel):
+    """The one tensor-parallel option, `vocab_parallel=VocabParallel(...)` or None."""
     if vocab_parallel is not None and not isinstance(vocab_parallel, VocabParallel):
         raise TypeError(f"vocab_parallel must be an areal_lce.VocabParallel or None, got {vocab_parallel!r}")
     return vocab_parallel
@@ -219,7 +205,6 @@ def linear_logprobs_entropy(
     selected_ids: Optional[torch.Tensor] = None,
     top_k: Optional[int] = None,
     softcap: Optional[float] = None,
-    **removed,
 ) -> LCEOutput:
     """Per-token logprobs and entropy of softmax(hidden · weightᵀ / temperature), never materialising logits.
 
@@ -251,9 +236,6 @@ def linear_logprobs_entropy(
     vocab_parallel: `VocabParallel(group, d_hidden=...)` when `weight` is this rank's vocab shard
         [V/tp, H]: how hidden arrives, who reduces d_hidden and how global ids map to shards are stated
         in VocabParallel's docstring (types.py). Forward: two O(N) collectives (one MAX, one packed SUM).
-    The former keywords tp_group=, sequence_parallel=, reduce_d_hidden= were removed: passing one raises a
-        TypeError naming VocabParallel (tp_group=g is VocabParallel(g), with sequence_parallel=True
-        d_hidden="reduce_scatter", with reduce_d_hidden=False d_hidden="caller").
     check_labels: validate label values (outside [0, vocab_size) and not ignore_index) and temperature
         values (not finite and > 0). True (default): "sync" on CPU tensors, "deferred" on accelerators.
         "sync": raise here (one reduction and a host sync). "deferred": no host sync; bad rows get
@@ -294,7 +276,6 @@ def linear_logprobs_entropy(
     Host syncs: none with the defaults on accelerators (CUDA-graph capturable), apart from one-time checks
     per group (the shard size agrees; with vocab_size <= V_shard, weight is not the full weight).
     """
-    check_vocab_parallel(vocab_parallel, removed)
     call = prepare_call(hidden, weight, labels, temperature=temperature, ignore_index=ignore_index,
                         vocab_size=vocab_size, return_stats=return_stats, return_logit_sums=return_logit_sums,
                         backend=backend, cache_bytes=cache_bytes, vocab_parallel=vocab_parallel,
@@ -317,7 +298,7 @@ def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_siz
     if not isinstance(d_weight_fp32, bool):
         raise TypeError(f"d_weight_fp32 must be True or False, got {d_weight_fp32!r}")
     _check_options(ignore_index, vocab_size)
-    vp = check_vocab_parallel(vocab_parallel, {})
+    vp = check_vocab_parallel(vocab_parallel)
     tp = 1 if vp is None else vp.size
     group = None if tp == 1 else vp.group
     _check_tensors(hidden, weight, labels, vp is not None and vp.sequence_parallel, tp)

@@ -22,7 +22,7 @@ import inspect
 
 import torch
 
-from .api import REMOVED_TP_KEYWORDS, check_vocab_parallel, linear_logprobs_entropy, prepare_call
+from .api import linear_logprobs_entropy, prepare_call
 from .function import LinearLogprobsEntropy
 from .types import LCEOutput, LCEParams
 
@@ -91,8 +91,6 @@ def linear_logprobs_entropy_into_main_grad(hidden: torch.Tensor, weight: torch.T
     """`linear_logprobs_entropy(hidden, weight, labels, **options)` (same options, same outputs and d_hidden)
     whose weight gradient is added in fp32 into `weight.main_grad` (the module docstring)."""
     unknown = sorted(set(options) - set(_OPTIONS))
-    check_vocab_parallel(options.get("vocab_parallel"), {k: options[k] for k in unknown if k in REMOVED_TP_KEYWORDS},
-                         "linear_logprobs_entropy_into_main_grad")  # a removed TP keyword: the error names VocabParallel
     if unknown or "d_weight_fp32" in options:
         raise TypeError(f"linear_logprobs_entropy_into_main_grad: unexpected options {unknown or ['d_weight_fp32']} "
                         "(d_weight_fp32 is set here)")

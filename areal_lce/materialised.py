@@ -8,7 +8,6 @@ must match it; the Megatron engine uses it when `use_fused_linear_ce` is off (th
 """
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -44,18 +43,10 @@ def _exact_values(raw, y, it, start: int, valid_cols: int, ignore_index: int, tp
     return fin.lp, fin.ent, fin.mx, fin.mn, fin.lse
 
 
-def vocab_parallel_group(vocab_parallel, tp_group, what: str):
+def vocab_parallel_group(vocab_parallel, what: str):
     """The process group of the materialised route's `vocab_parallel=VocabParallel(group)` (the value the
     fused op takes; only its group matters here: the logits' gradient is per shard, and d_hidden is the
-    output layer's own business), or None. `tp_group=` is the former spelling, read for one release with a
-    DeprecationWarning; passing both is a TypeError."""
-    if tp_group is not None:
-        if vocab_parallel is not None:
-            raise TypeError(f"{what}: pass vocab_parallel=VocabParallel(group), not also the deprecated tp_group=")
-        warnings.warn(f"{what}(tp_group=...) is deprecated and will be removed in the next release: pass "
-                      "vocab_parallel=areal_lce.VocabParallel(group), the value linear_logprobs_entropy takes",
-                      DeprecationWarning, stacklevel=3)
-        vocab_parallel = VocabParallel(tp_group)
+    output layer's own business), or None."""
     if vocab_parallel is None:
         return None
     if not isinstance(vocab_parallel, VocabParallel):
@@ -116,15 +107,13 @@ def logprobs_entropy_from_logits(
     logits_precision: str = "fp32",
     check_labels: Union[bool, str] = True,
     return_logit_sums: bool = False,
-    tp_group=None,
 ) -> LCEOutput:
     """logits [..., V_shard] (this rank's vocab shard under vocab_parallel, any float dtype: kept as given),
     labels [...] global ids.
 
     vocab_parallel: `VocabParallel(group)`, the value `linear_logprobs_entropy` takes, when the logits are
     this rank's vocab shard (rank r owns global ids [r·V_shard, (r+1)·V_shard)); only its group is used
-    (the logits' gradient stays per shard). tp_group=group: the former spelling, deprecated (a
-    DeprecationWarning; removed in the next release).
+    (the logits' gradient stays per shard).
 
     logits_precision: "fp32" takes the logits as given (reduced in fp32); "bf16" rounds each to bf16 first,
     as the fused op's option does (the rounding's gradient is identity; a no-op on bf16 logits).
@@ -140,7 +129,7 @@ def logprobs_entropy_from_logits(
     padding (excluded, 0 gradient). Collectives over the group, forward only: MAX of the per-token
     [max, -min], then one SUM of the packed shard partials (`LeanLogprobsEntropy`).
     """
-    tp_group = vocab_parallel_group(vocab_parallel, tp_group, "logprobs_entropy_from_logits")
+    tp_group = vocab_parallel_group(vocab_parallel, "logprobs_entropy_from_logits")
     c = checked_call(logits, labels, temperature, ignore_index, vocab_size, tp_group, invariant, logits_precision,
                      check_labels)
     tp, v_shard, start, valid_cols = c.tp, logits.shape[-1], c.start, c.valid_cols

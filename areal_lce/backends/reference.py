@@ -1,12 +1,10 @@
 """Materialised torch reference: the spec, the test oracle and the fallback route.
 
 Everything here builds the full [N, V] logits, so it is only for small shapes, for checking and for
-devices no other backend covers. Two faces:
-  * `ReferenceBackend` implements the backend contract (base.py) on one vocab shard, in fp32 (or fp64
-    when the inputs are fp64), so the Function's communication can be tested against it.
-  * `reference_logprobs_entropy` is the end-to-end oracle on the full vocabulary, differentiable by
-    torch autograd, in the dtype you give it (tests use fp64): areal_lce.reference.logprobs_entropy, the
-    one torch copy of the op's math, under its earlier name.
+devices no other backend covers. `ReferenceBackend` implements the backend contract (base.py) on one vocab
+shard, in fp32 (or fp64 when the inputs are fp64), so the Function's communication can be tested against it.
+The end-to-end oracle on the full vocabulary, differentiable by torch autograd in the dtype you give it, is
+areal_lce.reference.logprobs_entropy.
 """
 from __future__ import annotations
 
@@ -14,7 +12,6 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from ..reference import logprobs_entropy as reference_logprobs_entropy  # noqa: F401  (its earlier home)
 from ..types import LCEParams
 from .base import ShardStats, cap_slope, head_transform
 

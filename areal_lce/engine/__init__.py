@@ -5,8 +5,8 @@ areal_lce.train run.
 
 Modules (import floors, lowest first): config (EngineConfig and its sections), parallel (process groups and
 rank info), microbatch, batch (a micro-batch in the model's layout: padding, THD, CP), per_token (per-token
-tensors into and out of that layout), schedule (megatron's pipeline schedule), optim, sharded / state /
-state_v1 (checkpoints through dist_checkpointing), graphs (CUDA graphs of the model call), own_loss
+tensors into and out of that layout), schedule (megatron's pipeline schedule), optim, sharded / state
+(checkpoints through dist_checkpointing), graphs (CUDA graphs of the model call), own_loss
 (megatron-core's own loss: the flag-off SFT route), engine (MegatronEngine); the subpackages model/ (the GPT
 builder with HF import, attention, KV attention, RoPE and its Triton kernel) and generation/ (generate,
 decode with the KV cache, sampling).

@@ -6,8 +6,6 @@ stay plain (no custom constructors, only defaults).
 """
 from __future__ import annotations
 
-import dataclasses
-import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Tuple, Union
 
@@ -242,17 +240,6 @@ class LCEConfig:
                              f"{LOGITS_PRECISIONS}")
 
 
-# Spellings of engine.lce.* before the group existed: read, with a FutureWarning naming the new key, for one
-# release (YAML, command-line overrides and EngineConfig(...) keywords alike).
-RENAMED_LCE_OPTIONS = {"lce_backend": "backend", "lce_cache_bytes": "cache_bytes",
-                       "lce_compact_ignored": "compact_ignored"}
-
-
-def _renamed_help(old: str) -> dict:
-    return {"help": f"deprecated spelling of engine.lce.{RENAMED_LCE_OPTIONS[old]} (read with a warning for "
-                    "one more release; null: not set)"}
-
-
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "architecture and weights"})
@@ -305,14 +292,10 @@ class EngineConfig:
                   "of this many tokens, so that graphed shapes repeat across batches"},
     )
     seed: int = field(default=1234, metadata={"help": "seed of parameter init, dropout and sampling"})
-    lce_backend: Optional[str] = field(default=None, compare=False, metadata=_renamed_help("lce_backend"))
-    lce_cache_bytes: Optional[Union[int, str]] = field(default=None, compare=False,
-                                                      metadata=_renamed_help("lce_cache_bytes"))
-    lce_compact_ignored: Optional[Union[bool, str]] = field(default=None, compare=False,
-                                                            metadata=_renamed_help("lce_compact_ignored"))
 
     def __post_init__(self):
-        self._read_renamed_options()
+        if not isinstance(self.lce, LCEConfig):
+            raise ValueError(f"engine.lce must be an LCEConfig, got {type(self.lce).__name__}")
         if self.capture_seam not in CAPTURE_SEAMS:
             raise ValueError(f"capture_seam={self.capture_seam!r}: expected one of {CAPTURE_SEAMS}")
         if self.parallel.context_parallel > 1 and self.model.attention != "sdpa":
@@ -327,23 +310,3 @@ class EngineConfig:
                 or self.cuda_graph_token_multiple < 1:
             raise ValueError(f"engine.cuda_graph_token_multiple={self.cuda_graph_token_multiple!r}: expected an int >= 1")
 
-    def _read_renamed_options(self) -> None:
-        """Move the old `engine.lce_*` spellings into `engine.lce` with a FutureWarning (shown once per
-        spelling and call site). The old attribute keeps its value for readers of this release."""
-        if not isinstance(self.lce, LCEConfig):
-            raise ValueError(f"engine.lce must be an LCEConfig, got {type(self.lce).__name__}")
-        for old, new in RENAMED_LCE_OPTIONS.items():
-            value = getattr(self, old)
-            if value is None:
-                continue
-            warnings.warn(f"engine.{old} is deprecated and will be removed in the next release: set "
-                          f"engine.lce.{new} instead (engine: {{lce: {{{new}: ...}}}} in YAML, "
-                          f"engine.lce.{new}=... on the command line)", FutureWarning, stacklevel=4)
-            current, default = getattr(self.lce, new), LCEConfig.__dataclass_fields__[new].default
-            if current != default and current != value:
-                raise ValueError(f"engine.{old}={value!r} and engine.lce.{new}={current!r} disagree: set only "
-                                 f"engine.lce.{new} (engine.{old} is its deprecated spelling)")
-            try:
-                self.lce = dataclasses.replace(self.lce, **{new: value})
-            except ValueError as e:
-                raise ValueError(f"engine.{old}={value!r} (deprecated spelling of engine.lce.{new}): {e}") from e

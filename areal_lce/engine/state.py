@@ -17,7 +17,7 @@ torch's reader reads it; no byte item of the torch_dist files is loaded.
 At the writer's layout a load restores every RNG state, so the next steps equal the uninterrupted run's
 bit for bit. At another layout the RNG streams cannot carry over (they are per TP / PP rank): they stay
 as `engine.seed` set them (the model presets have no dropout; `generate` seeds from the restored call
-count). The previous per-rank format (state_v1.py) is read at the layout that wrote it, for one release.
+count).
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ import torch
 
 from .. import durable
 from . import sharded
-from . import state_v1
 from .parallel import DistInfo, all_ranks_true, barrier_world
 from .sharded import CheckpointMismatch
 
@@ -138,6 +137,8 @@ def _open(path: str, info: DistInfo, vocab_size: int) -> dict:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no engine checkpoint at {path!r}")
     _verify(path, info)
+    if not os.path.isfile(os.path.join(path, STATE)):
+        raise CheckpointMismatch(f"{path}: no {STATE}: not an engine checkpoint of format {FORMAT!r}")
     state = sharded.load_plain(os.path.join(path, STATE))
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointMismatch(f"{path}/{STATE}: not an engine checkpoint of format {FORMAT!r}")
@@ -176,8 +177,6 @@ def load_state(path: str, gpt, optimizer, megatron_optimizer: bool, info: DistIn
                vocab_size: int) -> Dict[str, int]:
     """Collective: restore model, optimizer (when given) and, at the writer's layout, RNG states from `save`'s
     directory `path`, at any parallel layout; returns the counters."""
-    if state_v1.is_v1(path):
-        return _load_v1(path, gpt, optimizer, info, vocab_size)
     state = _open(path, info, vocab_size)
     if optimizer is not None and not state["has_optimizer"]:
         raise CheckpointMismatch(f"checkpoint {path!r} has no optimizer state (written by a trainable=False "
@@ -219,13 +218,8 @@ def load_state(path: str, gpt, optimizer, megatron_optimizer: bool, info: DistIn
 
 
 def load_weights(path: str, gpt, info: DistInfo, vocab_size: int) -> None:
-    """Collective: the model weights only from `save`'s directory `path` (either format; the sharded one at any
-    layout), once it matches its manifest."""
-    if state_v1.is_v1(path):
-        state = state_v1.read(path, info)
-        _check_vocab(path, state["meta"].get("vocab_size"), vocab_size)
-        state_v1.load_model(gpt, state, path)
-        return
+    """Collective: the model weights only from `save`'s directory `path`, at any layout, once it matches its
+    manifest."""
     _open(path, info, vocab_size)
     _load_model(gpt, _load_tensors(path, {"model": sharded.model_sharded_state(gpt)})["model"], path)
 
@@ -233,19 +227,5 @@ def load_weights(path: str, gpt, info: DistInfo, vocab_size: int) -> None:
 def saved_vocab_size(path: str) -> Optional[int]:
     """The true vocabulary `save`'s directory `path` was written for (None: not recorded). Read without the
     manifest check that loading does (the files load weights-only)."""
-    if state_v1.is_v1(path):
-        state = sharded.load_plain(state_v1.rank_file(path, 0))
-        meta = state.get("meta") if isinstance(state, dict) else None
-        return int(meta["vocab_size"]) if isinstance(meta, dict) and "vocab_size" in meta else None
     state = sharded.load_plain(os.path.join(path, STATE))
     return int(state["vocab_size"]) if isinstance(state, dict) and "vocab_size" in state else None
-
-
-def _load_v1(path: str, gpt, optimizer, info: DistInfo, vocab_size: int) -> Dict[str, int]:
-    state = state_v1.read(path, info)
-    _check_vocab(path, state["meta"].get("vocab_size"), vocab_size)
-    state_v1.load_model(gpt, state, path)
-    if optimizer is not None:
-        state_v1.load_optimizer(optimizer, state, path)
-    set_rng_states(state["rng"])
-    return {k: state[k] for k in COUNTERS}

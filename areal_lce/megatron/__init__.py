@@ -10,12 +10,8 @@ capture (the seam: output_processor / output_layer), route (fused or materialise
 (token_stats). areal_lce's own training engine (model builder, micro-batches, schedule, CUDA graphs,
 generation) lives in areal_lce.engine, above this package.
 
-Importing this package does not import megatron-core; the functions do, when called. The engine names this
-package exported before (EngineConfig, ModelConfig, OptimConfig, ParallelConfig, LCEConfig, MicroBatch) and
-its former modules (areal_lce.megatron.engine, .config, .model, .generate, ...) still resolve, with a
-DeprecationWarning, for one release (`_moved.py`).
+Importing this package does not import megatron-core; the functions do, when called.
 """
-from . import _moved
 from .context_parallel import (ContextParallelPadding, CPGroup, gather_from_context_parallel,
                                pad_for_context_parallel, pad_packed, split_for_context_parallel)
 from .packing import PackedLayout, PackedRows, pack_rows, packed_next_token_labels
@@ -25,9 +21,3 @@ from .stats import SelectedTokenStats, TokenStats, find_gpt_model, token_stats
 __all__ = ["token_stats", "TokenStats", "SelectedTokenStats", "find_gpt_model", "packed_next_token_labels",
            "pack_rows", "PackedRows", "PackedLayout", "split_for_context_parallel", "gather_from_context_parallel",
            "pad_for_context_parallel", "pad_packed", "ContextParallelPadding", "CPGroup", "Route"]
-
-_moved.install()
-
-
-def __getattr__(name: str):
-    return _moved.moved_name(name)

@@ -136,12 +136,6 @@ def refuse_foreign_files(output_dir, resume: Union[bool, str] = False) -> None:
                       "away yourself")
 
 
-def clear_run_dir(output_dir, is_main: bool) -> None:
-    """Collective, the former name of the fresh-start check: deletes nothing, refuses another run's files."""
-    refuse_foreign_files(output_dir)
-    _barrier()
-
-
 _RUN_IDS: dict = {}  # realpath(output_dir) -> the id of the run this process drives there (run_dir.open_run)
 
 

@@ -26,7 +26,7 @@ import torch
 
 from areal_lce import materialised_lean
 from areal_lce.materialised import logprobs_entropy_from_logits
-from areal_lce.materialised_autograd import logprobs_entropy_autograd
+from benchmark.op.materialised_autograd import logprobs_entropy_autograd
 
 from ..harness import log, parse_shapes, run_meta, write_json
 from .bench_invariant import timed

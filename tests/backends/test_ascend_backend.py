@@ -13,7 +13,7 @@ import torch
 
 from areal_lce.backends.ascend import configs
 from areal_lce.backends.ascend.launch import AscendBackend
-from areal_lce.backends.reference import reference_logprobs_entropy
+from areal_lce.reference import logprobs_entropy as reference_logprobs_entropy
 from areal_lce.types import LCEParams
 from helpers.backends import ShardCase, run_case
 from helpers.inputs import PER_TOKEN

@@ -19,7 +19,8 @@ import torch
 
 import areal_lce
 from areal_lce.backends import get_backend
-from areal_lce.backends.reference import ReferenceBackend, grad_logits, reference_logprobs_entropy
+from areal_lce.backends.reference import ReferenceBackend, grad_logits
+from areal_lce.reference import logprobs_entropy as reference_logprobs_entropy
 from areal_lce.types import LCEParams
 from helpers.backends import SHARD_CASES, STATS, ShardCase, case_by_id, lse_ent, make_shard, run_case
 from helpers.inputs import PER_TOKEN, available_backends

@@ -91,9 +91,8 @@ def test_refuses_a_weight_without_main_grad():
         linear_logprobs_entropy_into_main_grad(h, torch.nn.Parameter(w), y, backend="torch")
     with pytest.raises(TypeError, match="d_weight_fp32"):
         linear_logprobs_entropy_into_main_grad(h, _param(w, torch.zeros(V, H)), y, d_weight_fp32=False)
-    for old in ("tp_group", "sequence_parallel", "reduce_d_hidden"):  # removed: the error names their replacement
-        with pytest.raises(TypeError, match=f"{old}= was removed; pass vocab_parallel=areal_lce.VocabParallel"):
-            linear_logprobs_entropy_into_main_grad(h, _param(w, torch.zeros(V, H)), y, **{old: None})
+    with pytest.raises(TypeError, match=r"unexpected options \['tp_group'\]"):
+        linear_logprobs_entropy_into_main_grad(h, _param(w, torch.zeros(V, H)), y, tp_group=None)
 
 
 def test_megatron_ddp_hook_adds_nothing_more():

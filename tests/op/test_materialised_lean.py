@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 import areal_lce.materialised_lean as lean
 from areal_lce.materialised import logprobs_entropy_from_logits
-from areal_lce.materialised_autograd import logprobs_entropy_autograd
+from benchmark.op.materialised_autograd import logprobs_entropy_autograd
 from areal_lce.types import VocabParallel
 from helpers.bounds import EXP_ULPS, U32, assert_within, op_bounds
 from helpers.inputs import PER_TOKEN, Case, peak_logits

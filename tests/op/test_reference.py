@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from areal_lce import logprobs_entropy_from_logits, reference
-from areal_lce.backends.reference import reference_logprobs_entropy
+from areal_lce.reference import logprobs_entropy as reference_logprobs_entropy
 
 
 def _case(seed=0, n=(3, 5), h=16, v=41, vocab=37):

@@ -96,22 +96,6 @@ def test_fake_group_collectives_sequence_parallel(fake_group):
     assert hidden.grad.shape == (N // 2, H)
 
 
-# The keywords of earlier releases, each alone, with a group or None, and next to vocab_parallel. Before
-# their removal tp_group=None and sequence_parallel=True (without a group) were silently accepted.
-@pytest.mark.parametrize("removed", [
-    dict(tp_group=None), dict(tp_group="group"), dict(sequence_parallel=True), dict(reduce_d_hidden=False),
-    dict(tp_group="group", sequence_parallel=True, reduce_d_hidden=False),
-], ids=["tp_group=None", "tp_group", "sequence_parallel", "reduce_d_hidden", "all-three"])
-def test_removed_tp_keywords_name_vocab_parallel(fake_group, removed):
-    hidden, weight, labels = _inputs(sp=False)
-    removed = {k: fake_group if v == "group" else v for k, v in removed.items()}
-    with pytest.raises(TypeError, match=r"removed; pass vocab_parallel=areal_lce\.VocabParallel\(group"):
-        linear_logprobs_entropy(hidden, weight, labels, **removed)
-    with pytest.raises(TypeError, match="removed"):
-        linear_logprobs_entropy(hidden, weight, labels, vocab_parallel=VocabParallel(fake_group), **removed)
-    assert fake_group.calls == []  # refused before any collective
-
-
 def test_vocab_parallel_bad_input(fake_group):
     hidden, weight, labels = _inputs(sp=False)
     with pytest.raises(TypeError, match="unexpected keyword argument 'tp_groups'"):  # a typo stays a TypeError
@@ -154,17 +138,13 @@ def test_fake_group_collectives_materialised(fake_group):
 
 def test_materialised_route_takes_the_ops_vocab_parallel(fake_group):
     """logprobs_entropy_from_logits takes the VocabParallel value the fused op takes (whatever its d_hidden:
-    only the group matters for logits); tp_group= is still read, with a DeprecationWarning, as the same call."""
+    only the group matters for logits): the same collectives and bits with either d_hidden."""
     _, _, labels = _inputs(sp=False)
     logits = torch.randn(N, V_SHARD, generator=torch.Generator().manual_seed(1))
     runs = []
-    for kw in (dict(vocab_parallel=VocabParallel(fake_group, "caller")), dict(tp_group=fake_group)):
+    for kw in (dict(vocab_parallel=VocabParallel(fake_group, "caller")), dict(vocab_parallel=VocabParallel(fake_group))):
         x = logits.clone().requires_grad_()
-        if "tp_group" in kw:
-            with pytest.warns(DeprecationWarning, match=r"tp_group=.*vocab_parallel=areal_lce\.VocabParallel"):
-                out = logprobs_entropy_from_logits(x, labels, temperature=0.9, **kw)
-        else:
-            out = logprobs_entropy_from_logits(x, labels, temperature=0.9, **kw)
+        out = logprobs_entropy_from_logits(x, labels, temperature=0.9, **kw)
         (out.logprobs.sum() + out.entropy.sum()).backward()
         runs.append(([(c["op"], c["numel"]) for c in fake_group.calls], out, x.grad))
         fake_group.calls.clear()
@@ -172,8 +152,6 @@ def test_materialised_route_takes_the_ops_vocab_parallel(fake_group):
     assert calls_a == calls_b and len(calls_a) == 2
     assert torch.equal(out_a.logprobs, out_b.logprobs) and torch.equal(out_a.entropy, out_b.entropy)
     assert torch.equal(g_a, g_b)
-    with pytest.raises(TypeError, match="not also the deprecated tp_group"):
-        logprobs_entropy_from_logits(logits, labels, vocab_parallel=VocabParallel(fake_group), tp_group=fake_group)
     with pytest.raises(TypeError, match="vocab_parallel must be an areal_lce.VocabParallel"):
         logprobs_entropy_from_logits(logits, labels, vocab_parallel=fake_group)
 

@@ -148,12 +148,12 @@ def test_a_model_that_does_not_fit_is_named_not_taken_for_damage(engine_ckpt):
         deeper.load_weights(str(saved))
 
 
-def test_model_weights_alone_and_the_previous_per_rank_format(engine_ckpt, tmp_path):
-    """load_weights (a frozen engine: a teacher, an export) reads the weights and nothing else; a directory of
-    the previous per-rank format loads at its own layout and is refused, naming the format, at another."""
+def test_model_weights_alone(engine_ckpt, tmp_path):
+    """load_weights (a frozen engine: a teacher, an export) reads the weights and nothing else; a directory
+    without the format's state file is refused naming it."""
     from areal_lce.engine.config import EngineConfig
     from areal_lce.engine.engine import MegatronEngine
-    from areal_lce.engine.state import CheckpointMismatch, rng_states
+    from areal_lce.engine.state import CheckpointMismatch
 
     e, cfg, saved = engine_ckpt
     frozen = MegatronEngine(EngineConfig(model=cfg.model, seed=99), vocab_size=200, trainable=False)
@@ -161,26 +161,18 @@ def test_model_weights_alone_and_the_previous_per_rank_format(engine_ckpt, tmp_p
     assert all(torch.equal(p, frozen.parameters_named()[n]) for n, p in e.parameters_named().items())
     assert frozen.step_count == 0 and e.step_count == 1
 
-    v1 = tmp_path / "v1"
-    v1.mkdir()
-    durable.torch_save({"model": e.gpt.state_dict(), "optimizer": e.optimizer.state_dict(), "step_count": 7,
-                        "gen_calls": 0, "rng": rng_states(), "meta": {"world_size": 1, "tp": 1, "vocab_size": 200}},
-                       v1 / "rank00000.pt")
-    durable.write_manifest(v1)
     other = MegatronEngine(EngineConfig(model=cfg.model, optim=cfg.optim, seed=99), vocab_size=200)
     other.save(str(tmp_path / "unstepped"))  # AdamW before its first step: no moments saved, none restored
     e.load(str(tmp_path / "unstepped"))
     assert e.step_count == 0 and not e.optimizer.state
     e.load(str(saved))  # the fixture's engine as it was
-    other.load(str(v1))
-    assert other.step_count == 7
-    assert all(torch.equal(p, other.parameters_named()[n]) for n, p in e.parameters_named().items())
-    state = torch.load(v1 / "rank00000.pt", weights_only=True)
-    durable.torch_save({**state, "meta": {"world_size": 2, "tp": 2, "vocab_size": 200}}, v1 / "rank00000.pt")
-    durable.write_manifest(v1)
-    with pytest.raises(CheckpointMismatch, match=r"previous per-rank format, written with world_size=2, tp=2; "
-                                                 r"this run has 1, 1.*new checkpoints load at any layout"):
-        frozen.load_weights(str(v1))
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    durable.torch_save({"model": e.gpt.state_dict()}, foreign / "rank00000.pt")
+    durable.write_manifest(foreign)
+    with pytest.raises(CheckpointMismatch, match=r"no state.pt: not an engine checkpoint of format"):
+        frozen.load_weights(str(foreign))
 
 
 def test_saved_state_is_checked_for_weights_only_loading():

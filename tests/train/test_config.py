@@ -157,39 +157,6 @@ def test_bad_lce_option_is_named(override, named):
         load_config(None, [override])
 
 
-# the spellings before the engine.lce group: (old key, new key, value as text, value)
-OLD_SPELLINGS = [("lce_backend", "backend", "torch", "torch"), ("lce_cache_bytes", "cache_bytes", "4096", 4096),
-                 ("lce_compact_ignored", "compact_ignored", "false", False)]
-
-
-@pytest.mark.parametrize("old, new, text, value", OLD_SPELLINGS, ids=[o[0] for o in OLD_SPELLINGS])
-@pytest.mark.parametrize("where", ["yaml", "override", "python"])
-def test_old_lce_spelling_warns_naming_the_new_key_and_still_works(tmp_path, where, old, new, text, value):
-    from areal_lce.engine.config import EngineConfig
-
-    with pytest.warns(FutureWarning, match=rf"engine\.{old} is deprecated.*engine\.lce\.{new}"):
-        if where == "yaml":
-            cfg = load_config(_write(tmp_path, f"engine:\n  {old}: {text}\n")).engine
-        elif where == "override":
-            cfg = load_config(None, [f"engine.{old}={text}"]).engine
-        else:
-            cfg = EngineConfig(**{old: value})
-    assert getattr(cfg.lce, new) == value and getattr(cfg, old) == value
-    # a run's saved config.yaml holds both spellings: it loads back to the same config
-    with pytest.warns(FutureWarning):
-        assert load_config(_write(tmp_path, dump_yaml(JobConfig(engine=cfg)))).engine == cfg
-
-
-def test_old_lce_spelling_conflicts_and_bad_values_are_named(tmp_path):
-    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match=r"engine\.lce_backend='torch' and "
-                                                    r"engine\.lce\.backend='reference' disagree"):
-        load_config(None, ["engine.lce_backend=torch", "engine.lce.backend=reference"])
-    with pytest.warns(FutureWarning):  # the same value twice is no conflict
-        assert load_config(None, ["engine.lce_backend=torch", "engine.lce.backend=torch"]).engine.lce.backend == "torch"
-    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match=r"engine\.lce_backend='torhc'"):
-        load_config(_write(tmp_path, "engine: {lce_backend: torhc}\n"))
-
-
 def test_shipped_configs_use_the_current_spellings():
     import warnings
 

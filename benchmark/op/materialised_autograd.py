@@ -1,8 +1,8 @@
 """The materialised route as it was before `materialised_lean`: torch autograd over fp32 copies of the logits.
 
-Kept as the "before" row of benchmark/op/bench_materialised.py and as a second oracle in the tests (it is
-differentiated by torch autograd, so memory holds the fp32 logits and softmax of every token); nothing in
-the package calls it. Same signature and outputs as `materialised.logprobs_entropy_from_logits`.
+The "before" row of benchmark/op/bench_materialised.py and a second oracle of tests/op/test_materialised_lean.py
+(it is differentiated by torch autograd, so memory holds the fp32 logits and softmax of every token); it lives
+beside them, outside the package, which calls none of it. Same signature and outputs as `materialised.logprobs_entropy_from_logits`.
 """
 from __future__ import annotations
 
@@ -10,18 +10,18 @@ from typing import Optional, Union
 
 import torch
 
-from . import comms
-from .materialised import _exact_values, checked_call, vocab_parallel_group
-from .types import LCEOutput, VocabParallel
+from areal_lce import comms
+from areal_lce.materialised import _exact_values, checked_call, vocab_parallel_group
+from areal_lce.types import LCEOutput, VocabParallel
 
 
 def logprobs_entropy_autograd(logits: torch.Tensor, labels: torch.Tensor, *,
                               temperature: Union[float, torch.Tensor] = 1.0, ignore_index: int = -100,
                               vocab_size: Optional[int] = None, vocab_parallel: Optional[VocabParallel] = None,
                               invariant: Optional[bool] = None, logits_precision: str = "fp32",
-                              check_labels: Union[bool, str] = True, tp_group=None) -> LCEOutput:
+                              check_labels: Union[bool, str] = True) -> LCEOutput:
     """logits [..., V_shard] (this rank's vocab shard under vocab_parallel = VocabParallel(group), as
-    `logprobs_entropy_from_logits` takes it; tp_group= deprecated), labels [...] global ids.
+    `logprobs_entropy_from_logits` takes it), labels [...] global ids.
 
     logits_precision: "fp32" takes the logits as given (upcast to fp32); "bf16" rounds each to bf16 first,
     as the fused op's option does (the rounding's gradient is identity). invariant=True: each row's values
@@ -35,7 +35,7 @@ def logprobs_entropy_autograd(logits: torch.Tensor, labels: torch.Tensor, *,
     (tempered), all 0 at ignore_index rows. Collectives over the group: MAX of the per-token max/min
     (no gradient), SUM of exp-sums, weighted logit sums and the label logit (identity backward).
     """
-    tp_group = vocab_parallel_group(vocab_parallel, tp_group, "logprobs_entropy_autograd")
+    tp_group = vocab_parallel_group(vocab_parallel, "logprobs_entropy_autograd")
     c = checked_call(logits, labels, temperature, ignore_index, vocab_size, tp_group, invariant, logits_precision,
                      check_labels)
     invariant, start, valid_cols, inv_t_scalar, inv_t, bad = (c.invariant, c.start, c.valid_cols, c.inv_t_scalar,
