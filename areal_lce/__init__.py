@@ -12,6 +12,6 @@ from .checks import check_deferred
 from .materialised import logprobs_entropy_from_logits
 from .types import LCEOutput, LCEParams, VocabParallel
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["linear_logprobs_entropy", "check_deferred", "logprobs_entropy_from_logits", "LCEOutput", "LCEParams",
            "VocabParallel", "__version__"]
