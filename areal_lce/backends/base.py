@@ -9,8 +9,10 @@ behave as z_j = -inf (excluded from every statistic, never read as 0).
 A backend subclasses `Backend` and implements forward, backward and cache_spec; every other method has
 the torch default here, and every capability is a class attribute with its default, so the core calls
 the call's backend (LCEParams.backend, resolved once by api.py) without asking what it has.
-params.bf16_logits and params.softcap apply to every logit (`head_transform`): "raw logits" (mx, mn,
-sums, zy before inv_t) are the rounded, capped ones, and backward multiplies d_logits by `cap_slope`.
+params.bf16_logits and params.softcap apply to every logit, in forward and in backward's recompute
+(`head_transform`): each raw logit is rounded to bf16 right after the fp32 accumulation (the rounding's
+gradient taken as identity), then soft-capped; "raw logits" (mx, mn, sums, zy before inv_t) are the
+rounded, capped ones, and backward multiplies d_logits by `cap_slope`.
 """
 from __future__ import annotations
 
