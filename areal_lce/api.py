@@ -16,7 +16,7 @@ from . import checks, comms, library
 from .checks import check_temperature, inv_temperature  # noqa: F401  (public here too: the adapters use it)
 from .checks import (LOGITS_PRECISIONS, check_invariant_layout, check_logits_precision,  # noqa: F401
                      resolve_invariant)
-from .backends import get_backend, resolve_backend
+from .backends import Backend, get_backend, resolve_backend
 from .function import LinearLogprobsEntropy
 from .types import LCEOutput, LCEParams, VocabParallel
 
@@ -121,9 +121,9 @@ def auto_cache_bytes(hidden_size: int) -> int:
 @torch.compiler.assume_constant_result
 def _resolve(backend: str, device: torch.device, dtype: torch.dtype, cache_bytes, check_labels, compact_ignored,
              invariant=None, hidden_size: int = 0):
-    """(backend name, cache budget in bytes, check mode, compact_ignored, invariant): host-side choices that
-    depend on the device and the shapes only (torch.compile evaluates this once while tracing and keeps the
-    result as a constant). compact_ignored None: partition unless the backend skips ignored rows itself."""
+    """(backend name, cache budget in bytes, check mode, invariant): host-side choices that depend on the
+    device and the shapes only (torch.compile evaluates this once while tracing and keeps the result as a
+    constant)."""
     if cache_bytes == "auto":
         cache_bytes = auto_cache_bytes(hidden_size)
     elif isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
@@ -131,10 +131,7 @@ def _resolve(backend: str, device: torch.device, dtype: torch.dtype, cache_bytes
     if compact_ignored is not None and not isinstance(compact_ignored, bool):
         raise TypeError(f"compact_ignored must be None, True or False, got {compact_ignored!r}")
     name = resolve_backend(backend, device, dtype)
-    if compact_ignored is None:
-        compact_ignored = not get_backend(name).skips_ignored_rows
-    return (name, cache_bytes, checks.resolve_mode(check_labels, device), compact_ignored,
-            resolve_invariant(invariant, name, dtype))
+    return name, cache_bytes, checks.resolve_mode(check_labels, device), resolve_invariant(invariant, name, dtype)
 
 
 class PreparedCall(NamedTuple):
@@ -146,7 +143,8 @@ class PreparedCall(NamedTuple):
     weight: torch.Tensor  # [V_shard, H], contiguous
     labels: torch.Tensor  # [N] int64
     inv_t: Optional[torch.Tensor]  # [N] fp32 per-token 1/T, or None (options["inv_t"] holds the scalar)
-    options: dict  # LCEParams' fields but the tensor-parallel ones (library.encode's argument)
+    options: dict  # LCEParams' fields but the tensor-parallel ones, the backend by name (library.encode's argument)
+    backend: Backend  # the call's backend, resolved once (LCEParams.backend)
     vocab_parallel: Optional[VocabParallel]
     tp: int
     shape: torch.Size  # labels' shape: the outputs'
@@ -156,7 +154,7 @@ class PreparedCall(NamedTuple):
     @property
     def params(self) -> LCEParams:
         vp = self.vocab_parallel if self.tp > 1 else None
-        return LCEParams(**self.options, vocab_parallel=vp, tp_size=self.tp)
+        return LCEParams(**{**self.options, "backend": self.backend}, vocab_parallel=vp, tp_size=self.tp)
 
     def output(self, outs) -> LCEOutput:
         """The named result of the op's (diff [2, N], dstats, stats, selected, top-k logprobs, top-k ids)."""
@@ -305,8 +303,11 @@ def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_siz
     check_logits_precision(logits_precision)
     sel_ids, top_k, softcap = _check_extras(selected_ids, top_k, softcap, labels, hidden)
     asked = invariant is not None
-    name, cache_bytes, check, compact_ignored, invariant = _resolve(
+    name, cache_bytes, check, invariant = _resolve(
         backend, hidden.device, hidden.dtype, cache_bytes, check_labels, compact_ignored, invariant, hidden.shape[-1])
+    resolved = get_backend(name)  # the one instance the call runs on (LCEParams.backend)
+    if compact_ignored is None:  # partition unless the backend skips ignored rows itself
+        compact_ignored = not resolved.skips_ignored_rows
     v_shard = weight.shape[0]
     v_total = v_shard * tp
     if vocab_size is None:
@@ -334,11 +335,11 @@ def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_siz
         invariant = check_invariant_layout(v_shard, tp, vocab_size, asked)
     if top_k > vocab_size:
         raise ValueError(f"top_k={top_k} exceeds vocab_size={vocab_size}")
-    if softcap and not getattr(get_backend(name), "supports_softcap", True):
+    if softcap and not resolved.supports_softcap:
         raise ValueError(f"softcap is not implemented by backend={name!r}; use backend='torch'")
     # every option of the call in one place: LCEParams' fields (library.encode for the custom ops)
     options = dict(inv_t=inv_t_scalar, ignore_index=ignore_index, vocab_size=vocab_size, vocab_start=vocab_start,
                    shard_valid=shard_valid, cache_bytes=cache_bytes, backend=name, compact_ignored=compact_ignored,
                    check_labels=check, logit_sums=sums, invariant=invariant, logits_precision=logits_precision,
                    d_weight_fp32=d_weight_fp32, softcap=softcap, top_k=top_k)
-    return PreparedCall(h2, w, y, inv_t, options, vp, tp, labels.shape, bool(return_stats), sel_ids)
+    return PreparedCall(h2, w, y, inv_t, options, resolved, vp, tp, labels.shape, bool(return_stats), sel_ids)

@@ -226,7 +226,6 @@ def merge(st, params, inv_t) -> Finished:
     merged over params' TP group, exactly; inv_t: [N] or the scalar. Two collectives, as the online
     merge has: MAX of [max, -min], SUM of the packed int64 rows."""
     from . import comms
-    from .backends import get_backend
 
     mx, mn = st.mx, st.mn
     if params.tp_size > 1:
@@ -235,8 +234,8 @@ def merge(st, params, inv_t) -> Finished:
         comms.all_reduce_max_(mm, params.tp_group)
         mx, mn = mm[0], -mm[1]
     scales = torch.stack(sum_scales(mx, mn)) if params.logit_sums else None
-    backend = get_backend(params.backend)
-    q = (getattr(backend, "fold_segments", None) or fold_segments)(st.seg, mx, inv_t, scales)
+    backend = params.backend  # its fold_segments / finish_folded: these functions, or its own kernels
+    q = backend.fold_segments(st.seg, mx, inv_t, scales)
     zy = st.zy
     if params.tp_size > 1:
         # 1 collective: SUM of the packed int64 [s, a, bad, label-logit bits(, Σr, Σr²)]: integer sums are
@@ -244,4 +243,4 @@ def merge(st, params, inv_t) -> Finished:
         packed = pack(q, zy)
         comms.all_reduce_sum_(packed, params.tp_group)
         q, zy = unpack(packed)
-    return (getattr(backend, "finish_folded", None) or finish)(q, zy, mx, mn, inv_t, scales)
+    return backend.finish_folded(q, zy, mx, mn, inv_t, scales)

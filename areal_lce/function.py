@@ -24,7 +24,6 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import checks, comms, exact, select, select_grad
-from .backends import get_backend
 from .backends.base import ShardStats
 from .types import LCEParams
 
@@ -158,7 +157,7 @@ def _check_values(labels, inv_t, v_shard: int, params: LCEParams) -> Optional[to
         votes = comms.agreement_votes(checks.tp_key(labels, params.ignore_index, v_shard), params.tp_group)
     if params.check_labels == "deferred":
         return checks.record(labels, inv_t, params.vocab_size, params.ignore_index, votes=votes,
-                             fold=getattr(get_backend(params.backend), "record_labels", None))
+                             fold=params.backend.record_labels)
 
     def disagreement():  # collective, entered by every rank together (they all read the same votes)
         comms.raise_disagreement(
@@ -185,9 +184,9 @@ def lce_forward(hidden, weight, labels, inv_t, params: LCEParams, keep_cache: bo
         h_c, y_c, t_c = hidden, labels, inv_t
     else:
         h_c, y_c, t_c = _partitioned(part, labels, inv_t, hidden)
-    backend = get_backend(params.backend)
+    backend = params.backend
     extra = {}
-    if selected_ids is not None and params.invariant and getattr(backend, "extracts_selected", False):
+    if selected_ids is not None and params.invariant and backend.extracts_selected:
         extra["selected"] = selected_ids if part is None else selected_ids.index_select(0, part.order)
     st = backend.forward(h_c, weight, y_c, t_c, params, keep_cache=keep_cache, **extra)
     if params.invariant:
@@ -235,8 +234,8 @@ def lce_backward(h_c, weight, labels, inv_t, lse_ent, cache, g_diff: Optional[to
     g = g_diff.to(acc) if g_diff is not None else h_c.new_zeros((2, labels.shape[0]), dtype=acc)
     sparse = select_grad.SparseGrad.of(labels, inv_t, params, g, g_dstats, selected_ids, g_sel, topk_ids, g_topk, acc)
     dw_dtype = params.d_weight_dtype(weight.dtype)
-    backend = get_backend(params.backend)
-    takes = getattr(backend, "takes_sparse", False)
+    backend = params.backend
+    takes = backend.takes_sparse
     if sparse is not None:
         g = sparse.g  # g_lp carries the dense part of the lse / selected / top-k gradients
         if not takes:

@@ -7,9 +7,11 @@
                               topk_ids, lse_ent, cache, options, need_dh, need_dw) -> (d_hidden, d_weight)
 
 `options` is the call's LCEParams (every field but the process group, which a TP call never brings
-here) as one JSON string: an option added to LCEParams travels through both ops without touching
-their signatures. api.py builds it once per call in a function torch.compile evaluates at trace time
-(`encode`), so under torch.compile it is a constant of the graph.
+here) as one JSON string, the backend by its name: an option added to LCEParams travels through both
+ops without touching their signatures. api.py builds it once per call in a function torch.compile
+evaluates at trace time (`encode`), so under torch.compile it is a constant of the graph. `decode` turns
+the name back into the backend instance, the one place past api.py where a backend is taken by name (an
+operator argument cannot be the instance).
 
 Both are opaque to torch.compile: a fake (meta) implementation gives the output shapes from the input
 shapes alone (the logits cache's through the backend's `cache_spec`), and `register_autograd` ties the
@@ -47,7 +49,9 @@ def encode(**options) -> str:
 
 @functools.lru_cache(maxsize=1024)
 def decode(options: str) -> LCEParams:
-    return LCEParams(**json.loads(options))
+    """The call's LCEParams from its options string, the backend's name resolved to its instance."""
+    fields = json.loads(options)
+    return LCEParams(**{**fields, "backend": get_backend(fields["backend"])})
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -71,7 +75,7 @@ def _(hidden, weight, labels, inv_t, selected_ids, options, keep_cache):
     n, h = hidden.shape
     acc = _acc(hidden.dtype)
     params = decode(options)
-    spec = get_backend(params.backend).cache_spec(n, h, weight.shape[0], hidden.dtype, params, keep_cache)
+    spec = params.backend.cache_spec(n, h, weight.shape[0], hidden.dtype, params, keep_cache)
     cache = hidden.new_empty(spec[0], dtype=spec[1]) if spec is not None else hidden.new_empty(0, dtype=torch.float32)
     h_c = hidden.new_empty(hidden.shape) if params.compact_ignored else hidden.new_empty(0)
     k_sel = 0 if selected_ids is None else selected_ids.shape[1]

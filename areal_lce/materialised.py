@@ -35,10 +35,11 @@ def _exact_values(raw, y, it, start: int, valid_cols: int, ignore_index: int, tp
         mx = raw.new_full((n,), float("-inf"))
         mn = raw.new_full((n,), float("inf"))
         zy = raw.new_zeros(n)
-    tp = comms.group_size(tp_group)
-    params = LCEParams(vocab_parallel=VocabParallel(tp_group) if tp > 1 else None, tp_size=tp, backend="torch",
-                       ignore_index=ignore_index, invariant=True)
     from .backends.base import ShardStats
+    from .backends.torch_chunked import TorchChunkedBackend
+    tp = comms.group_size(tp_group)
+    params = LCEParams(vocab_parallel=VocabParallel(tp_group) if tp > 1 else None, tp_size=tp,
+                       backend=TorchChunkedBackend(), ignore_index=ignore_index, invariant=True)
     fin = exact.merge(ShardStats(m=None, s=None, a=None, zy=zy, mn=mn, mx=mx, seg=seg), params, inv)
     return fin.lp, fin.ent, fin.mx, fin.mn, fin.lse
 

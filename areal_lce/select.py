@@ -7,8 +7,8 @@ they are consistent with its logprobs and entropy to fp32 rounding). Nothing [N,
 Selected logits. Each rank computes r_j for the ids in its shard (0 elsewhere); the TP group SUMs them,
 which is exact because exactly one rank contributes a nonzero. By default the backend's `gather_logits`
 computes them (a fixed-order dot product per (row, id): its bits depend on the row and the id only, not
-on N, K, the row's position or the TP degree); the torch version below computes fixed-shape blocks of
-GATHER_ROWS rows x GATHER_IDS ids. The gather reads K weight rows per token, so for many ids a backend
+on N, K, the row's position or the TP degree); the torch version (backends/base.py) computes fixed-shape
+blocks of GATHER_ROWS rows x GATHER_IDS ids. The gather reads K weight rows per token, so for many ids a backend
 with `extracts_selected` (triton, invariant mode, where K·H is large against V) takes them from its
 forward's own logit tiles instead: one column per row and 128-id segment, in the same one-hot reduction
 that takes the label's logit (the label's own id included), and only the ids left over (a second id in a
@@ -52,10 +52,6 @@ from . import comms, exact
 from .backends.base import head_transform
 from .types import LCEParams
 
-GATHER_ROWS = 32  # fixed block shape of the torch gather_logits (on CUDA: GATHER_ROWS_CUDA rows)
-GATHER_ROWS_CUDA = 512
-GATHER_IDS = 8
-SEG_ROWS_CUDA = 1024  # fixed GEMM height of the torch segment recompute for a CUDA backend with its own forward
 _ID_BITS = exact.KEY_ID_BITS
 _ID_MASK = (1 << _ID_BITS) - 1
 CHUNK_ELEMS = 1 << 24  # recomputed logits per row chunk (64 MiB fp32)
@@ -81,48 +77,17 @@ def key_id(key: torch.Tensor) -> torch.Tensor:
     return _ID_MASK - (key & _ID_MASK)
 
 
-def gather_logits_torch(hidden: torch.Tensor, weight: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """fp32 h_n · W[cols[n, j]] for [N, J] local columns, in fixed [GATHER_ROWS, GATHER_IDS, H] blocks."""
-    n, j = cols.shape
-    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    out = torch.empty((n, j), dtype=torch.float32, device=hidden.device)
-    block = GATHER_ROWS_CUDA if hidden.is_cuda else GATHER_ROWS
-    for t0 in range(0, n, block):
-        rows = min(block, n - t0)
-        hb = hidden.new_zeros((block, hidden.shape[1]))
-        hb[:rows] = hidden[t0:t0 + rows]
-        hb = hb.to(acc)[:, None, :]
-        for c0 in range(0, j, GATHER_IDS):
-            ids = cols.new_zeros((block, GATHER_IDS))
-            width = min(GATHER_IDS, j - c0)
-            ids[:rows, :width] = cols[t0:t0 + rows, c0:c0 + width]
-            r = (hb * weight[ids].to(acc)).sum(-1)  # [GATHER_ROWS, GATHER_IDS]
-            out[t0:t0 + rows, c0:c0 + width] = r[:rows, :width].float()
-    return out
-
-
-def backend_of(params: LCEParams):
-    """The call's backend (select_grad.py shares these helpers)."""
-    from .backends import get_backend
-    return get_backend(params.backend)
-
-
-def backend_fn(params: LCEParams, name: str, default):
-    """The backend's `name` (base.py's optional gather_logits / segment_logits), else the torch default."""
-    return getattr(backend_of(params), name, None) or default
-
-
-def fused_step(params: LCEParams, name: str):
-    """The backend's one-launch version of a per-row step below (base.py's optional selected_raw,
-    selected_logprobs, topk_logprobs, sparse_columns), where it has one; not under softcap (torch's tanh)."""
-    return None if params.softcap else getattr(backend_of(params), name, None)
-
-
 def local_columns(ids: torch.Tensor, params: LCEParams):
     """(local column clamped into the shard, mask of real ids this shard owns) of global ids [N, J]."""
     loc = ids - params.vocab_start
     own = (ids != params.ignore_index) & (loc >= 0) & (loc < params.shard_valid)
     return torch.where(own, loc, torch.zeros_like(loc)), own
+
+
+def fused_rows(params: LCEParams) -> bool:
+    """Whether the backend's one-launch per-row steps (base.Backend.fused_rows) serve this call: not under
+    softcap (torch's tanh)."""
+    return params.backend.fused_rows and not params.softcap
 
 
 def selected_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, params: LCEParams,
@@ -137,25 +102,19 @@ def selected_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tenso
         raw, src = picked
         if part is not None:
             raw, src = raw.index_select(0, part.dest), src.index_select(0, part.dest)
-        rest = head_transform(backend_of(params).pair_logits(hidden, weight, ids, src == -1, params.vocab_start),
+        rest = head_transform(params.backend.pair_logits(hidden, weight, ids, src == -1, params.vocab_start),
                               params)
         r = torch.where(src >= 0, raw.gather(1, src.clamp(min=0)), torch.where(src == -1, rest, 0.0))
-    elif fused_step(params, "selected_raw"):
-        r = backend_of(params).selected_raw(hidden, weight, ids, params)
+    elif fused_rows(params):
+        r = params.backend.selected_raw(hidden, weight, ids, params)
     else:
         loc, own = local_columns(ids, params)
-        r = head_transform(backend_fn(params, "gather_logits", gather_logits_torch)(hidden, weight, loc), params)
+        r = head_transform(params.backend.gather_logits(hidden, weight, loc), params)
         r = torch.where(own, r, 0.0)
     if params.tp_size > 1:
         # one rank owns each id: the SUM adds zeros to it, exactly
         comms.all_reduce_sum_(r, params.tp_group)
     return r
-
-
-def _segment_logits_torch(hidden, weight, rows, segs, params: LCEParams) -> torch.Tensor:
-    from .backends.torch_chunked import INV_ROWS, segment_logits
-    own = params.backend in ("torch", "reference") or not hidden.is_cuda  # the forward's own blocks
-    return segment_logits(hidden, weight, rows, segs, params, INV_ROWS if own else SEG_ROWS_CUDA)
 
 
 def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor, inv_t, params: LCEParams,
@@ -172,8 +131,8 @@ def topk_keys(hidden: torch.Tensor, weight: torch.Tensor, seg_max: torch.Tensor,
     dev = hidden.device
     it = inv_t[:, None].float() if torch.is_tensor(inv_t) else float(inv_t)
     kk = min(k, G)
-    own = backend_of(sp)
-    native = own if hasattr(own, "candidate_topk") else None  # ranks, recomputes and selects in its own kernels
+    own = sp.backend
+    native = own if own.ranks_topk else None  # ranks, recomputes and selects in its own kernels
     one_pass = native is not None and seg_top is not None and kk == k
     if kk and native is not None:
         rows_major = seg_top[2] if seg_top is not None else seg_max.t()
@@ -218,8 +177,7 @@ def _chunk_keys(hidden, weight, t0, t1, segs, thr, inv_t, it, params: LCEParams,
     dev = hidden.device
     kk = segs.shape[1]
     rows = torch.arange(t0, t1, device=dev).repeat_interleave(kk)
-    recompute = getattr(own, "segment_logits", None) or _segment_logits_torch
-    r = recompute(hidden, weight, rows, segs[t0:t1].reshape(-1), sp)  # [(t1-t0)·kk, SEG], -inf past the shard
+    r = own.segment_logits(hidden, weight, rows, segs[t0:t1].reshape(-1), sp)  # [(t1-t0)·kk, SEG], -inf past the shard
     z = r.view(t1 - t0, kk * exact.SEG) * (it[t0:t1] if torch.is_tensor(it) else it)
     cols = torch.arange(exact.SEG, device=dev)
     gid = (segs[t0:t1, :, None] * exact.SEG + cols + params.vocab_start).view(t1 - t0, -1)
@@ -247,9 +205,9 @@ def _segment_maxima(hidden, weight, inv_t, params: LCEParams, st, part):
         return (seg if part is None else seg.index_select(1, part.dest)), params, None
     import dataclasses
 
-    from .backends.torch_chunked import invariant_forward
-    sp = dataclasses.replace(params, vocab_start=0, invariant=True, logit_sums=False, backend="torch", tp_size=1,
-                             vocab_parallel=None)
+    from .backends.torch_chunked import TorchChunkedBackend, invariant_forward
+    sp = dataclasses.replace(params, vocab_start=0, invariant=True, logit_sums=False, backend=TorchChunkedBackend(),
+                             tp_size=1, vocab_parallel=None)
     labels = torch.full((hidden.shape[0],), -1, dtype=torch.int64, device=hidden.device)
     return invariant_forward(hidden, weight, labels, inv_t, sp).seg[0], sp, None
 
@@ -280,7 +238,7 @@ def forward_outputs(hidden, weight, labels, inv_t, params: LCEParams, st, part, 
         return (labels != params.ignore_index)[:, None], lse.double()[:, None]
     sel = topk_lp = topk_ids = None
     if selected_ids is not None:
-        finish = fused_step(params, "selected_logprobs")  # it takes the "deferred" check's NaN itself
+        finish = params.backend.selected_logprobs if fused_rows(params) else None  # it takes the "deferred" NaN itself
         bad = check_selected_ids(selected_ids, params) if finish is None or params.check_labels == "sync" else None
         r = selected_logits(hidden, weight, selected_ids, params, st.sel, part)
         if finish is not None:
@@ -294,7 +252,7 @@ def forward_outputs(hidden, weight, labels, inv_t, params: LCEParams, st, part, 
     if params.top_k:
         seg_max, sp, seg_top = _segment_maxima(hidden, weight, inv_t, params, st, part)
         keys = topk_keys(hidden, weight, seg_max, it, params, params.top_k, sp, seg_top)
-        finish = fused_step(params, "topk_logprobs")
+        finish = params.backend.topk_logprobs if fused_rows(params) else None
         if finish is not None:
             topk_lp, topk_ids = finish(keys, labels, lse, params)
         else:

@@ -4,7 +4,7 @@ d(z_j - lse)/dz = onehot_j - p. The dense part (-p per unit of upstream gradient
 logprob's, so the backend's backward takes it through its g_lp; what is left is sparse: one coefficient per
 (row, chosen column), applied as d_hidden += c · W_j and d_weight[j] += c · h (index_put_ with accumulate:
 deterministic), or added to the backend's d_logits where it takes them (`takes_sparse`). A backend with
-`sparse_columns` builds the columns and coefficients in one launch (base.py).
+`fused_rows` builds the columns and coefficients in one launch (`sparse_columns`, base.py).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .backends.base import cap_slope, head_transform
-from .select import CHUNK_ELEMS, backend_fn, backend_of, fused_step, gather_logits_torch, local_columns
+from .select import CHUNK_ELEMS, fused_rows, local_columns
 from .types import LCEParams
 
 
@@ -24,7 +24,7 @@ def sparse_grad(hidden: Optional[torch.Tensor], weight: torch.Tensor, ids: torch
     (or ignore_index) are skipped; a non-finite hidden row with zero coefficients contributes nothing."""
     loc, own = local_columns(ids, params)
     if params.softcap and ids.shape[1]:
-        raw = head_transform(backend_fn(params, "gather_logits", gather_logits_torch)(hidden, weight, loc), params)
+        raw = head_transform(params.backend.gather_logits(hidden, weight, loc), params)
         coef = coef * cap_slope(raw, params)
     coef = torch.where(own, coef, torch.zeros_like(coef))
     n, j = ids.shape
@@ -58,12 +58,12 @@ class SparseGrad:
         g_lsum = None
         if g_dstats is not None and g_dstats.shape[0] > 1:
             g_lsum = torch.where(labels != params.ignore_index, g_dstats[1].to(acc), 0.0)
-        fused = fused_step(params, "sparse_columns") if acc == torch.float32 else None
-        if fused is not None and getattr(backend_of(params), "takes_sparse", False):
+        if acc == torch.float32 and fused_rows(params) and params.backend.takes_sparse:
             parts = tuple((ids, gc) if ids is not None and gc is not None else None
                           for ids, gc in ((selected_ids, g_sel), (topk_ids, g_topk)))
-            g_out, cols, coef = fused(labels, inv_t if inv_t is not None else params.inv_t, params, g,
-                                      g_dstats[0] if g_dstats is not None else None, parts)
+            g_out, cols, coef = params.backend.sparse_columns(labels, inv_t if inv_t is not None else params.inv_t,
+                                                              params, g, g_dstats[0] if g_dstats is not None else None,
+                                                              parts)
             return cls(g_out, None, None, g_lsum, (cols, coef))
         valid = labels != params.ignore_index
         ids, coefs = [], []
@@ -94,7 +94,7 @@ class SparseGrad:
         loc, own = local_columns(self.ids, params)
         coef = self.coef
         if params.softcap and self.ids.shape[1]:
-            raw = head_transform(backend_fn(params, "gather_logits", gather_logits_torch)(hidden, weight, loc),
+            raw = head_transform(params.backend.gather_logits(hidden, weight, loc),
                                  params)
             coef = coef * cap_slope(raw, params)
         return torch.where(own, loc, -1), torch.where(own, coef, 0.0).float().contiguous()

@@ -87,6 +87,8 @@ class LCEParams:
     Temperature: the API validates `temperature` and hands on its inverse, `inv_t` (logits z = r · inv_t
     with r = h·Wᵀ): this float when the temperature is one number, else a per-token [N] fp32 tensor
     passed beside the params (and `inv_t` here is None).
+    `backend` is the instance every step of the call runs on (backends/base.py: its methods and
+    capabilities); the core never looks a backend up by name.
     """
 
     inv_t: Optional[float] = 1.0  # 1/T of a scalar temperature; None when a per-token inv_t tensor is given
@@ -95,7 +97,9 @@ class LCEParams:
     vocab_start: int = 0  # global id of this shard's row 0
     shard_valid: int = 0  # real (unpadded) rows in this shard, 0 <= shard_valid <= V_shard
     cache_bytes: int = 0  # logits-cache budget in bytes ("auto" resolved): forward keeps fp32 logits when they fit
-    backend: str = "torch"  # resolved backend name
+    backend: Any = None  # the call's backends.base.Backend instance (a layer above: typed Any here); api.py
+    #                      resolves it once, library.py's options carry its name; None only for a value handed
+    #                      to one backend method directly, which reads no other backend
     vocab_parallel: Optional[VocabParallel] = None  # the tensor-parallel option; None = unsharded
     tp_size: int = 1  # vocab_parallel's group size, resolved once by the API
     compact_ignored: bool = True  # partition ignore_index rows to the tail on the device (function.py); the API

@@ -1,6 +1,8 @@
 """The one dispatch point: backend name -> Backend instance, and the auto/env/explicit resolution.
 
-Resolution order (api.py calls `resolve_backend` once per call): explicit argument, then the
+api.py resolves the name once per call (`resolve_backend`) and takes the instance (`get_backend`), which
+the call's LCEParams carries from there on; library.py turns the name in an op's options string back into
+the instance. Resolution order: explicit argument, then the
 AREAL_LCE_BACKEND environment variable, then auto by device (cuda -> triton, npu -> triton_ascend,
 else torch). An explicitly named backend that cannot load raises; auto warns once when an accelerator
 falls back to the chunked torch backend.
@@ -11,6 +13,7 @@ import functools
 import importlib
 import os
 import warnings
+from typing import Dict
 
 import torch
 
@@ -28,15 +31,22 @@ _AUTO_KERNELS = {"cuda": "triton", "npu": "triton_ascend"}  # device type -> its
 ENV_VAR = "AREAL_LCE_BACKEND"
 
 
-@functools.lru_cache(maxsize=None)
+_LOADED: Dict[str, Backend] = {}  # one instance per backend, made on first use
+
+
 def get_backend(name: str) -> Backend:
-    if name not in _REGISTRY:
-        raise ValueError(f"backend={name!r} is not one of {BACKENDS + ('auto',)}")
-    module, cls = _REGISTRY[name]
-    try:
-        return getattr(importlib.import_module(module), cls)()
-    except (ImportError, OSError, RuntimeError) as e:
-        raise RuntimeError(f"backend={name!r} could not be loaded: {type(e).__name__}: {e}") from e
+    """The instance of backend `name` (loaded on the first call). A loaded one is a dictionary read, which
+    torch.compile traces without a graph break (api.py calls this after `resolve_backend` loaded it)."""
+    backend = _LOADED.get(name)
+    if backend is None:
+        if name not in _REGISTRY:
+            raise ValueError(f"backend={name!r} is not one of {BACKENDS + ('auto',)}")
+        module, cls = _REGISTRY[name]
+        try:
+            backend = _LOADED[name] = getattr(importlib.import_module(module), cls)()
+        except (ImportError, OSError, RuntimeError) as e:
+            raise RuntimeError(f"backend={name!r} could not be loaded: {type(e).__name__}: {e}") from e
+    return backend
 
 
 def interpreter_on() -> bool:

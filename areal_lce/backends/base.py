@@ -1,4 +1,4 @@
-"""The contract every backend implements (reference, torch, triton, triton_ascend).
+"""The contract every backend implements (reference, torch, triton, triton_ascend): the `Backend` base class.
 
 A backend sees one vocabulary shard and only 2-D, contiguous, already-validated tensors; it does no
 communication and picks no other backend. All per-token outputs are fp32 [N].
@@ -6,90 +6,24 @@ communication and picks no other backend. All per-token outputs are fp32 [N].
 Notation: z = (h · Wᵀ) · inv_t with inv_t = 1/T per token; columns j >= shard_valid are padding and
 behave as z_j = -inf (excluded from every statistic, never read as 0).
 
-forward -> ShardStats, per token over this shard's valid columns:
-  m   = max_j z_j                             (the tempered max: the reference point of s and a)
-  s   = Σ_j exp(z_j - m)
-  a   = Σ_j (z_j - m) · exp(z_j - m)          (relative to m: no cancellation in the entropy)
-  zy  = z_label if vocab_start <= label < vocab_start + shard_valid else 0
-  mx, mn = max_j r_j and min_j r_j of the RAW logits r = h · Wᵀ (no temperature): the op's max_logit /
-        min_logit, emitted as computed, never rescaled by T afterwards.
-  lsum, lsq = Σ_j r_j and Σ_j r_j² of the raw logits, only when params.logit_sums (else None);
-        accumulated in the same pass over the vocabulary as m and s.
-  cache: opaque object handed back to backward (e.g. fp32 logits kept under params.cache_bytes), or None.
-  With an empty shard (shard_valid == 0): m = mx = -inf, s = a = 0, mn = +inf, lsum = lsq = 0.
-  Then lse = m + log s and entropy = log s - a / s (after the cross-shard merge in the Function).
-  m is exactly mx · inv_t in fp32 (the Function relies on it): z_j is the rounded product r_j · inv_t,
-  and rounding a product by inv_t > 0 is monotone, so the largest z_j is the rounded product of the
-  largest r_j. A backend may so track the raw max alone and derive m from it, or the reverse.
-
-backward(lse, ent, g_lp, g_ent) -> (d_hidden fp32 [N, H] or None, d_weight [V_shard, H] or None), d_weight in
-  params.d_weight_dtype(weight.dtype) (weight.dtype; fp32 with params.d_weight_fp32):
-  p_j  = exp(z_j - lse)
-  dz_j = g_lp · (1[j = label] - p_j) - g_ent · p_j · (z_j - lse + ent)
-  d_logits_j = dz_j · inv_t ;  d_hidden = d_logits · W (fp32, unreduced over shards);
-  d_weight = d_logitsᵀ · h (accumulated in fp32 over all tokens, cast once); padding rows get 0.
-  Rows with g_lp = g_ent = 0 contribute nothing. Accumulation order is fixed: bitwise deterministic.
-
-Ignored rows (label == params.ignore_index) reach backward with g_lp = g_ent = 0. skips_ignored_rows:
-  False: the backend computes every row as given; the Function compacts (params.compact_ignored, the
-         API's default for such a backend): the ignored rows come last with hidden = 0, inv_t = 1, so
-         they contribute exactly 0.
-  True:  (triton) the backend may skip ignored rows (their forward stats are then unspecified) and must
-         give them d_logits exactly 0 whatever their hidden, inv_t, lse or ent values (NaN included), so
-         they need no compaction. It must not count them on the host: that would be a sync.
-
-Invariant mode (params.invariant, exact.py): forward returns the per-segment partials `seg` [3, G, N]
-  (raw max, s, a of each 128-column segment of the shard's valid columns; [5, G, N] with logit sums)
-  with mx, mn, zy per row, and m = s = a = None. Each segment is reduced in an order that depends on
-  nothing but the backend (not on N, the row's position, the split or the shard start).
-  fold_segments(seg, mx, inv_t, scales) -> int64 [3 or 5, N], the arithmetic of exact.fold_segments
-  (the torch version is the default for backends without their own).
-params.bf16_logits: every raw logit is rounded to bf16 right after the fp32 accumulation, before the
-  temperature, in forward and in backward's recompute (the rounding's gradient is taken as identity).
-params.softcap > 0: then r -> softcap · tanh(r / softcap) (`head_transform`); "raw logits" (mx, mn, sums,
-  zy before inv_t) are the capped ones and backward multiplies d_logits by cap_slope.
-takes_sparse = True: backward also takes sparse=(cols [N, J] int64 local columns, -1 for none; coef [N, J] fp32)
-  and adds coef[n, j] to d_logits[n, cols[n, j]] (after inv_t and softcap's slope: the coefficients carry
-  both) before its GEMMs, a row's slots in order; else the Function adds those columns itself (select.py).
-Optional, for selected ids / top-k (select.py has torch defaults):
-  extracts_selected = True: forward(..., selected=ids [N, K] global ids, the forward's row order) may take
-      the ids' raw logits from its own tiles, one per row and 128-id segment (ShardStats.sel), and
-      pair_logits(hidden, weight, ids, need [N, K] bool, vocab_start) -> fp32 [N, K] computes the rest (values
-      where need, before head_transform, each one's bits depending on its row and id only);
-  gather_logits(hidden, weight, cols [N, J]) -> fp32 [N, J] h_n · W[cols] before head_transform, each
-      value's bits independent of N, J and the row's position;
-  segment_logits(hidden, weight, rows [P], segs [P], params) -> fp32 [P, 128] head-transformed raw logits
-      of segment segs[p] for row rows[p], bitwise what the invariant forward reduced (-inf past the shard);
-  or, doing the top-k's ranking, recompute and selection in its own kernels (triton): rank_segments(seg_rows
-      [N, G], inv_t, kk, top=None, vocab_start=0, lists=False) -> ([N, kk] segment indices, [N] fp32 the
-      kk-th largest tempered segment maximum, and with lists an opaque plan for candidate_topk (the chosen
-      segments to recompute, listed per segment: with top = ShardStats.seg_top's (max columns, second values)
-      only those that can hold a candidate besides their max, whose key the plan keeps; else all), else None) and
-      candidate_topk(hidden, weight, row0, segs [c, kk], thr [N], inv_t, params, vocab_start, k, plan=None)
-      -> [c, k] select.sort_key keys of the k best logits >= thr in those segments, descending.
-  and one launch each for a per-row step that select.py otherwise takes in ten to twenty small torch
-  operations (the same values: bitwise in the forward; in the backward up to the order of a row's sum of its
-  upstream gradients), none of them under softcap:
-      selected_raw(hidden, weight, ids [N, K] global, params) -> fp32 [N, K] head-transformed raw logits, 0
-      where the id is not this shard's (the gather route of select.selected_logits);
-      selected_logprobs(r [N, K], ids, labels, lse [N], inv_t, params) -> fp32 [N, K] (select.forward_outputs,
-      with the "deferred" check's NaN); topk_logprobs(keys [N, k], labels, lse, params) -> (fp32 [N, k], int64
-      [N, k]); and with takes_sparse, for fp32 gradients, sparse_columns(labels, inv_t, params, g [2, N], g_lse
-      [N] or None, ((selected ids, their gradient) or None, (top-k ids, their gradient) or None)) -> (g [2, N]
-      with the dense part, local columns [N, J], coefficients [N, J]) (select_grad.SparseGrad.of and .columns).
-
-cache_spec(n, h, v_shard, dtype, params, keep_cache) -> (shape, dtype) of the cache forward() keeps for
-  these sizes, or None: forward decides with it, and the op's fake (meta) implementation allocates with
-  it, so the two agree.
+A backend subclasses `Backend` and implements forward, backward and cache_spec; every other method has
+the torch default here, and every capability is a class attribute with its default, so the core calls
+the call's backend (LCEParams.backend, resolved once by api.py) without asking what it has.
+params.bf16_logits and params.softcap apply to every logit, in forward and in backward's recompute
+(`head_transform`): each raw logit is rounded to bf16 right after the fp32 accumulation (the rounding's
+gradient taken as identity), then soft-capped; "raw logits" (mx, mn, sums, zy before inv_t) are the
+rounded, capped ones, and backward multiplies d_logits by `cap_slope`.
 """
 from __future__ import annotations
 
+import abc
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
+from .. import exact
 from ..types import LCEParams
 
 
@@ -145,35 +79,185 @@ class ShardStats:
     #                              -2 = not this shard's id)
 
 
-class Backend(Protocol):
-    name: str
-    skips_ignored_rows: bool  # see "Ignored rows" above
+GATHER_ROWS = 32  # fixed block shape of the torch gather_logits (on CUDA: GATHER_ROWS_CUDA rows)
+GATHER_ROWS_CUDA = 512
+GATHER_IDS = 8
+SEG_ROWS_CUDA = 1024  # fixed GEMM height of the torch segment recompute for a CUDA backend with its own forward
 
-    def forward(
-        self,
-        hidden: torch.Tensor,  # [N, H]
-        weight: torch.Tensor,  # [V_shard, H], same dtype as hidden
-        labels: torch.Tensor,  # [N] int64, global ids (any value; out-of-shard ids give zy = 0)
-        inv_t: Optional[torch.Tensor],  # [N] fp32, or None -> the scalar params.inv_t
-        params: LCEParams,
-        keep_cache: bool,  # True when the caller will run backward and may keep logits
-    ) -> ShardStats: ...
 
-    def backward(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        labels: torch.Tensor,
-        inv_t: Optional[torch.Tensor],
-        params: LCEParams,
-        cache: Any,
-        lse: torch.Tensor,  # [N] fp32, global
-        ent: torch.Tensor,  # [N] fp32, global
-        g_lp: torch.Tensor,  # [N] fp32, contiguous
-        g_ent: torch.Tensor,  # [N] fp32, contiguous
-        need_d_hidden: bool,
-        need_d_weight: bool,
-    ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]: ...
+class Backend(abc.ABC):
+    """One vocabulary shard's forward and backward (module docstring). Subclasses set `name` and implement
+    forward, backward and cache_spec (abstract); the other methods are the torch defaults, which a backend
+    overrides with its own kernels (the same values: bitwise where a docstring says so), or raise where a
+    capability flag says the backend has no such kernels and the core does not call them."""
 
+    name: str = ""
+
+    skips_ignored_rows: bool = False
+    """How ignored rows (label == params.ignore_index, which reach backward with g_lp = g_ent = 0) are kept
+    out of the work. False: the backend computes every row as given; the Function compacts
+    (params.compact_ignored, the API's default for such a backend): the ignored rows come last with
+    hidden = 0, inv_t = 1, so they contribute exactly 0. True (triton): the backend may skip ignored rows
+    (their forward stats are then unspecified) and must give them d_logits exactly 0 whatever their
+    hidden, inv_t, lse or ent values (NaN included), so they need no compaction. It must not count them
+    on the host: that would be a sync."""
+
+    supports_softcap: bool = True
+    """params.softcap > 0 is implemented (api.py refuses softcap on a backend without it)."""
+
+    takes_sparse: bool = False
+    """backward takes sparse=(cols [N, J] int64 local columns, -1 for none; coef [N, J] fp32) and adds
+    coef[n, j] to d_logits[n, cols[n, j]] (after inv_t and softcap's slope: the coefficients carry both)
+    before its GEMMs, a row's slots in order; else the Function adds those columns itself (select_grad.py)."""
+
+    extracts_selected: bool = False
+    """In invariant mode forward(..., selected=ids [N, K] global ids, the forward's row order) may take the
+    ids' raw logits from its own tiles, one per row and 128-id segment (ShardStats.sel), and `pair_logits`
+    computes the rest."""
+
+    ranks_topk: bool = False
+    """The top-k's ranking, recompute and selection run in the backend's own kernels (`rank_segments`,
+    `candidate_topk`) instead of select.py's torch steps over `segment_logits`."""
+
+    fused_rows: bool = False
+    """One launch each for the per-row steps that select.py otherwise takes in ten to twenty small torch
+    operations (the same values: bitwise in the forward; in the backward up to the order of a row's sum of
+    its upstream gradients): `selected_raw`, `selected_logprobs`, `topk_logprobs` and, with takes_sparse,
+    `sparse_columns`. The core uses them only without softcap (torch's tanh)."""
+
+    record_labels: Optional[Callable] = None
+    """A one-launch version of checks.record's fold (the "deferred" label / temperature check):
+    (y, inv_t, vocab_size, ignore_index, rec) -> [N] bool mask of bad labels, folding the call into the
+    int64 record `rec`. None: checks.record folds with a dozen [N] torch operations."""
+
+    @abc.abstractmethod
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                inv_t: Optional[torch.Tensor], params: LCEParams, keep_cache: bool) -> ShardStats:
+        """ShardStats of hidden [N, H] against weight [V_shard, H] (same dtype); labels [N] int64 global ids
+        (any value; out-of-shard ids give zy = 0); inv_t [N] fp32, or None -> the scalar params.inv_t;
+        keep_cache: the caller will run backward and may keep logits. Per token over the valid columns:
+          m   = max_j z_j                         (the tempered max: the reference point of s and a)
+          s   = Σ_j exp(z_j - m)
+          a   = Σ_j (z_j - m) · exp(z_j - m)      (relative to m: no cancellation in the entropy)
+          zy  = z_label if vocab_start <= label < vocab_start + shard_valid else 0
+          mx, mn = max_j r_j and min_j r_j of the RAW logits r = h · Wᵀ (no temperature): the op's
+                max_logit / min_logit, emitted as computed, never rescaled by T afterwards.
+          lsum, lsq = Σ_j r_j and Σ_j r_j² of the raw logits, only when params.logit_sums (else None),
+                accumulated in the same pass over the vocabulary as m and s.
+          cache: opaque object handed back to backward (e.g. fp32 logits kept under params.cache_bytes), or None.
+        With an empty shard (shard_valid == 0): m = mx = -inf, s = a = 0, mn = +inf, lsum = lsq = 0. Then
+        lse = m + log s and entropy = log s - a / s (after the cross-shard merge in the Function).
+        m is exactly mx · inv_t in fp32 (the Function relies on it): z_j is the rounded product r_j · inv_t,
+        and rounding a product by inv_t > 0 is monotone, so the largest z_j is the rounded product of the
+        largest r_j. A backend may so track the raw max alone and derive m from it, or the reverse.
+        Invariant mode (params.invariant, exact.py): the per-segment partials `seg` [3, G, N] (raw max, s, a
+        of each 128-column segment of the shard's valid columns; [5, G, N] with logit sums) with mx, mn, zy
+        per row, and m = s = a = None. Each segment is reduced in an order that depends on nothing but the
+        backend (not on N, the row's position, the split or the shard start)."""
+
+
+    @abc.abstractmethod
+    def backward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                 inv_t: Optional[torch.Tensor], params: LCEParams, cache: Any, lse: torch.Tensor,
+                 ent: torch.Tensor, g_lp: torch.Tensor, g_ent: torch.Tensor, need_d_hidden: bool,
+                 need_d_weight: bool) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(d_hidden fp32 [N, H] or None, d_weight [V_shard, H] or None) for the global lse, ent [N] fp32 and
+        the contiguous upstream g_lp, g_ent [N] fp32; cache: what forward kept. d_weight in
+        params.d_weight_dtype(weight.dtype) (weight.dtype; fp32 with params.d_weight_fp32):
+          p_j  = exp(z_j - lse)
+          dz_j = g_lp · (1[j = label] - p_j) - g_ent · p_j · (z_j - lse + ent)
+          d_logits_j = dz_j · inv_t ;  d_hidden = d_logits · W (fp32, unreduced over shards);
+          d_weight = d_logitsᵀ · h (accumulated in fp32 over all tokens, cast once); padding rows get 0.
+        Rows with g_lp = g_ent = 0 contribute nothing. Accumulation order is fixed: bitwise deterministic.
+        With takes_sparse it also takes sparse=(cols, coef)."""
+
+
+    @abc.abstractmethod
     def cache_spec(self, n: int, h: int, v_shard: int, dtype: torch.dtype, params: LCEParams,
-                   keep_cache: bool) -> Optional[Tuple[Tuple[int, ...], torch.dtype]]: ...
+                   keep_cache: bool) -> Optional[Tuple[Tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of the cache forward() keeps for these sizes, or None: forward decides with it, and
+        the op's fake (meta) implementation allocates with it, so the two agree."""
+
+
+    def fold_segments(self, seg: torch.Tensor, mx: torch.Tensor, inv_t, scales) -> torch.Tensor:
+        """Invariant mode: the segment partials folded into int64 [3 or 5, N] (exact.fold_segments, whose
+        arithmetic a backend's own version keeps bitwise)."""
+        return exact.fold_segments(seg, mx, inv_t, scales)
+
+    def finish_folded(self, q, zy, mx, mn, inv_t, scales) -> exact.Finished:
+        """Invariant mode: the merged integer sums to the per-token outputs (exact.finish, bitwise)."""
+        return exact.finish(q, zy, mx, mn, inv_t, scales)
+
+    def gather_logits(self, hidden: torch.Tensor, weight: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """fp32 [N, J] h_n · W[cols[n, j]] for local columns cols [N, J], before head_transform, each value's
+        bits independent of N, J and the row's position. The torch version: fixed [GATHER_ROWS, GATHER_IDS,
+        H] blocks (GATHER_ROWS_CUDA rows on CUDA)."""
+        n, j = cols.shape
+        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        out = torch.empty((n, j), dtype=torch.float32, device=hidden.device)
+        block = GATHER_ROWS_CUDA if hidden.is_cuda else GATHER_ROWS
+        for t0 in range(0, n, block):
+            rows = min(block, n - t0)
+            hb = hidden.new_zeros((block, hidden.shape[1]))
+            hb[:rows] = hidden[t0:t0 + rows]
+            hb = hb.to(acc)[:, None, :]
+            for c0 in range(0, j, GATHER_IDS):
+                ids = cols.new_zeros((block, GATHER_IDS))
+                width = min(GATHER_IDS, j - c0)
+                ids[:rows, :width] = cols[t0:t0 + rows, c0:c0 + width]
+                r = (hb * weight[ids].to(acc)).sum(-1)  # [GATHER_ROWS, GATHER_IDS]
+                out[t0:t0 + rows, c0:c0 + width] = r[:rows, :width].float()
+        return out
+
+    def segment_logits(self, hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor, segs: torch.Tensor,
+                       params: LCEParams) -> torch.Tensor:
+        """fp32 [P, 128] head-transformed raw logits of segment segs[p] for row rows[p] (-inf past the
+        shard), bitwise what the backend's invariant forward reduced. The torch version recomputes with the
+        torch backend's blocks, SEG_ROWS_CUDA rows high on CUDA (invariant, not another forward's bits)."""
+        from .torch_chunked import INV_ROWS, segment_logits
+        return segment_logits(hidden, weight, rows, segs, params, SEG_ROWS_CUDA if hidden.is_cuda else INV_ROWS)
+
+    def pair_logits(self, hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, need: torch.Tensor,
+                    vocab_start: int) -> torch.Tensor:
+        """With extracts_selected: fp32 [N, K] raw logits at global ids [N, K] where need [N, K] (bool), before
+        head_transform, each one's bits depending on its row and id only (the ids forward did not take)."""
+        raise NotImplementedError(f"backend {self.name!r} does not extract selected ids (extracts_selected)")
+
+    def rank_segments(self, seg_rows: torch.Tensor, inv_t, kk: int, top=None, vocab_start: int = 0,
+                      lists: bool = False):
+        """With ranks_topk: from the segment maxima [N, G] (rows contiguous), ([N, kk] segment indices, [N] fp32
+        the kk-th largest tempered segment maximum, and with lists an opaque plan for candidate_topk (the
+        chosen segments to recompute, listed per segment: with top = ShardStats.seg_top's (max columns,
+        second values) only those that can hold a candidate besides their max, whose key the plan keeps;
+        else all), else None)."""
+        raise NotImplementedError(f"backend {self.name!r} has no top-k kernels (ranks_topk)")
+
+    def candidate_topk(self, hidden: torch.Tensor, weight: torch.Tensor, row0: int, segs: torch.Tensor,
+                       thr: torch.Tensor, inv_t, params: LCEParams, vocab_start: int, k: int,
+                       plan=None) -> torch.Tensor:
+        """With ranks_topk: [c, k] select.sort_key keys of the k best logits >= thr [N] in the segments segs
+        [c, kk] of rows row0.., descending."""
+        raise NotImplementedError(f"backend {self.name!r} has no top-k kernels (ranks_topk)")
+
+    def selected_raw(self, hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
+                     params: LCEParams) -> torch.Tensor:
+        """With fused_rows: fp32 [N, K] head-transformed raw logits at global ids [N, K], 0 where the id is not
+        this shard's (the gather route of select.selected_logits)."""
+        raise NotImplementedError(f"backend {self.name!r} has no fused per-row steps (fused_rows)")
+
+    def selected_logprobs(self, r: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                          inv_t, params: LCEParams) -> torch.Tensor:
+        """With fused_rows: fp32 [N, K] logprobs of the raw logits r [N, K] at ids (select.forward_outputs,
+        with the "deferred" check's NaN)."""
+        raise NotImplementedError(f"backend {self.name!r} has no fused per-row steps (fused_rows)")
+
+    def topk_logprobs(self, keys: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, params: LCEParams):
+        """With fused_rows: (fp32 [N, k] logprobs, int64 [N, k] ids) of the top-k keys [N, k]."""
+        raise NotImplementedError(f"backend {self.name!r} has no fused per-row steps (fused_rows)")
+
+    def sparse_columns(self, labels: torch.Tensor, inv_t, params: LCEParams, g: torch.Tensor,
+                       g_lse: Optional[torch.Tensor], parts):
+        """With fused_rows and takes_sparse, for fp32 gradients: (g [2, N] with the dense part, local columns
+        [N, J], coefficients [N, J]) from g_lse [N] or None and parts = ((selected ids, their gradient) or None,
+        (top-k ids, their gradient) or None) (select_grad.SparseGrad.of and .columns)."""
+        raise NotImplementedError(f"backend {self.name!r} has no fused per-row steps (fused_rows)")

@@ -13,7 +13,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from ..types import LCEParams
-from .base import ShardStats, cap_slope, head_transform
+from .base import Backend, ShardStats, cap_slope, head_transform
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -78,9 +78,12 @@ def grad_logits(z, labels, lse, ent, g_lp, g_ent, params: LCEParams) -> torch.Te
     return dz
 
 
-class ReferenceBackend:
+class ReferenceBackend(Backend):
     name = "reference"
-    skips_ignored_rows = False  # base.py: the Function compacts ignored rows by default
+
+    def segment_logits(self, hidden, weight, rows, segs, params) -> torch.Tensor:
+        from .torch_chunked import segment_logits  # the blocks of the invariant forward below
+        return segment_logits(hidden, weight, rows, segs, params)
 
     def cache_spec(self, n, h, v_shard, dtype, params, keep_cache):
         """The materialised logits themselves, whenever backward will run (cache_bytes is not consulted)."""

@@ -18,7 +18,7 @@ import torch
 
 from .. import exact
 from ..types import LCEParams
-from .base import ShardStats, alloc, cap_slope, head_transform
+from .base import Backend, ShardStats, alloc, cap_slope, head_transform
 
 # Invariant mode: every logits GEMM has the shape [INV_ROWS, H] x [H, INV_COLS], whatever N and the shard:
 # rows in fixed blocks (the last one zero-padded), columns in blocks aligned to global multiples of
@@ -194,9 +194,11 @@ def invariant_forward(hidden, weight, labels, inv_t, params: LCEParams, cache=No
     return ShardStats(m=None, s=None, a=None, zy=zy * it_all, mn=mn, mx=mx, seg=seg, cache=cache)
 
 
-class TorchChunkedBackend:
+class TorchChunkedBackend(Backend):
     name = "torch"
-    skips_ignored_rows = False  # base.py: the Function compacts ignored rows by default
+
+    def segment_logits(self, hidden, weight, rows, segs, params: LCEParams) -> torch.Tensor:
+        return segment_logits(hidden, weight, rows, segs, params)  # the invariant forward's own blocks
 
     def _logits(self, hidden, weight, inv_t, params, t0, t1, v0, v1):
         """(tempered logits of the block, their cap slope or None)."""

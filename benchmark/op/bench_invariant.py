@@ -69,7 +69,7 @@ def tp_emulated(h, w, y, v, tp, invariant, dtype):
     sts = []
     for r in range(tp):
         p = LCEParams(inv_t=1.0, vocab_size=v, vocab_start=r * shard, shard_valid=max(0, min(shard, v - r * shard)),
-                      backend="triton", compact_ignored=False, invariant=invariant)
+                      backend=be, compact_ignored=False, invariant=invariant)
         sts.append((p, be.forward(h, wp[r * shard:(r + 1) * shard], y, None, p, keep_cache=False)))
     mx = torch.stack([s.mx for _, s in sts]).amax(0)
     mn = torch.stack([s.mn for _, s in sts]).amin(0)

@@ -60,8 +60,9 @@ def checks(v=151936, h=896, n=1024):
     from areal_lce.backends import get_backend
     from areal_lce.backends.triton import select_launch
     from areal_lce.types import LCEParams
-    p = LCEParams(inv_t=1.0, vocab_size=v, shard_valid=v, backend="triton", invariant=True, compact_ignored=False)
-    st = get_backend("triton").forward(hid, w, y, None, p, keep_cache=False)
+    be = get_backend("triton")
+    p = LCEParams(inv_t=1.0, vocab_size=v, shard_valid=v, backend=be, invariant=True, compact_ignored=False)
+    st = be.forward(hid, w, y, None, p, keep_cache=False)
     G = st.seg.shape[1]
     rows_s = torch.arange(64, device="cuda").repeat_interleave(G)
     segs = torch.arange(G, device="cuda").repeat(64)

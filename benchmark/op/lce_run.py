@@ -181,7 +181,7 @@ def _backend_call(h, W, y, cache=False):
     be = TritonBackend()
     N, V = h.shape[0], W.shape[0]
     p = LCEParams(inv_t=1.0, vocab_size=V, shard_valid=V, cache_bytes=(4 * N * V + 1) if cache else 0,
-                  backend="triton")
+                  backend=be)
     st = be.forward(h, W, y, None, p, cache)
     lse = st.m + st.s.log()
     ent = st.s.log() - st.a / st.s

@@ -180,7 +180,7 @@ def make_inputs(c: ShardCase, device, seed=0):
     inv_t = (0.5 + torch.rand(c.n, generator=g)) if c.temperature == PER_TOKEN else None
     params = LCEParams(inv_t=None if inv_t is not None else 1 / c.temperature, vocab_size=c.start + valid,
                        vocab_start=c.start, shard_valid=valid,
-                       cache_bytes=(1 << 40) if c.cache else 0, backend="triton")
+                       cache_bytes=(1 << 40) if c.cache else 0, backend=get_backend("triton"))
     h, w = h.to(c.dtype), w.to(c.dtype)
     mv = lambda t: None if t is None else t.to(device)  # noqa: E731
     return mv(h), mv(w), mv(y), mv(inv_t), params

@@ -12,7 +12,9 @@ import torch
 
 from areal_lce import exact, select, select_grad
 from areal_lce.backends.base import head_transform
+from areal_lce.backends.torch_chunked import TorchChunkedBackend
 from areal_lce.backends.triton import output_launch, select_launch
+from areal_lce.backends.triton.launch import TritonBackend
 from areal_lce.types import LCEParams
 from helpers.kernel_device import kernel_device, needs_kernels
 
@@ -23,7 +25,7 @@ START, VALID, VOCAB = 256, 600, 1000
 
 
 def _params(**kw) -> LCEParams:
-    base = dict(inv_t=1.0, vocab_size=VOCAB, vocab_start=START, shard_valid=VALID, backend="triton", tp_size=1,
+    base = dict(inv_t=1.0, vocab_size=VOCAB, vocab_start=START, shard_valid=VALID, backend=TritonBackend(), tp_size=1,
                 ignore_index=IGNORE, check_labels="deferred")
     return LCEParams(**{**base, **kw})
 
@@ -123,8 +125,8 @@ def test_sparse_columns_match_the_torch_route(parts, tensor_t, lse_grad, k1, k2)
     sel = (_ids(n, k1, 1), torch.randn(n, k1, generator=g).to(DEV)) if parts in ("sel", "both") else (None, None)
     top = (_ids(n, k2, 2), torch.randn(n, k2, generator=g).to(DEV)) if parts in ("top", "both") else (None, None)
     fused = select_grad.SparseGrad.of(y, it, p, gg, g_dstats, *sel, *top, torch.float32)
-    ref = select_grad.SparseGrad.of(y, it, dataclasses.replace(p, backend="torch"), gg, g_dstats, *sel, *top,
-                               torch.float32)
+    ref = select_grad.SparseGrad.of(y, it, dataclasses.replace(p, backend=TorchChunkedBackend()), gg, g_dstats, *sel,
+                                    *top, torch.float32)
     assert ref._cols is None and fused._cols is not None  # each route taken
     cols, coef = fused.columns(None, None, p)
     ref_cols, ref_coef = ref.columns(None, None, p)

@@ -104,7 +104,7 @@ def test_forward_maxima_columns_spare_the_recompute(monkeypatch):
     weight[998] = hidden[4] * 0.6  # row 4: its max in the last, partial segment
     labels = torch.randint(0, v, (n,), generator=g)
     hidden, weight, labels = hidden.to(DEV), weight.to(DEV), labels.to(DEV)
-    params = LCEParams(vocab_size=v, shard_valid=v, invariant=True, top_k=k, backend="triton")
+    params = LCEParams(vocab_size=v, shard_valid=v, invariant=True, top_k=k, backend=TritonBackend())
     st = TritonBackend().forward(hidden, weight, labels, None, params, keep_cache=False)
     G = st.seg.shape[1]
     rows, segs = torch.arange(n).repeat_interleave(G), torch.arange(G).repeat(n)

@@ -120,7 +120,8 @@ def test_picked_values_are_the_forwards_bits(precision, block_v, always_pick):
     ids[4, 3:] = IGNORE
     ids[::2, 5] = labels[::2]  # the label selected: taken with the label's own column
     hidden, weight, labels, ids = (t.to(DEV) for t in (hidden, weight, labels, ids))
-    params = LCEParams(vocab_size=v, shard_valid=v, invariant=True, backend="triton", logits_precision=precision)
+    params = LCEParams(vocab_size=v, shard_valid=v, invariant=True, backend=TritonBackend(),
+                       logits_precision=precision)
     from dataclasses import replace
     from areal_lce.backends.triton import configs
     from areal_lce.backends.triton.launch import INTERPRET

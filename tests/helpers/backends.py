@@ -104,7 +104,7 @@ def make_shard(c: ShardCase, backend: str, seed: int = 0, device="cpu"):
         y[0:k:2] = lo + torch.arange(0, k, 2)  # every other peaked row is labelled on its peak
     inv_t = (0.4 + torch.rand(c.n, generator=g)) if c.temperature == PER_TOKEN else None
     params = LCEParams(inv_t=None if inv_t is not None else 1.0 / c.temperature, vocab_size=lo + c.v, vocab_start=lo,
-                       shard_valid=valid, cache_bytes=(1 << 30) if c.cache else 0, backend=backend)
+                       shard_valid=valid, cache_bytes=(1 << 30) if c.cache else 0, backend=get_backend(backend))
     g_lp, g_ent = torch.randn(c.n, generator=g), torch.randn(c.n, generator=g)
     if c.n > 2:
         g_lp[2] = g_ent[2] = 0.0  # a row without upstream gradient contributes nothing

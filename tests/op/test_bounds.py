@@ -15,7 +15,7 @@ from helpers.kernel_device import on_kernel_device
 
 N, H, V = 17, 32, 1001
 INV_T = 1 / 0.7
-P = LCEParams(inv_t=INV_T, vocab_size=V, shard_valid=V, backend="torch")
+P = LCEParams(inv_t=INV_T, vocab_size=V, shard_valid=V, backend=get_backend("torch"))
 
 
 def _inputs(seed, peaked):

@@ -76,7 +76,7 @@ def test_empty_shard_and_all_ignored(backend):
     g = torch.Generator().manual_seed(2)
     h, w = torch.randn(5, 16, generator=g), torch.randn(64, 16, generator=g)
     y = torch.randint(0, 64, (5,), generator=g)
-    params = LCEParams(inv_t=1.0, vocab_size=64, vocab_start=64, shard_valid=0, backend=backend,
+    params = LCEParams(inv_t=1.0, vocab_size=64, vocab_start=64, shard_valid=0, backend=get_backend(backend),
                        logit_sums=True)
     st = get_backend(backend).forward(h, w, y, None, params, keep_cache=False)
     assert torch.all(st.lsum == 0) and torch.all(st.lsq == 0) and torch.all(st.s == 0)

@@ -306,7 +306,8 @@ def test_triton_skips_ignored_rows_in_place(cache):
     y[ignored] = IGNORE
     y[2 * bn + 1] = v - 1  # labels at the shard's edges in live rows
     y[2 * bn] = 0
-    p = LCEParams(inv_t=1 / 0.8, vocab_size=v, shard_valid=v, backend="triton", cache_bytes=(1 << 30) if cache else 0)
+    p = LCEParams(inv_t=1 / 0.8, vocab_size=v, shard_valid=v, backend=TritonBackend(),
+                  cache_bytes=(1 << 30) if cache else 0)
     clean = hid.masked_fill(ignored[:, None], 0.0)
     poisoned = clean.clone()
     poisoned[ignored, :5] = float("nan")

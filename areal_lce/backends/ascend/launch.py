@@ -18,7 +18,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from ...types import LCEParams
-from ..base import ShardStats, alloc
+from ..base import Backend, ShardStats, alloc
 from . import configs
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -58,7 +58,7 @@ def _aligned_labels(labels: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-class AscendBackend:
+class AscendBackend(Backend):
     """Triton-Ascend backend (the same kernels run on CPU tensors under TRITON_INTERPRET=1).
 
     ub_bytes      unified-buffer budget per program for the tile calculator (None: env / 192 KiB).
@@ -66,7 +66,6 @@ class AscendBackend:
     """
 
     name = "triton_ascend"
-    skips_ignored_rows = False  # base.py: the Function compacts ignored rows by default
     supports_softcap = False  # api.py refuses softcap here
 
     def __init__(self, ub_bytes: Optional[int] = None, max_programs: Optional[int] = None):

@@ -37,46 +37,22 @@ Extra device memory (bytes), beyond inputs and the returned gradients:
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 from typing import Any, Tuple
 
 import torch
 import triton
 
 from ...types import LCEParams
-from ..base import ShardStats, alloc
-from . import configs
+from ..base import Backend, ShardStats, alloc
+from . import configs, output_launch, segment_launch, select_launch
 from .gemms import Gemms
-from .select_methods import SelectMethods
+from .runtime import INTERPRET, cap_args, descriptors, device_ctx, dot_precision, launch_opts, sm_slots
 from .value_check import record_labels
 from .kernels import (lce_bwd_kernel, lce_bwd_label_kernel, lce_fwd_kernel, lce_fwd_merge_kernel,
                       local_labels_kernel)
 
-try:  # host-side TMA descriptors (triton >= 3.4)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older triton: pointer loads only
-    TensorDescriptor = None
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _alloc(shape, dtype, device) -> torch.Tensor:
-    """Every buffer a kernel writes comes from here (base.alloc: NaN-filled under the tests)."""
-    return alloc(shape, dtype, device)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _slots(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return 1
 
 
 @functools.lru_cache(maxsize=1024)
@@ -117,7 +93,7 @@ def _local_labels(labels: torch.Tensor, params: LCEParams) -> torch.Tensor:
     n = y.numel()
     out = torch.empty(n, dtype=torch.int32, device=y.device)
     if n:
-        with _device_ctx(y.device):
+        with device_ctx(y.device):
             local_labels_kernel[(triton.cdiv(n, configs.LOCAL_LABELS_BLOCK),)](
                 y, out, n, params.vocab_start, params.shard_valid, params.ignore_index,
                 BLOCK=configs.LOCAL_LABELS_BLOCK, num_warps=4)
@@ -148,36 +124,7 @@ def _check(hidden, weight, labels, inv_t, params: LCEParams) -> None:
                            "before areal_lce.backends.triton is imported to run the kernels on CPU")
 
 
-def _device_ctx(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _descriptors(hidden, weight_valid, cfg):
-    """TMA descriptors of hidden [N, H] and the shard's valid weight rows, or (None, None) when the
-    layout does not allow them (TMA needs 16-byte aligned bases and row strides) or they are off."""
-    if not configs.USE_TMA or TensorDescriptor is None:
-        return None, None
-    for t in (hidden, weight_valid):
-        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16 or t.stride(1) != 1:
-            return None, None
-    return (TensorDescriptor.from_tensor(hidden, [cfg.block_n, cfg.block_k]),
-            TensorDescriptor.from_tensor(weight_valid, [cfg.block_v, cfg.block_k]))
-
-
-def _launch_opts(cfg) -> dict:
-    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    if cfg.maxnreg and not INTERPRET:
-        opts["maxnreg"] = cfg.maxnreg
-    return opts
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs must give IEEE fp32 logits (TF32 would cost ~1e-3 relative); the interpreter computes
-    # exact fp32 dots for any precision name.
-    return "ieee" if (dtype == torch.float32 or INTERPRET) else "tf32"
-
-
-class TritonBackend(SelectMethods):
+class TritonBackend(Backend):
     """Backend contract of base.py on CUDA (and on CPU under TRITON_INTERPRET=1). Memory bound: module
     docstring. backward_gemms=False is for profiling (`benchmark.op.bench_lce` times the backward kernels
     alone): the backward skips its cuBLAS d_hidden / d_weight GEMMs and returns (None, None)."""
@@ -221,31 +168,29 @@ class TritonBackend(SelectMethods):
         use_cache = spec is not None
 
         cfg = configs.tile("fwd", fp32=hidden.dtype == torch.float32, interpret=INTERPRET, H=H)
-        split_v, n_splits = _split_plan(N, valid, cfg.block_n, _slots(dev), INTERPRET)
+        split_v, n_splits = _split_plan(N, valid, cfg.block_n, sm_slots(dev), INTERPRET)
         if params.invariant:
-            cache = _alloc(spec[0], torch.float32, dev) if use_cache else None
-            from .segment_launch import forward_segments
-            from .select_launch import takes_picks
-            if selected is not None and not takes_picks(selected.shape[1], H, params):
+            cache = alloc(spec[0], torch.float32, dev) if use_cache else None
+            if selected is not None and not select_launch.takes_picks(selected.shape[1], H, params):
                 selected = None  # gathered afterwards (select.py)
-            return forward_segments(hidden, weight, y, it, inv_t_scalar, params, cfg, split_v, n_splits, cache,
-                                    selected)
+            return segment_launch.forward_segments(hidden, weight, y, it, inv_t_scalar, params, cfg, split_v, n_splits,
+                                                   cache, selected)
         rows = 8 if sums else 6  # (m, s, a, zy, mn, mx[, Σr, Σr²])
-        part = _alloc((rows, n_splits, N), torch.float32, dev)
-        cache = _alloc(spec[0], torch.float32, dev) if use_cache else None
-        out = _alloc((rows, N), torch.float32, dev)
+        part = alloc((rows, n_splits, N), torch.float32, dev)
+        cache = alloc(spec[0], torch.float32, dev) if use_cache else None
+        out = alloc((rows, N), torch.float32, dev)
         grid = (triton.cdiv(N, cfg.block_n) * n_splits,)
-        d_h, d_w = _descriptors(hidden, weight[:valid], cfg)
-        with _device_ctx(dev):
+        d_h, d_w = descriptors(hidden, weight[:valid], cfg)
+        with device_ctx(dev):
             lce_fwd_kernel[grid](
                 hidden, weight, d_h, d_w, y, it if it is not None else part, part, cache if use_cache else part,
-                N, H, valid, split_v, n_splits, n_splits * N, inv_t_scalar, *_cap_args(params),
+                N, H, valid, split_v, n_splits, n_splits * N, inv_t_scalar, *cap_args(params),
                 HAS_INV_T=it is not None, HAS_CACHE=use_cache, HAS_SUMS=sums, BF16_LOGITS=params.bf16_logits,
                 SOFTCAP=bool(params.softcap),
                 EVEN_K=H % cfg.block_k == 0,
-                UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
+                UPCAST=INTERPRET, DOT_PRECISION=dot_precision(hidden.dtype), USE_TMA=d_h is not None,
                 BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
-                CACHE_COLS=configs.CACHE_COLS, **_launch_opts(cfg),
+                CACHE_COLS=configs.CACHE_COLS, **launch_opts(cfg),
             )
             lce_fwd_merge_kernel[(triton.cdiv(N, configs.MERGE_BLOCK_N),)](
                 part, out, N, n_splits, n_splits * N, HAS_SUMS=sums, BLOCK_N=configs.MERGE_BLOCK_N, num_warps=4,
@@ -253,14 +198,40 @@ class TritonBackend(SelectMethods):
         return ShardStats(m=out[0], s=out[1], a=out[2], zy=out[3], mn=out[4], mx=out[5], cache=cache,
                           lsum=out[6] if sums else None, lsq=out[7] if sums else None)
 
-    # invariant mode (exact.py): segment_launch.py, which imports this module's helpers
+    # invariant mode (exact.py): segment_launch.py
     def fold_segments(self, seg, mx, inv_t, scales):
-        from .segment_launch import fold_segments
-        return fold_segments(seg, mx, inv_t, scales)
+        return segment_launch.fold_segments(seg, mx, inv_t, scales)
 
     def finish_folded(self, q, zy, mx, mn, inv_t, scales):
-        from .segment_launch import finish_folded
-        return finish_folded(q, zy, mx, mn, inv_t, scales)
+        return segment_launch.finish_folded(q, zy, mx, mn, inv_t, scales)
+
+    # selected ids and top-k (select.py): select_launch.py and output_launch.py
+    ranks_topk = True  # rank_segments / candidate_topk
+    fused_rows = True  # selected_raw, selected_logprobs, topk_logprobs, sparse_columns
+
+    def gather_logits(self, hidden, weight, cols):
+        return select_launch.gather_logits(hidden, weight, cols)
+
+    def pair_logits(self, hidden, weight, ids, need, vocab_start):
+        return select_launch.pair_logits(hidden, weight, ids, need, vocab_start)
+
+    def rank_segments(self, seg_max, inv_t, kk, top=None, vocab_start=0, lists=False):
+        return select_launch.rank_segments(seg_max, inv_t, kk, top, vocab_start, lists)
+
+    def candidate_topk(self, hidden, weight, row0, segs, thr, inv_t, params, vocab_start, k, plan=None):
+        return select_launch.candidate_topk(hidden, weight, row0, segs, thr, inv_t, params, vocab_start, k, plan)
+
+    def selected_raw(self, hidden, weight, ids, params):
+        return output_launch.selected_raw(hidden, weight, ids, params)
+
+    def selected_logprobs(self, r, ids, labels, lse, inv_t, params):
+        return output_launch.selected_logprobs(r, ids, labels, lse, inv_t, params)
+
+    def topk_logprobs(self, keys, labels, lse, params):
+        return output_launch.topk_logprobs(keys, labels, lse, params)
+
+    def sparse_columns(self, labels, inv_t, params, g, g_lse, parts):
+        return output_launch.sparse_columns(labels, inv_t, params, g, g_lse, parts)
 
     # ----------------------------------------------------------------------------------- backward
     takes_sparse = True  # backward(..., sparse=(cols, coef)): base.py; select_launch.add_sparse_columns
@@ -274,8 +245,8 @@ class TritonBackend(SelectMethods):
         Vs = weight.shape[0]
         valid = params.shard_valid
         dev = hidden.device
-        dh = _alloc((N, H), torch.float32, dev) if need_d_hidden else None
-        dw = _alloc((Vs, H), params.d_weight_dtype(weight.dtype), dev) if need_d_weight else None
+        dh = alloc((N, H), torch.float32, dev) if need_d_hidden else None
+        dw = alloc((Vs, H), params.d_weight_dtype(weight.dtype), dev) if need_d_weight else None
         if dw is not None and valid < Vs:
             dw[valid:].zero_()  # vocabulary padding rows get no gradient
         if N == 0 or valid == 0:
@@ -301,25 +272,25 @@ class TritonBackend(SelectMethods):
         ws_dtype = torch.float32 if (fp32 or INTERPRET) else hidden.dtype
         esize = torch.finfo(ws_dtype).bits // 8
         chunk = _chunk_width(N, H, valid, esize, cfg.block_v)
-        ws = _alloc((N * chunk,), ws_dtype, dev)
+        ws = alloc((N * chunk,), ws_dtype, dev)
         gemm = Gemms(hidden, weight, ws_dtype)
-        d_h, d_w = _descriptors(hidden, weight[:valid], cfg) if cache is None else (None, None)
-        with _device_ctx(dev):
+        d_h, d_w = descriptors(hidden, weight[:valid], cfg) if cache is None else (None, None)
+        with device_ctx(dev):
             for c0 in range(0, valid, chunk):
                 width = min(chunk, valid - c0)
                 dl = ws[: N * width].view(N, width)
                 tiles = triton.cdiv(N, cfg.block_n) * triton.cdiv(width, cfg.block_v)
-                n_programs = min(tiles, _slots(dev) * configs.BWD_PROGRAMS_PER_SM)
+                n_programs = min(tiles, sm_slots(dev) * configs.BWD_PROGRAMS_PER_SM)
                 lce_bwd_kernel[(n_programs,)](
                     hidden, weight, d_h, d_w, y, it if it is not None else vecs[0], *vecs,
                     cache if cache is not None else vecs[0], dl,
-                    N, H, valid, c0, width, width, n_programs, inv_t_scalar, *_cap_args(params),
+                    N, H, valid, c0, width, width, n_programs, inv_t_scalar, *cap_args(params),
                     HAS_INV_T=it is not None, USE_CACHE=cache is not None, SOFTCAP=bool(params.softcap),
                     EVEN_K=H % cfg.block_k == 0,
-                    UPCAST=INTERPRET, BF16_LOGITS=params.bf16_logits, DOT_PRECISION=_dot_precision(hidden.dtype),
+                    UPCAST=INTERPRET, BF16_LOGITS=params.bf16_logits, DOT_PRECISION=dot_precision(hidden.dtype),
                     USE_TMA=d_h is not None,
                     BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
-                    CACHE_COLS=configs.CACHE_COLS, **_launch_opts(cfg),
+                    CACHE_COLS=configs.CACHE_COLS, **launch_opts(cfg),
                 )
                 if not params.softcap:  # under softcap lce_bwd_kernel adds the one-hot term (times its slope)
                     lce_bwd_label_kernel[(triton.cdiv(N, configs.LABEL_FIX_BLOCK_N),)](
@@ -327,20 +298,12 @@ class TritonBackend(SelectMethods):
                         HAS_INV_T=it is not None, BLOCK_N=configs.LABEL_FIX_BLOCK_N, num_warps=4,
                     )
                 if sparse is not None:
-                    from .select_launch import add_sparse_columns  # (it imports this module)
-                    add_sparse_columns(dl, sparse, c0, width)
+                    select_launch.add_sparse_columns(dl, sparse, c0, width)
                 if dw is not None and self.backward_gemms:
                     gemm.d_weight(dl, dw[c0:c0 + width])
                 if dh is not None and self.backward_gemms:
                     gemm.d_hidden(dl, weight[c0:c0 + width], dh, first=c0 == 0)
         return (dh, dw) if self.backward_gemms else (None, None)
-
-
-def _cap_args(params: LCEParams) -> Tuple[float, float]:
-    """(softcap, 1 / softcap) for the kernels' SOFTCAP path; (0, 0) unused when off. One 1 / softcap for the
-    forward and the backward's recompute, so both cap each logit to the same bits."""
-    c = float(params.softcap)
-    return (c, 1.0 / c) if c else (0.0, 0.0)
 
 
 def _chunk_width(N: int, H: int, valid: int, esize: int, block_v: int = 256) -> int:

@@ -10,7 +10,8 @@ import torch
 import triton
 
 from ...types import LCEParams
-from .launch import INTERPRET, _alloc, _device_ctx
+from ..base import alloc
+from .runtime import INTERPRET, device_ctx
 from .output_kernels import selected_gather_kernel, selected_lp_kernel, sparse_coef_kernel, topk_lp_kernel
 from .select_launch import GATHER_H, GATHER_J, GATHER_R, _inv_t_args
 
@@ -30,9 +31,9 @@ def selected_raw(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, 
     """fp32 [N, K] head-transformed raw logits at global ids (0 where not this shard's): select.py's gather
     route in one launch (no softcap: the caller keeps torch's tanh for that)."""
     n, k = ids.shape
-    out = _alloc((n, k), torch.float32, hidden.device)
+    out = alloc((n, k), torch.float32, hidden.device)
     if n and k:
-        with _device_ctx(hidden.device):
+        with device_ctx(hidden.device):
             selected_gather_kernel[(triton.cdiv(n, GATHER_R), triton.cdiv(k, GATHER_J))](
                 hidden, weight, ids.contiguous(), out, n, k, hidden.shape[1], params.vocab_start, params.shard_valid,
                 params.ignore_index, BLOCK_R=GATHER_R, BLOCK_J=GATHER_J, BLOCK_H=GATHER_H,
@@ -44,10 +45,10 @@ def selected_logprobs(r: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, 
                       params: LCEParams) -> torch.Tensor:
     """fp32 [N, K] selected logprobs from the TP-summed raw logits r [N, K] (select.forward_outputs)."""
     n, k = ids.shape
-    out = _alloc((n, k), torch.float32, r.device)
+    out = alloc((n, k), torch.float32, r.device)
     it, scalar, has = _inv_t_args(inv_t, lse)
     if n and k:
-        with _device_ctx(r.device):
+        with device_ctx(r.device):
             selected_lp_kernel[_grid(n, k)](
                 r.contiguous(), ids.contiguous(), labels, lse.contiguous(), it, out, n, k, scalar, params.ignore_index,
                 params.vocab_size, HAS_INV_T=has, CHECK=params.check_labels == "deferred", BLOCK_R=ROWS,
@@ -58,10 +59,10 @@ def selected_logprobs(r: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, 
 def topk_logprobs(keys: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, params: LCEParams):
     """(fp32 [N, k] logprobs, int64 [N, k] ids) of select.sort_key keys [N, k] (select.forward_outputs)."""
     n, k = keys.shape
-    lp = _alloc((n, k), torch.float32, keys.device)
-    ids = _alloc((n, k), torch.int64, keys.device)
+    lp = alloc((n, k), torch.float32, keys.device)
+    ids = alloc((n, k), torch.int64, keys.device)
     if n and k:
-        with _device_ctx(keys.device):
+        with device_ctx(keys.device):
             topk_lp_kernel[_grid(n, k)](keys.contiguous(), labels, lse.contiguous(), lp, ids, n, k, params.ignore_index,
                                         BLOCK_R=ROWS, BLOCK_K=_block_k(k), num_warps=4)
     return lp, ids
@@ -78,12 +79,12 @@ def sparse_columns(labels: torch.Tensor, inv_t, params: LCEParams, g: torch.Tens
     k2 = top.shape[1] if top is not None else 0
     dev = labels.device
     g = g.contiguous()
-    g_out = _alloc((2, n), torch.float32, dev)
-    cols = _alloc((n, 1 + k1 + k2), torch.int64, dev)
-    coef = _alloc((n, 1 + k1 + k2), torch.float32, dev)
+    g_out = alloc((2, n), torch.float32, dev)
+    cols = alloc((n, 1 + k1 + k2), torch.int64, dev)
+    coef = alloc((n, 1 + k1 + k2), torch.float32, dev)
     it, scalar, has = _inv_t_args(inv_t, g)
     if n:
-        with _device_ctx(dev):
+        with device_ctx(dev):
             sparse_coef_kernel[(triton.cdiv(n, ROWS),)](
                 labels, it, g, g_lse.contiguous() if g_lse is not None else g,
                 sel.contiguous() if sel is not None else labels, g_sel.contiguous() if g_sel is not None else g,

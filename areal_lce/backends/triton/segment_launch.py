@@ -8,10 +8,10 @@ import triton
 
 from ... import exact
 from ...types import LCEParams
-from ..base import ShardStats
+from ..base import ShardStats, alloc
 from . import configs
-from .launch import (INTERPRET, TensorDescriptor, _alloc, _cap_args, _descriptors, _device_ctx, _dot_precision,
-                     _launch_opts)
+from .runtime import (INTERPRET, TensorDescriptor, cap_args, descriptors, device_ctx, dot_precision,
+                      launch_opts)
 from .select_launch import pick_selected
 from .segment_kernels import (lce_fwd_seg_kernel, lce_seg_finish_kernel, lce_seg_fold_kernel, lce_seg_reduce_kernel,
                               transpose_kernel)
@@ -53,33 +53,33 @@ def forward_segments(hidden, weight, y, it, inv_t_scalar, params: LCEParams, cfg
     if k * G * N >= 2 ** 31:
         raise ValueError(f"triton backend: invariant mode's segment partials ({k} x {G} x {N}) exceed int32 "
                          "offsets: split the call into fewer rows")
-    seg = _alloc((k, G, N), torch.float32, dev)
+    seg = alloc((k, G, N), torch.float32, dev)
     keep = keeps_top(params.top_k, H, params)
-    top = _alloc((G, N), torch.float32, dev) if keep else None  # each segment's second value
-    top_col = _alloc((G, N), torch.int8, dev) if keep else None
-    top_rows = _alloc((N, G), torch.float32, dev) if params.top_k else None
-    part = _alloc((3, n_splits, N), torch.float32, dev)
+    top = alloc((G, N), torch.float32, dev) if keep else None  # each segment's second value
+    top_col = alloc((G, N), torch.int8, dev) if keep else None
+    top_rows = alloc((N, G), torch.float32, dev) if params.top_k else None
+    part = alloc((3, n_splits, N), torch.float32, dev)
     picks = pick_selected(selected, y, params, G) if selected is not None else None
-    sel_raw = _alloc(selected.shape, torch.float32, dev) if picks is not None else None
+    sel_raw = alloc(selected.shape, torch.float32, dev) if picks is not None else None
     d_h = d_w = None
     if configs.USE_TMA and TensorDescriptor is not None:
-        d_h, d_w = _descriptors(hidden, weight[:valid], replace(cfg, block_v=seg_w))
-    with _device_ctx(dev):
+        d_h, d_w = descriptors(hidden, weight[:valid], replace(cfg, block_v=seg_w))
+    with device_ctx(dev):
         lce_fwd_seg_kernel[(triton.cdiv(N, cfg.block_n) * n_splits,)](
             hidden, weight, d_h, d_w, y, it if it is not None else part, seg, top if top is not None else part,
             top_col if top_col is not None else part, part,
             cache if cache is not None else part, *(picks[:2] if picks is not None else (part, part)),
             sel_raw if sel_raw is not None else part,
-            N, H, valid, G, split_v, n_splits, G * N, n_splits * N, inv_t_scalar, *_cap_args(params),
+            N, H, valid, G, split_v, n_splits, G * N, n_splits * N, inv_t_scalar, *cap_args(params),
             selected.shape[1] if picks is not None else 0,
             HAS_INV_T=it is not None, HAS_CACHE=cache is not None, HAS_SUMS=sums, HAS_TOP=top is not None,
             HAS_SEL=picks is not None,
             BF16_LOGITS=params.bf16_logits, SOFTCAP=bool(params.softcap), EVEN_K=H % cfg.block_k == 0, UPCAST=INTERPRET,
-            DOT_PRECISION=_dot_precision(hidden.dtype), USE_TMA=d_h is not None,
+            DOT_PRECISION=dot_precision(hidden.dtype), USE_TMA=d_h is not None,
             SEG=seg_w, SUB=sub, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_N=cfg.group_n,
-            CACHE_COLS=configs.CACHE_COLS, **_launch_opts(cfg),
+            CACHE_COLS=configs.CACHE_COLS, **launch_opts(cfg),
         )
-        out = _alloc((3, N), torch.float32, dev)
+        out = alloc((3, N), torch.float32, dev)
         lce_seg_reduce_kernel[(triton.cdiv(N, configs.MERGE_BLOCK_N),)](
             part, out, N, n_splits, n_splits * N, BLOCK_N=configs.MERGE_BLOCK_N, num_warps=4)
         if top_rows is not None:  # the maxima again with each row's segments contiguous, for the ranking
@@ -95,7 +95,7 @@ def fold_segments(seg, mx, inv_t, scales):
     q = torch.zeros((k, N), dtype=torch.int64, device=seg.device)
     it = inv_t.to(torch.float32).contiguous() if torch.is_tensor(inv_t) else None
     if N and G:
-        with _device_ctx(seg.device):
+        with device_ctx(seg.device):
             lce_seg_fold_kernel[(triton.cdiv(N, configs.MERGE_BLOCK_N), triton.cdiv(G, configs.FOLD_SEGMENTS))](
                 seg, mx.contiguous(), it if it is not None else mx,
                 scales.contiguous() if scales is not None else mx, q, N, G, G * N,
@@ -108,10 +108,10 @@ def finish_folded(q, zy, mx, mn, inv_t, scales) -> exact.Finished:
     """exact.finish in one launch."""
     k, N = q.shape
     sums = k == 5
-    out = _alloc((7 if sums else 5, N), torch.float32, q.device)
+    out = alloc((7 if sums else 5, N), torch.float32, q.device)
     it = inv_t.to(torch.float32).contiguous() if torch.is_tensor(inv_t) else None
     if N:
-        with _device_ctx(q.device):
+        with device_ctx(q.device):
             lce_seg_finish_kernel[(triton.cdiv(N, configs.MERGE_BLOCK_N),)](
                 q, zy.contiguous(), mx.contiguous(), mn.contiguous(), it if it is not None else mx,
                 scales.contiguous() if sums else mx, out, N, float(inv_t) if it is None else 1.0,

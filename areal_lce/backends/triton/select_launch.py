@@ -12,9 +12,9 @@ import triton
 from ... import exact
 from ...exact import PAD_KEY
 from ...types import LCEParams
-from ..base import head_transform
+from ..base import alloc, head_transform
 from . import configs
-from .launch import INTERPRET, _alloc, _cap_args, _device_ctx, _dot_precision, _slots
+from .runtime import INTERPRET, cap_args, device_ctx, dot_precision, sm_slots
 from .candidate_kernels import (candidate_topk_kernel, listed_candidates_kernel, overflow_topk_kernel,
                                 segment_candidates_kernel)
 from .select_kernels import (gather_logits_kernel, pair_logits_kernel, segment_best_kernel, segment_logits_kernel,
@@ -26,9 +26,9 @@ GATHER_R, GATHER_J, GATHER_H = 16, 8, 64
 def gather_logits(hidden: torch.Tensor, weight: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """fp32 [N, J] h_n · W[cols[n, j]] (cols local and in range), bits independent of N, J and position."""
     n, j = cols.shape
-    out = _alloc((n, j), torch.float32, hidden.device)
+    out = alloc((n, j), torch.float32, hidden.device)
     if n and j:
-        with _device_ctx(hidden.device):
+        with device_ctx(hidden.device):
             gather_logits_kernel[(triton.cdiv(n, GATHER_R), triton.cdiv(j, GATHER_J))](
                 hidden, weight, cols.contiguous(), out, n, j, hidden.shape[1],
                 BLOCK_R=GATHER_R, BLOCK_J=GATHER_J, BLOCK_H=GATHER_H, num_warps=4)
@@ -56,12 +56,12 @@ def pick_selected(ids: torch.Tensor, y: torch.Tensor, params: LCEParams, G: int)
     [N, K] and local labels y [N] (launch._local_labels), both in the forward's row order."""
     n, k = ids.shape
     plane = torch.full((G, n), -1, dtype=torch.int16, device=ids.device)
-    lslot = _alloc((n,), torch.int32, ids.device)
-    src = _alloc((n, k), torch.int64, ids.device)
+    lslot = alloc((n,), torch.int32, ids.device)
+    src = alloc((n, k), torch.int64, ids.device)
     kp = triton.next_power_of_2(k)
     rows = max(1, min(PLAN_ROWS, 8192 // (kp * kp)))
     if n:
-        with _device_ctx(ids.device):
+        with device_ctx(ids.device):
             selected_plan_kernel[(triton.cdiv(n, rows),)](
                 ids.contiguous(), y, plane, lslot, src, n, k, params.vocab_start, params.shard_valid,
                 params.ignore_index, SEG=exact.SEG, BLOCK_R=rows, KP=kp, num_warps=4)
@@ -73,14 +73,14 @@ def pair_logits(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, n
     """fp32 [N, K]: h_n · W[ids[n, j] - vocab_start] where need[n, j] (unspecified elsewhere), only those
     pairs computed (listed on the device: no host sync)."""
     n, k = ids.shape
-    out = _alloc((n, k), torch.float32, hidden.device)
+    out = alloc((n, k), torch.float32, hidden.device)
     flat = need.reshape(-1)
     if flat.numel():
         pos = torch.cumsum(flat, 0)
         pairs = torch.empty(flat.numel() + 1, dtype=torch.int64, device=flat.device)
         pairs.scatter_(0, torch.where(flat, pos - 1, flat.numel()), torch.arange(flat.numel(), device=flat.device))
-        n_prog = PAIR_PROGRAMS_PER_SM * _slots(hidden.device) if not INTERPRET else 2
-        with _device_ctx(hidden.device):
+        n_prog = PAIR_PROGRAMS_PER_SM * sm_slots(hidden.device) if not INTERPRET else 2
+        with device_ctx(hidden.device):
             pair_logits_kernel[(n_prog,)](
                 hidden.contiguous(), weight.contiguous(), ids.contiguous(), pairs, pos[-1:], out, k, hidden.shape[1],
                 vocab_start, n_prog, BLOCK_P=PAIR_P, BLOCK_H=PAIR_H, num_warps=4)
@@ -124,13 +124,13 @@ def segment_logits(hidden: torch.Tensor, weight: torch.Tensor, rows: torch.Tenso
     cfg = configs.tile("fwd", fp32=hidden.dtype == torch.float32, interpret=INTERPRET, H=h)
     block = cfg.block_n
     task_rows, task_seg, pos = _tasks(rows, segs, G, block)
-    out = _alloc((task_seg.shape[0] * block, exact.SEG), torch.float32, hidden.device)
+    out = alloc((task_seg.shape[0] * block, exact.SEG), torch.float32, hidden.device)
     if rows.shape[0]:
-        with _device_ctx(hidden.device):
+        with device_ctx(hidden.device):
             segment_logits_kernel[(task_seg.shape[0],)](
                 hidden, weight, task_rows, task_seg, out, n, h, valid,
                 SEG=exact.SEG, BLOCK_N=block, BLOCK_K=cfg.block_k, EVEN_K=h % cfg.block_k == 0, UPCAST=INTERPRET,
-                DOT_PRECISION=_dot_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                DOT_PRECISION=dot_precision(hidden.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     r = out[pos]
     if params.bf16_logits or params.softcap:  # elementwise, as the forward does after the accumulation
         real = (segs[:, None] * exact.SEG + torch.arange(exact.SEG, device=r.device)) < valid
@@ -196,15 +196,15 @@ def rank_segments(seg_rows: torch.Tensor, inv_t, kk: int, top=None, vocab_start:
     dev = seg_rows.device
     it, scalar, has = _inv_t_args(inv_t, seg_rows)
     best = torch.zeros((N, kk), dtype=torch.int64, device=dev)  # a NaN row's untaken slots: 0
-    thr = _alloc((N,), torch.float32, dev)
+    thr = alloc((N,), torch.float32, dev)
     plan = None
     if lists:
         plan = TopkPlan(torch.full((N, kk + TOPK_SPILL), PAD_KEY, dtype=torch.int64, device=dev),  # the kernel
                         torch.ones((N, kk), dtype=torch.int8, device=dev),  # relies on both fills
-                        torch.zeros(G, dtype=torch.int32, device=dev), _alloc((G, N), torch.int32, dev))
+                        torch.zeros(G, dtype=torch.int32, device=dev), alloc((G, N), torch.int32, dev))
     if N and G and kk:
         out_lists = plan if plan is not None else (best,) * 4
-        with _device_ctx(dev):
+        with device_ctx(dev):
             segment_best_kernel[(triton.cdiv(N, BEST_ROWS),)](
                 seg_rows, it, best, thr, top[0] if top is not None else best, top[1] if top is not None else thr,
                 *out_lists, N, G, kk, kk + TOPK_SPILL, scalar, vocab_start, PAD_KEY, HAS_INV_T=has, PLAN=lists,
@@ -248,7 +248,7 @@ def candidate_topk(hidden: torch.Tensor, weight: torch.Tensor, row0: int, segs: 
     c, kk = segs.shape
     n, h = hidden.shape
     dev = hidden.device
-    out = _alloc((c, k), torch.int64, dev)
+    out = alloc((c, k), torch.int64, dev)
     if not (c and kk):
         return out.fill_(PAD_KEY)
     valid = params.shard_valid
@@ -257,37 +257,37 @@ def candidate_topk(hidden: torch.Tensor, weight: torch.Tensor, row0: int, segs: 
     it, scalar, has = _inv_t_args(inv_t, thr)
     thr = thr.contiguous()
     common = dict(SEG=exact.SEG, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=h % cfg.block_k == 0,
-                  UPCAST=INTERPRET, DOT_PRECISION=_dot_precision(hidden.dtype), HAS_INV_T=has,
+                  UPCAST=INTERPRET, DOT_PRECISION=dot_precision(hidden.dtype), HAS_INV_T=has,
                   BF16_LOGITS=params.bf16_logits, SOFTCAP=bool(params.softcap))
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if plan is None:
         cap = kk * exact.SEG  # every column of the row's segments: the list cannot overflow
-        cand = _alloc((c, cap), torch.int64, dev)
+        cand = alloc((c, cap), torch.int64, dev)
         count = torch.zeros(c, dtype=torch.int32, device=dev)
         rows = torch.arange(row0, row0 + c, device=dev).repeat_interleave(kk)
         task_rows, task_seg, _ = _tasks(rows, segs.reshape(-1), G, cfg.block_n)
-        with _device_ctx(dev):
+        with device_ctx(dev):
             segment_candidates_kernel[(task_seg.shape[0],)](
                 hidden, weight, task_rows, task_seg, it, thr, count, cand, row0, cap, h, valid, G, vocab_start,
-                scalar, *_cap_args(params), **common, **launch)
+                scalar, *cap_args(params), **common, **launch)
     else:
         cand, cap = plan.cand, plan.cand.shape[1]
         count = torch.full((c,), kk, dtype=torch.int32, device=dev)
         task_seg, task_first, n_tasks = _listed_tasks(plan, cfg.block_n)
-        n_prog = min(task_seg.shape[0], _slots(dev) * LISTED_PROGRAMS_PER_SM)
-        with _device_ctx(dev):
+        n_prog = min(task_seg.shape[0], sm_slots(dev) * LISTED_PROGRAMS_PER_SM)
+        with device_ctx(dev):
             listed_candidates_kernel[(n_prog,)](
                 hidden, weight, plan.seg_list, plan.seg_count, task_seg, task_first, n_tasks, it, thr, count, cand,
-                n, cap, h, valid, vocab_start, scalar, *_cap_args(params), n_prog, **common, **launch)
-    with _device_ctx(dev):
+                n, cap, h, valid, vocab_start, scalar, *cap_args(params), n_prog, **common, **launch)
+    with device_ctx(dev):
         candidate_topk_kernel[(triton.cdiv(c, TOPK_ROWS),)](
             cand, count, out, c, cap, k, PAD_KEY, BLOCK_R=TOPK_ROWS, CHUNK=TOPK_CHUNK, K2=triton.next_power_of_2(k),
             num_warps=1)
         if plan is not None:
-            n_prog = min(c, _slots(dev) * OVERFLOW_PROGRAMS_PER_SM)
-            scratch = _alloc((n_prog, kk * exact.SEG), torch.int64, dev)
+            n_prog = min(c, sm_slots(dev) * OVERFLOW_PROGRAMS_PER_SM)
+            scratch = alloc((n_prog, kk * exact.SEG), torch.int64, dev)
             overflow_topk_kernel[(n_prog,)](
                 hidden, weight, segs.contiguous(), plan.flags, cand, it, thr, count, out, scratch, c, kk, cap, row0,
-                h, valid, vocab_start, scalar, *_cap_args(params), k, PAD_KEY, n_prog, **common,
+                h, valid, vocab_start, scalar, *cap_args(params), k, PAD_KEY, n_prog, **common,
                 CHUNK=TOPK_CHUNK, K2=triton.next_power_of_2(k), **launch)
     return out
