@@ -15,6 +15,7 @@ W=$OUT/work
 mkdir -p "$W"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/*.whl && export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export AREAL_LCE_TEST_GPU_SESSION=1  # the pytest jobs here are GPU sessions: CUDA stays visible (tests/helpers/gpu_host.py)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$W/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$W/device.txt"
 echo "commit ${GIT_SHA:-unknown}" >> "$W/device.txt"

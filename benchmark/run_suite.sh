@@ -51,11 +51,15 @@ phase() {  # name limit_s pytest-args...
   if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then interrupted+=("$name"); fi  # timeout's codes: stopped at the limit
   tail -n 3 "$OUT/suite_$name.log"
 }
+# the gpu phase is the GPU session of tests/helpers/gpu_host.py (CUDA visible); the rest phase is its main session
+# (CUDA hidden, every test as on a CPU-only host), without the test that would run the gpu tests a second time
+export AREAL_LCE_TEST_GPU_SESSION=1
 phase gpu "$GPU_LIMIT" -m gpu $(grep -rl "pytest.mark.gpu" tests --include="test_*.py")  # those files only: a short collection
+unset AREAL_LCE_TEST_GPU_SESSION
 left=$(( BUDGET - ($(date +%s) - start) - 20 ))  # 20 s for the manifest
 [ "$left" -ge 60 ] || left=60
 export OMP_NUM_THREADS=$(( $(nproc) / WORKERS > 0 ? $(nproc) / WORKERS : 1 ))  # the workers share the cores
-phase rest "$left" -m "$REST_MARK" ${spread[@]+"${spread[@]}"} tests
+phase rest "$left" -m "$REST_MARK" --deselect tests/test_gpu_session.py ${spread[@]+"${spread[@]}"} tests
 python3 -m benchmark.suite_report --junit "$OUT/suite_gpu.xml" "$OUT/suite_rest.xml" --names gpu rest \
   --interrupted ${interrupted[@]+"${interrupted[@]}"} --out "$OUT" \
   --command "GIT_SHA=${GIT_SHA:-unknown} OUT=bench_out SUITE_WORKERS=$WORKERS bash benchmark/run_suite.sh"

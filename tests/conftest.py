@@ -1,6 +1,9 @@
 """Test-wide setup, done here first, before any test module imports areal_lce or triton:
 
-* Where the Triton kernels run (helpers/kernel_device.py, imported first): with a CUDA device, compiled on
+* On a host with a CUDA device, two sessions (helpers/gpu_host.py, imported first): this one with CUDA
+  hidden, every test as on a CPU-only host, and the `gpu` tests in a child session that sees the GPU
+  (tests/test_gpu_session.py).
+* Where the Triton kernels run (helpers/kernel_device.py, imported next): with a CUDA device, compiled on
   CUDA tensors; without one, through the interpreter on CPU tensors (TRITON_INTERPRET=1, which must be set
   before any @triton.jit function is defined). Kernel tests put their tensors on `kernel_device()`.
 * NaN poisoning: every buffer a backend's kernels write (areal_lce.backends.base.alloc) starts as NaN
@@ -16,6 +19,7 @@ import os
 
 os.environ.setdefault("AREAL_LCE_POISON_OUTPUTS", "1")
 
+from helpers import gpu_host  # noqa: E402,F401  (before anything initialises CUDA: it may hide it)
 from helpers import kernel_device  # noqa: E402  (before anything imports triton: it sets TRITON_INTERPRET)
 import pytest  # noqa: E402
 import torch  # noqa: E402

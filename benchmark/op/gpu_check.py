@@ -48,6 +48,7 @@ def run_gpu_tests(paths, *pytest_args: str) -> tuple[list, int]:
     """pytest -m gpu on `paths` (relative to the repository root) in this process: (rows, exit status)."""
     import pytest
 
+    os.environ["AREAL_LCE_TEST_GPU_SESSION"] = "1"  # a GPU session: tests/helpers/gpu_host.py keeps CUDA visible
     plugin = _Rows()
     rc = pytest.main(["-q", "-m", "gpu", "-p", "no:cacheprovider", *pytest_args,
                       *(os.path.join(ROOT, p) for p in paths)], plugins=[plugin])
