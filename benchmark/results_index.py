@@ -62,6 +62,7 @@ QUESTIONS = {
     "cp": "Context parallelism: a 32k sequence at CP=2",
     "longest": "The longest sequence each route trains at CP=2",
     "check": "GPU correctness sweep (op, capture, graphs, attention)",
+    "suite": "The whole test suite on a GPU machine",
     "profile": "Where an engine step's time goes",
 }
 # files that are programs, not results: in a current folder only the one its manifest's `command` runs
