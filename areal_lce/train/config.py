@@ -222,9 +222,7 @@ def check_runs_here(cfg: JobConfig) -> None:
 
     from areal_lce.backends import resolve_backend
 
-    lce = getattr(cfg.engine, "lce", None)  # engine.lce.backend, formerly engine.lce_backend
-    name, option = (lce.backend, "engine.lce.backend") if lce is not None else (cfg.engine.lce_backend,
-                                                                                  "engine.lce_backend")
+    name, option = cfg.engine.lce.backend, "engine.lce.backend"
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     try:
         resolve_backend(name, device)

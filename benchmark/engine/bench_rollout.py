@@ -74,7 +74,7 @@ def main():
                     help="tokens of a KV rollout with eager decode steps (engine.decode_cuda_graphs=false)")
     ap.add_argument("--micro-batch", type=int, default=8, help="sequences per update microbatch")
     ap.add_argument("--logprob-max-tokens", default="auto", help="rl.logprob_max_tokens of the logprob passes")
-    ap.add_argument("--lce-cache-bytes", default="0", help="engine.lce_cache_bytes: bytes or auto")
+    ap.add_argument("--lce-cache-bytes", default="0", help="engine.lce.cache_bytes: bytes or auto")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
     args.seq = args.prompt_len + args.new_tokens  # engine max_seq_len (bench_train._engine reads args.seq)

@@ -7,7 +7,7 @@
 block without a target inside the kernels; `compact_ignored=True` partitions the rows with a target to the
 front on the device (a copy of their hidden states, and of d_hidden back) and the kernels stop after
 them. Which costs less depends on where the ignored rows sit, which the engine knows on the host and the
-op does not (engine.lce_compact_ignored="auto", megatron/batch.py). Layouts, per shape:
+op does not (engine.lce.compact_ignored="auto", megatron/batch.py). Layouts, per shape:
 
     all          every row has a target (SFT on packed batches)
     rl_P_R       packed sequences of P prompt tokens (no target) and R response tokens (RL logprob
