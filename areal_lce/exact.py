@@ -53,7 +53,10 @@ _E_MIN, _E_MAX = -40, 60  # clamp of the logit-sum exponent (|logits| between 2^
 # a CPU's scalar and vector units and on every accelerator alike. torch.exp2 / torch.log are not: ATen's
 # CPU loops run whole vector chunks through SLEEF and the remainder (and each thread's chunk edge) through
 # the scalar libm, which differ by an ulp on a few percent of inputs, so an element's bits would follow its
-# position in the tensor, i.e. the row count, the segment count and the thread count.
+# position in the tensor, i.e. the row count, the segment count and the thread count. A CUDA kernel applies one
+# device function to every element (its vectorised loads and its tail run the same exp2f / log), so on CUDA
+# tensors the library functions keep that property and are used: the fp64 temporaries below would triple the
+# materialised route's memory on a GPU for nothing.
 _EXP2_TAYLOR = tuple(LN2 ** i / math.factorial(i) for i in range(8, -1, -1))  # 2^f = Σ (f ln 2)^i / i!
 _LOG_SERIES = tuple(1.0 / (2 * i + 1) for i in range(13, -1, -1))  # atanh series: log m = 2 Σ u^(2i+1) / (2i+1)
 
@@ -70,7 +73,10 @@ def exp2(x: torch.Tensor) -> torch.Tensor:
     """2^x of fp32 x <= 0 (the shifts to a max the invariant path takes), the same bits wherever x sits.
     x = k + f with k = floor(x + 1/2), |f| <= 1/2; 2^f from its degree-8 Taylor polynomial in fp64
     (truncation < 2e-10 relative), times 2^k exactly, rounded once to fp32: within 0.51 ulp. Results below
-    2^-126 (x < -126) are 0, -inf gives 0, NaN stays NaN; x > 0 is outside the contract (capped at 2^127)."""
+    2^-126 (x < -126) are 0, -inf gives 0, NaN stays NaN; x > 0 is outside the contract (capped at 2^127).
+    CUDA tensors: torch.exp2 (see above)."""
+    if x.is_cuda:
+        return torch.exp2(x)
     xd = x.to(torch.float64).clamp(-127.0, 127.0)  # NaN passes through clamp
     k = torch.floor(xd + 0.5)
     f = xd - k
@@ -87,7 +93,10 @@ def log(s: torch.Tensor) -> torch.Tensor:
     """Natural log of fp64 s > 0 (the folded exp-sums, >= 1), the same bits wherever s sits: s = m · 2^e
     with m in [1/√2, √2) (frexp is exact), log m = 2 atanh(u), u = (m - 1) / (m + 1), |u| <= 0.172, from 14
     terms of its series (truncation < 1e-22), plus e · ln 2. Relative error a few fp64 ulp; the callers round
-    to fp32. s = 0 gives -inf, non-positive or non-finite s NaN (the rows invariant mode reports as bad)."""
+    to fp32. s = 0 gives -inf, non-positive or non-finite s NaN (the rows invariant mode reports as bad).
+    CUDA tensors: torch.log (see above)."""
+    if s.is_cuda:
+        return torch.log(s)
     m, e = torch.frexp(s)
     low = m < 0.5 ** 0.5
     m = torch.where(low, m * 2.0, m)
