@@ -310,3 +310,13 @@ def test_hf_tokenizer_directory(tmp_path):
     assert list(ex.ids) == [1, 4, 5, 6, 2] and ex.loss_start == 2
     with pytest.raises(FileNotFoundError, match="data.tokenizer"):
         load_tokenizer(str(tmp_path / "missing"))
+
+
+def test_the_docs_options_reference_is_the_generated_one():
+    """docs/training.md's "Options reference" is `python -m areal_lce.train help-markdown` verbatim: every option's
+    type, default and help as the dataclasses declare them (regenerate it after changing one)."""
+    from areal_lce.train.config import format_markdown
+
+    text = (REPO / "docs" / "training.md").read_text(encoding="utf-8")
+    assert text.split("## Options reference\n\n", 1)[1] == format_markdown(), \
+        "regenerate: python -m areal_lce.train help-markdown > the tail of docs/training.md"
