@@ -16,6 +16,8 @@ under pytest, and helpers.launch puts it on the PYTHONPATH of every rank it laun
     megatron_worker the shared 2-rank engine/seam cases, launched once per pytest process (`results()`)
     adapter_oracles the framework adapters' oracles (verl's own function loaded by path, AReaL's semantics)
     spies           spies on the capture seam's heads (which options reach them)
+    cpu             the CPU's feature flags (the numerics tests' second CPU path and OpenBLAS kernels)
+    gpu_host        on a host with a GPU: the main session with CUDA hidden, the gpu tests in a child session
 
 Tests live in folders that mirror the package (op/, backends/, megatron/, engine/, train/, integrations/,
 hf/, benchmark/); a worker a folder's tests launch sits next to them, what several folders share sits here.

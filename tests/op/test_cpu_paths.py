@@ -10,10 +10,10 @@ import os
 import platform
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from helpers.cpu import cpu_flags
 from helpers.paths import REPO
 
 NUMERICS = ["tests/op/test_positions.py", "tests/op/test_invariance.py", "tests/engine/test_main_grad.py",
@@ -21,15 +21,8 @@ NUMERICS = ["tests/op/test_positions.py", "tests/op/test_invariance.py", "tests/
 AVX2 = dict(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2", OPENBLAS_CORETYPE="Haswell")
 
 
-def _has_avx2() -> bool:
-    try:
-        return "avx2" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not _has_avx2(),
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or "avx2" not in cpu_flags(),
                     reason="the second CPU path is AVX2: an x86-64 CPU with AVX2")
 def test_numerics_under_the_avx2_path():
     env = dict(os.environ, **AVX2)

@@ -26,6 +26,7 @@ import torch
 from areal_lce import exact
 from areal_lce import linear_logprobs_entropy as lce
 from areal_lce.materialised import logprobs_entropy_from_logits
+from helpers.cpu import cpu_flags
 
 ROWS = 40  # prefixes 1..40: past two AVX-512 and five AVX2 vector steps of fp32
 SEGMENTS = range(1, 10)  # segment counts 1..9: the fold's [G, N] tensor takes every size mod the vector width
@@ -161,10 +162,7 @@ def test_portable_exp2_and_log():
 def _openblas_cores() -> tuple:
     """Two OpenBLAS kernels this CPU can run: SkylakeX and Haswell on AVX-512 machines (numpy picks the first
     on its own there), Haswell and Sandybridge on AVX2 ones, else the generic Prescott and Core2."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        flags = []
+    flags = cpu_flags()
     if "avx512f" in flags:
         return ("SkylakeX", "Haswell")
     if "avx2" in flags:
