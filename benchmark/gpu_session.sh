@@ -7,7 +7,7 @@
 # bench_grpo runs one route at a given rl.logprob_max_tokens; ROPE=off runs bench_sft / bench_grpo with
 # model.rope_fusion off (megatron's unfused RoPE); GRAPHS=on|off: engine.model_cuda_graphs on both routes / off
 # (default auto); COMPACT=on|off: engine.lce.compact_ignored true / false (default auto); STEPS=N: steps of bench_sft / bench_grpo (their first step and a graph capture step are
-# included in step_s_all, the medians skip step 0); ROUTES=a,b: bench_sft's routes (fused, fused_cache, megatron,
+# included in step_s_all, the medians skip step 0); SFT_ROUNDS=R: bench_sft's paired rounds (SFT_LIMIT_S its time limit); ROUTES=a,b: bench_sft's routes (fused, fused_cache, megatron,
 # megatron_fusedce, materialised). bench_head: the LM head alone at a 7B model's TP=2 rank shapes.
 set -u
 OUT=${OUT:-bench_out}
@@ -53,8 +53,8 @@ for job in "$@"; do
           tests/backends/test_triton_outputs.py \
           tests/op/test_select.py::test_triton_topk_with_compacted_rows_is_the_same ;;  # interpreter tests whose kernels also run on CUDA
     bench_ignored) run bench_ignored 240 python3 -m benchmark.op.bench_ignored --out "$W" ;;
-    bench_sft) run "bench_sft${ROPE:+_rope_$ROPE}${GRAPHS:+_graphs_$GRAPHS}" 300 torchrun --nproc_per_node=1 -m benchmark.engine.bench_train --job sft \
-          --preset qwen2.5-0.5b --seq 2048 --micro-batch 4 --micro-batches 2 --steps ${STEPS:-5} ${ROPE:+--rope-fusion $ROPE} \
+    bench_sft) run "bench_sft${ROPE:+_rope_$ROPE}${GRAPHS:+_graphs_$GRAPHS}" ${SFT_LIMIT_S:-300} torchrun --nproc_per_node=1 -m benchmark.engine.bench_train --job sft \
+          --preset qwen2.5-0.5b --seq 2048 --micro-batch 4 --micro-batches 2 --steps ${STEPS:-5} --rounds ${SFT_ROUNDS:-1} ${ROPE:+--rope-fusion $ROPE} \
           ${GRAPHS:+--model-graphs $GRAPHS} ${ROUTES:+--routes $ROUTES} --out "$W" ;;
     bench_head) run bench_head 300 python3 -m benchmark.op.bench_head --rounds ${ROUNDS:-5} --out "$W" ;;
     job_sft|job_grpo)  # the job itself (checkpoints under /tmp, metrics kept); GRAPHS=on|off sets model_cuda_graphs

@@ -192,6 +192,29 @@ def run_grpo(args, route: str) -> dict:
             "peak_reserved_gib": max(reserved[1:] or reserved)}
 
 
+def merge_rounds(runs: list) -> dict:
+    """One route's result over paired rounds: the first round's record with its step time (and phases) the
+    median over the rounds, the peaks the largest, every round's step time kept (step_s_rounds)."""
+    if any(r.get("oom") for r in runs):
+        return runs[0] if runs[0].get("oom") else {"route": runs[0]["route"], "oom": True}
+    out = dict(runs[0])
+    out["step_s_rounds"] = [r["step_s"] for r in runs]
+    out["step_s"] = statistics.median(out["step_s_rounds"])
+    if "phase_s" in out:
+        out["phase_s"] = {k: statistics.median(r["phase_s"][k] for r in runs) for k in out["phase_s"]}
+        out["step_s"] = sum(out["phase_s"].values())
+    for k in ("peak_mem_gib", "peak_reserved_gib"):
+        out[k] = max(r[k] for r in runs)
+    if "tokens_per_s" in out:
+        out["tokens_per_s"] = runs[0]["tokens_per_s"] * runs[0]["step_s"] / out["step_s"]
+    return out
+
+
+def paired_ratio(a: dict, b: dict) -> float:
+    """a's step time over b's: the median of the per-round ratios (each round runs both in turn)."""
+    return statistics.median(x / y for x, y in zip(a["step_s_rounds"], b["step_s_rounds"]))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--job", choices=["sft", "grpo"], default="sft")
@@ -222,10 +245,16 @@ def main():
     ap.add_argument("--model-graphs", choices=["auto", "on", "off"], default="auto",
                     help="engine.model_cuda_graphs of both routes: auto (the default: the fused route's packed "
                          "model calls replayed from CUDA graphs), on (both routes), off")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="paired rounds: the whole route list runs this many times in one process, one round after "
+                         "another; a route's time is its median over the rounds, a ratio the median of the rounds' ratios")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds={args.rounds}: expected >= 1")
     runner = run_sft if args.job == "sft" else run_grpo
-    results = [runner(args, r) for r in args.routes.split(",")]
+    rounds = [[runner(args, r) for r in args.routes.split(",")] for _ in range(args.rounds)]
+    results = [merge_rounds([rnd[i] for rnd in rounds]) for i in range(len(rounds[0]))]
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:
         return
@@ -246,7 +275,7 @@ def main():
     ok = {r["route"]: r for r in results if not r.get("oom")}
     if "fused" in ok and len(ok) > 2:
         for other in (k for k in ok if k != "fused"):
-            meta[f"fused_over_{other}_time"] = ok["fused"]["step_s"] / ok[other]["step_s"]
+            meta[f"fused_over_{other}_time"] = paired_ratio(ok["fused"], ok[other])
             meta[f"memory_saved_vs_{other}_gib"] = ok[other]["peak_mem_gib"] - ok["fused"]["peak_mem_gib"]
             print(f"  fused/{other} step time {meta[f'fused_over_{other}_time']:.3f}; memory saved "
                   f"{meta[f'memory_saved_vs_{other}_gib']:.2f} GiB")
@@ -257,7 +286,7 @@ def main():
             meta["logprob_passes_fused_over_materialised"] = passes[0] / passes[1]
             print(f"  logprob passes (behaviour + reference) fused/materialised "
                   f"{meta['logprob_passes_fused_over_materialised']:.3f}")
-        meta["fused_over_materialised_time"] = f["step_s"] / m["step_s"]
+        meta["fused_over_materialised_time"] = paired_ratio(f, m)
         meta["memory_saved_gib"] = m["peak_mem_gib"] - f["peak_mem_gib"]
         meta["reserved_saved_gib"] = m["peak_reserved_gib"] - f["peak_reserved_gib"]
         print(f"  fused/materialised step time {meta['fused_over_materialised_time']:.3f} (target <= 1.0); "
@@ -271,6 +300,7 @@ def main():
     routes += "" if args.rope_fusion == "on" else "_unfused_rope"
     routes += "" if args.model_graphs == "auto" else f"_graphs_{args.model_graphs}"
     routes += "" if args.compact_ignored == "auto" else f"_compact_{args.compact_ignored}"
+    routes += "" if args.rounds == 1 else f"_rounds{args.rounds}"
     write_json(args.out, f"train_{args.job}_{args.preset}_tp{args.tp}{routes}.json", {"meta": meta, "results": results})
 
 
