@@ -19,8 +19,11 @@ target is: fused step not slower, peak memory lower by at least those bytes.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -210,6 +213,27 @@ def merge_rounds(runs: list) -> dict:
     return out
 
 
+def isolated(args, route: str, k: int) -> dict:
+    """`route`'s result from a torchrun process of its own (the same arguments, that route, one round)."""
+    skip = {"--routes", "--rounds", "--out", "--isolate", "--nproc"}
+    argv, it = [], iter(sys.argv[1:])
+    for a in it:
+        name = a.split("=", 1)[0]
+        if name in skip:
+            if "=" not in a and name not in ("--isolate",):
+                next(it, None)
+            continue
+        argv.append(a)
+    out = os.path.join(args.out, f"isolated_round{k}_{route}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "-m",
+           "benchmark.engine.bench_train", *argv, "--routes", route, "--out", out]
+    print(f"[round {k}] {route}: {' '.join(cmd[3:])}", flush=True)
+    subprocess.run(cmd, check=True)
+    (name,) = [f for f in os.listdir(out) if f.endswith(".json")]
+    with open(os.path.join(out, name)) as f:
+        return json.load(f)["results"][0]
+
+
 def paired_ratio(a: dict, b: dict) -> float:
     """a's step time over b's: the median of the per-round ratios (each round runs both in turn)."""
     return statistics.median(x / y for x, y in zip(a["step_s_rounds"], b["step_s_rounds"]))
@@ -248,12 +272,19 @@ def main():
     ap.add_argument("--rounds", type=int, default=1,
                     help="paired rounds: the whole route list runs this many times in one process, one round after "
                          "another; a route's time is its median over the rounds, a ratio the median of the rounds' ratios")
+    ap.add_argument("--isolate", action="store_true",
+                    help="each route of each round in its own torchrun process (run this one with plain python): "
+                         "nothing of one route's engine (allocations, CUDA-graph pools) is left when the next runs")
+    ap.add_argument("--nproc", type=int, default=1, help="with --isolate: processes per route (torchrun's nproc_per_node)")
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
     if args.rounds < 1:
         raise SystemExit(f"--rounds={args.rounds}: expected >= 1")
     runner = run_sft if args.job == "sft" else run_grpo
-    rounds = [[runner(args, r) for r in args.routes.split(",")] for _ in range(args.rounds)]
+    if args.isolate:
+        rounds = [[isolated(args, r, k) for r in args.routes.split(",")] for k in range(args.rounds)]
+    else:
+        rounds = [[runner(args, r) for r in args.routes.split(",")] for _ in range(args.rounds)]
     results = [merge_rounds([rnd[i] for rnd in rounds]) for i in range(len(rounds[0]))]
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:
@@ -301,6 +332,7 @@ def main():
     routes += "" if args.model_graphs == "auto" else f"_graphs_{args.model_graphs}"
     routes += "" if args.compact_ignored == "auto" else f"_compact_{args.compact_ignored}"
     routes += "" if args.rounds == 1 else f"_rounds{args.rounds}"
+    routes += "_isolated" if args.isolate else ""
     write_json(args.out, f"train_{args.job}_{args.preset}_tp{args.tp}{routes}.json", {"meta": meta, "results": results})
 
 
