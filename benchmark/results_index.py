@@ -51,6 +51,7 @@ QUESTIONS = {
     "materialised": "The materialised route (lean) against megatron-core's CE + entropy",
     "tp": "Tensor parallel over NCCL: checks, TP=1 vs TP=2 bitwise",
     "train": "Engine step against megatron-core's own loss, one GPU",
+    "trainpaired": "Engine step against megatron-core's own loss with and without its CE fusion, paired rounds, one GPU",
     "defaults": "The engine's LM-head defaults by measurement: logits cache, megatron-core's CE fusion, RL passes",
     "head": "The LM head alone against megatron-core's output GEMM + CE at a 7B TP=2 rank's shapes",
     "traintp2": "Engine step against megatron-core's own loss at TP=2+SP (0.5B and 7B)",
