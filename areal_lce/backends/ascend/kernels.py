@@ -44,12 +44,11 @@ def _rows_dot_rows(a_ptr, b_ptr, o_a, o_b, m_a, m_b, K, stride_a, stride_b,
 
 
 @triton.jit
-def _add_dot_rows(out_ptr, b_ptr, b_d, o_out, o_b, m_out, m_b, accumulate, K, stride_out, stride_b,
+def _add_dot_rows(out_ptr, b_ptr, b_d, o_out, o_b, m_out, m_b, accumulate, K, stride_out, stride_b, o_k,
                   BLOCK_K: tl.constexpr):
     """out[o_out, :K] = (out[o_out, :K] if accumulate else 0) + b_d · B[o_b, :K] in fp32, over K in BLOCK_K
-    steps, for row-major out, B (unit column stride) and b_d fp32 [len(o_out), len(o_b)]: the backward's
-    d_hidden rows (B = W) and d_weight rows (B = h)."""
-    o_k = tl.arange(0, BLOCK_K)
+    steps (o_k = arange(BLOCK_K), made once by the kernel), for row-major out, B (unit column stride) and b_d
+    fp32 [len(o_out), len(o_b)]: the backward's d_hidden rows (B = W) and d_weight rows (B = h)."""
     for k0 in range(0, K, BLOCK_K):
         m_k = (k0 + o_k) < K
         p_b = b_ptr + o_b[:, None] * stride_b + (k0 + o_k)[None, :]
@@ -181,6 +180,7 @@ def lce_bwd_dh_kernel(
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_H)
     for i_n in range(i_p, n_tiles, n_p):
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
         m_n = o_n < N
@@ -196,7 +196,7 @@ def lce_bwd_dh_kernel(
                              (o_v[None, :] == b_y[:, None]) & m_v[None, :],
                              b_lse[:, None], b_ent[:, None], b_glp[:, None], b_gent[:, None],
                              b_t[:, None])
-            _add_dot_rows(dh_ptr, w_ptr, b_dl, o_n, o_v, m_n, m_v, v0 > 0, H, stride_dh, stride_w, BLOCK_H)
+            _add_dot_rows(dh_ptr, w_ptr, b_dl, o_n, o_v, m_n, m_v, v0 > 0, H, stride_dh, stride_w, o_k, BLOCK_H)
 
 
 @triton.jit
@@ -216,6 +216,7 @@ def lce_bwd_dw_kernel(
     i_p = tl.program_id(0)
     n_p = tl.num_programs(0)
     v_tiles = tl.cdiv(shard_valid, BLOCK_V)
+    o_k = tl.arange(0, BLOCK_H)
     for i_v in range(i_p, v_tiles, n_p):
         o_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
         m_v = o_v < shard_valid
@@ -231,4 +232,4 @@ def lce_bwd_dw_kernel(
                               (o_v[:, None] == b_y[None, :]) & m_v[:, None],
                               b_lse[None, :], b_ent[None, :], b_glp[None, :], b_gent[None, :],
                               b_t[None, :])
-            _add_dot_rows(dw_ptr, h_ptr, b_dlt, o_v, o_n, m_v, m_n, n0 > 0, H, stride_dw, stride_h, BLOCK_H)
+            _add_dot_rows(dw_ptr, h_ptr, b_dlt, o_v, o_n, m_v, m_n, n0 > 0, H, stride_dw, stride_h, o_k, BLOCK_H)

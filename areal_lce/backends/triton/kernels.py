@@ -47,8 +47,8 @@ UPCAST every loaded tile is converted to fp32 right after the load.
 import triton
 import triton.language as tl
 
-from .kernel_common import (IGNORED, LN2, LOG2E, _cache_tile, _fwd_rows, _k_slice, _split_cols, _tile_coords,  # noqa: F401
-                            head_transform)
+from .kernel_common import (IGNORED, LN2, LOG2E, _cache_tile, _fwd_rows, _k_slice,  # noqa: F401
+                            _split_cols, _tile_coords, head_transform)
 
 
 @triton.jit
@@ -119,11 +119,12 @@ def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, N, V, H,
 
 
 @triton.jit
-def _store_stats(p, stride, m_n, b_m, b_s, b_a, b_zy, b_mn, b_mx, b_ls, b_lq, b_t, a_unit, HAS_SUMS: tl.constexpr):
-    """The rows m · b_t, s, a · a_unit, zy · b_t, mn, mx (HAS_SUMS: and Σ r, Σ r²) at p, p + stride, p + 2 · stride,
-    ...: a split's partials from lce_fwd_kernel's running state (its raw m and zy tempered by b_t = 1/T, its
-    base-2 a in natural units by a_unit = ln 2), or the merged stats (b_t = a_unit = 1.0: multiplications the
-    compiler folds away). Each product is formed at its store."""
+def _store_stats(p, stride, m_n, b_m, b_s, b_a, b_zy, b_mn, b_mx, b_ls, b_lq, b_t, a_unit,
+                 HAS_SUMS: tl.constexpr):
+    """The rows m · b_t, s, a · a_unit, zy · b_t, mn, mx (HAS_SUMS: and Σ r, Σ r²) at p, p + stride,
+    p + 2 · stride, ...: a split's partials from lce_fwd_kernel's running state (its raw m and zy tempered by
+    b_t = 1/T, its base-2 a in natural units by a_unit = ln 2), or the merged stats (b_t = a_unit = 1.0:
+    multiplications the compiler folds away). Each product is formed at its store."""
     tl.store(p, b_m * b_t, mask=m_n)
     tl.store(p + stride, b_s, mask=m_n)
     tl.store(p + 2 * stride, b_a * a_unit, mask=m_n)
@@ -175,7 +176,8 @@ def lce_fwd_kernel(
             UPCAST, BF16_LOGITS, SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, CACHE_COLS)
 
     # stride_part = n_splits * N, from the host (a scalar 1 arrives as a constexpr)
-    _store_stats(part + i_s * N + o_n, stride_part, m_n, b_m, b_s, b_a, b_zy, b_mn, b_m, b_ls, b_lq, b_it, LN2, HAS_SUMS)
+    _store_stats(part + i_s * N + o_n, stride_part, m_n, b_m, b_s, b_a, b_zy, b_mn, b_m, b_ls, b_lq, b_it, LN2,
+                 HAS_SUMS)
 
 
 @triton.jit
