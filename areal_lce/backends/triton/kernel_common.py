@@ -1,4 +1,5 @@
-"""Constants and small @triton.jit helpers shared by kernels.py and segment_kernels.py.
+"""Constants and small @triton.jit helpers shared by the Triton kernel modules (kernels.py, segment_kernels.py,
+candidate_kernels.py, select_kernels.py, output_kernels.py).
 
 A @triton.jit helper is inlined into its caller (the first pass of Triton's TTIR pipeline): sharing one costs no
 call. Its arguments are computed where the caller passes them, before the helper's first instruction."""
