@@ -39,6 +39,32 @@ def alloc(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return t.fill_(float("nan")) if POISON and t.is_floating_point() else t
 
 
+def check_shard(backend: str, dtypes: Tuple[torch.dtype, ...], hidden: torch.Tensor, weight: torch.Tensor,
+                labels: torch.Tensor, inv_t: Optional[torch.Tensor], params: LCEParams) -> None:
+    """What a kernel backend's launcher relies on, checked where a backend is called directly (api.py checks a
+    call of the op): 2-D hidden [N, H] and weight [V_shard, H] of one dtype in `dtypes`, labels and inv_t [N],
+    params.shard_valid within [0, V_shard], one device. Raises ValueError (TypeError for a dtype) naming the
+    tensor or option, prefixed with the backend's name."""
+    if hidden.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"{backend} backend: hidden and weight must be 2-D, got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if hidden.dtype not in dtypes or weight.dtype != hidden.dtype:
+        raise TypeError(f"{backend} backend: hidden and weight must have one dtype of {[str(d) for d in dtypes]}, "
+                        f"got {hidden.dtype} and {weight.dtype}")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"{backend} backend: hidden [N, H] and weight [V, H] disagree on H: {tuple(hidden.shape)} "
+                         f"vs {tuple(weight.shape)}")
+    n = hidden.shape[0]
+    for name, t in (("labels", labels), ("inv_t", inv_t)):
+        if t is not None and t.shape != (n,):
+            raise ValueError(f"{backend} backend: {name} must be [N={n}], got {tuple(t.shape)}")
+    if not 0 <= params.shard_valid <= weight.shape[0]:
+        raise ValueError(f"{backend} backend: params.shard_valid={params.shard_valid} outside [0, "
+                         f"V_shard={weight.shape[0]}]")
+    if any(t is not None and t.device != hidden.device for t in (weight, labels, inv_t)):
+        raise ValueError(f"{backend} backend: hidden, weight, labels and inv_t must be on one device")
+
+
 def head_transform(r: torch.Tensor, params: LCEParams) -> torch.Tensor:
     """The op's raw logit from the GEMM's accumulation: rounded to bf16 with logits_precision="bf16",
     then soft-capped (softcap · tanh(r / softcap)) when params.softcap > 0. Every backend applies it to

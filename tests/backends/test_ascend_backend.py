@@ -60,6 +60,10 @@ def test_rejects_bad_inputs():
         be.forward(h, torch.randn(16, 9), y, None, p, False)
     with pytest.raises(ValueError, match="shard_valid"):
         be.forward(h, w, y, None, LCEParams(inv_t=1.0, vocab_size=32, shard_valid=17), False)
+    with pytest.raises(ValueError, match="one device"):  # the same checks as the triton backend (base.check_shard)
+        be.forward(h, w.to("meta"), y, None, p, False)
+    with pytest.raises(ValueError, match=r"inv_t must be \[N=4\]"):
+        be.backward(h, w, y, torch.ones(3), p, None, *torch.zeros(4, 4), True, True)
     with pytest.raises(ValueError, match="max_programs"):
         AscendBackend(max_programs=0)
     with pytest.raises(ValueError, match="ub_bytes"):

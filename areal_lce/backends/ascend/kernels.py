@@ -44,6 +44,23 @@ def _rows_dot_rows(a_ptr, b_ptr, o_a, o_b, m_a, m_b, K, stride_a, stride_b,
 
 
 @triton.jit
+def _add_dot_rows(out_ptr, b_ptr, b_d, o_out, o_b, m_out, m_b, accumulate, K, stride_out, stride_b, o_k,
+                  BLOCK_K: tl.constexpr):
+    """out[o_out, :K] = (out[o_out, :K] if accumulate else 0) + b_d · B[o_b, :K] in fp32, over K in BLOCK_K
+    steps (o_k = arange(BLOCK_K), made once by the kernel), for row-major out, B (unit column stride) and b_d
+    fp32 [len(o_out), len(o_b)]: the backward's d_hidden rows (B = W) and d_weight rows (B = h)."""
+    for k0 in range(0, K, BLOCK_K):
+        m_k = (k0 + o_k) < K
+        p_b = b_ptr + o_b[:, None] * stride_b + (k0 + o_k)[None, :]
+        b_b = tl.load(p_b, mask=m_b[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        p_out = out_ptr + o_out[:, None] * stride_out + (k0 + o_k)[None, :]
+        m_o = m_out[:, None] & m_k[None, :]
+        b_out = tl.load(p_out, mask=m_o & accumulate, other=0.0).to(tl.float32)
+        b_out += tl.dot(b_d, b_b)
+        tl.store(p_out, b_out, mask=m_o)
+
+
+@triton.jit
 def _d_logits(b_z, m_ok, m_label, b_lse, b_ent, b_glp, b_gent, b_t):
     """d loss / d raw logit of a tile; per-token operands arrive broadcastable against b_z.
 
@@ -179,15 +196,7 @@ def lce_bwd_dh_kernel(
                              (o_v[None, :] == b_y[:, None]) & m_v[None, :],
                              b_lse[:, None], b_ent[:, None], b_glp[:, None], b_gent[:, None],
                              b_t[:, None])
-            for k0 in range(0, H, BLOCK_H):
-                m_k = (k0 + o_k) < H
-                p_w = w_ptr + o_v[:, None] * stride_w + (k0 + o_k)[None, :]
-                b_w = tl.load(p_w, mask=m_v[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-                p_dh = dh_ptr + o_n[:, None] * stride_dh + (k0 + o_k)[None, :]
-                m_dh = m_n[:, None] & m_k[None, :]
-                b_dh = tl.load(p_dh, mask=m_dh & (v0 > 0), other=0.0).to(tl.float32)
-                b_dh += tl.dot(b_dl, b_w)
-                tl.store(p_dh, b_dh, mask=m_dh)
+            _add_dot_rows(dh_ptr, w_ptr, b_dl, o_n, o_v, m_n, m_v, v0 > 0, H, stride_dh, stride_w, o_k, BLOCK_H)
 
 
 @triton.jit
@@ -223,12 +232,4 @@ def lce_bwd_dw_kernel(
                               (o_v[:, None] == b_y[None, :]) & m_v[:, None],
                               b_lse[None, :], b_ent[None, :], b_glp[None, :], b_gent[None, :],
                               b_t[None, :])
-            for k0 in range(0, H, BLOCK_H):
-                m_k = (k0 + o_k) < H
-                p_h = h_ptr + o_n[:, None] * stride_h + (k0 + o_k)[None, :]
-                b_h = tl.load(p_h, mask=m_n[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-                p_dw = dw_ptr + o_v[:, None] * stride_dw + (k0 + o_k)[None, :]
-                m_dw = m_v[:, None] & m_k[None, :]
-                b_dw = tl.load(p_dw, mask=m_dw & (n0 > 0), other=0.0).to(tl.float32)
-                b_dw += tl.dot(b_dlt, b_h)
-                tl.store(p_dw, b_dw, mask=m_dw)
+            _add_dot_rows(dw_ptr, h_ptr, b_dlt, o_v, o_n, m_v, m_n, n0 > 0, H, stride_dw, stride_h, o_k, BLOCK_H)

@@ -18,7 +18,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from ...types import LCEParams
-from ..base import Backend, ShardStats, alloc
+from ..base import Backend, ShardStats, alloc, check_shard
 from . import configs
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -76,23 +76,8 @@ class AscendBackend(Backend):
         self._k = kernels
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _check(self, hidden, weight, labels, inv_t, params: LCEParams):
-        if hidden.dim() != 2 or weight.dim() != 2:
-            raise ValueError(f"hidden and weight must be 2-D, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
-        if hidden.shape[1] != weight.shape[1]:
-            raise ValueError(f"hidden [N, H={hidden.shape[1]}] and weight [V, H={weight.shape[1]}] disagree on H")
-        if hidden.dtype not in _DTYPES or weight.dtype != hidden.dtype:
-            raise TypeError(f"triton_ascend needs hidden and weight of one dtype in {_DTYPES}, "
-                            f"got {hidden.dtype} and {weight.dtype}")
-        if labels.shape != (hidden.shape[0],):
-            raise ValueError(f"labels must be [N={hidden.shape[0]}], got {tuple(labels.shape)}")
-        if inv_t is not None and inv_t.shape != (hidden.shape[0],):
-            raise ValueError(f"inv_t must be [N={hidden.shape[0]}], got {tuple(inv_t.shape)}")
-        if not 0 <= params.shard_valid <= weight.shape[0]:
-            raise ValueError(f"params.shard_valid={params.shard_valid} outside [0, V_shard={weight.shape[0]}]")
-
     def _prep(self, hidden, weight, labels, inv_t, params):
-        self._check(hidden, weight, labels, inv_t, params)
+        check_shard("triton_ascend", _DTYPES, hidden, weight, labels, inv_t, params)
         hidden = hidden.contiguous()
         weight = weight.contiguous()
         labels = _aligned_labels(labels.to(torch.int64))
@@ -111,6 +96,25 @@ class AscendBackend(Backend):
         if cores is not None:
             n = min(n, cores)
         return max(1, n)
+
+    def _backward_rows(self, kind: str, out, hidden, weight, labels, inv_t, rows, params: LCEParams,
+                       inv_t_scalar: float) -> None:
+        """One backward kernel into the fp32 rows `out`: kind "bwd_dh" (d_hidden [N, H], a program per token
+        tile) or "bwd_dw" (d_weight [V_shard, H], a program per vocab tile of the shard's valid rows)."""
+        n, h = hidden.shape
+        valid = params.shard_valid
+        t = self.tiles(kind, hidden, n, valid)
+        if kind == "bwd_dh":
+            kernel, n_tiles = self._k.lce_bwd_dh_kernel, _cdiv(n, t.block_n)
+        else:
+            kernel, n_tiles = self._k.lce_bwd_dw_kernel, _cdiv(valid, t.block_v)
+        kernel[(self.programs(n_tiles, hidden.device),)](
+            hidden, weight, labels, inv_t if inv_t is not None else hidden, *rows, out,  # inv_t unread: HAS_INV_T
+            n, h, valid, params.vocab_start, inv_t_scalar,
+            hidden.stride(0), weight.stride(0), out.stride(0),
+            HAS_INV_T=inv_t is not None,
+            BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_H=t.block_h,
+        )
 
     # ---- contract ------------------------------------------------------------------------------
     def cache_spec(self, n, h, v_shard, dtype, params: LCEParams, keep_cache: bool):
@@ -147,38 +151,20 @@ class AscendBackend(Backend):
         for name, x in zip(("lse", "ent", "g_lp", "g_ent"), rows):
             if x.shape != (n,):
                 raise ValueError(f"{name} must be [N={n}], got {tuple(x.shape)}")
-        t_arg = inv_t if inv_t is not None else hidden  # never read when HAS_INV_T is False
+        empty = n == 0 or valid == 0  # the kernels need both (kernels.py); the gradients are then 0
         d_hidden = d_weight = None
-
         if need_d_hidden:
-            if n == 0 or valid == 0:
+            if empty:
                 d_hidden = torch.zeros(n, h, dtype=torch.float32, device=dev)
             else:
                 d_hidden = alloc((n, h), torch.float32, dev)
-                t = self.tiles("bwd_dh", hidden, n, valid)
-                grid = (self.programs(_cdiv(n, t.block_n), dev),)
-                self._k.lce_bwd_dh_kernel[grid](
-                    hidden, weight, labels, t_arg, *rows, d_hidden,
-                    n, h, valid, params.vocab_start, inv_t_scalar,
-                    hidden.stride(0), weight.stride(0), d_hidden.stride(0),
-                    HAS_INV_T=inv_t is not None,
-                    BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_H=t.block_h,
-                )
-
+                self._backward_rows("bwd_dh", d_hidden, hidden, weight, labels, inv_t, rows, params, inv_t_scalar)
         if need_d_weight:
-            if n == 0 or valid == 0:
+            if empty:
                 d_weight = torch.zeros(v_shard, h, dtype=params.d_weight_dtype(weight.dtype), device=dev)
             else:
                 acc = alloc((v_shard, h), torch.float32, dev)
-                t = self.tiles("bwd_dw", hidden, n, valid)
-                grid = (self.programs(_cdiv(valid, t.block_v), dev),)
-                self._k.lce_bwd_dw_kernel[grid](
-                    hidden, weight, labels, t_arg, *rows, acc,
-                    n, h, valid, params.vocab_start, inv_t_scalar,
-                    hidden.stride(0), weight.stride(0), acc.stride(0),
-                    HAS_INV_T=inv_t is not None,
-                    BLOCK_N=t.block_n, BLOCK_V=t.block_v, BLOCK_H=t.block_h,
-                )
+                self._backward_rows("bwd_dw", acc, hidden, weight, labels, inv_t, rows, params, inv_t_scalar)
                 acc[valid:].zero_()  # vocabulary padding rows: exactly 0 (the kernel skips them)
                 d_weight = acc.to(params.d_weight_dtype(weight.dtype))  # the single cast of the fp32 accumulation
         return d_hidden, d_weight

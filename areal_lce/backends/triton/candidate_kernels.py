@@ -12,7 +12,7 @@ select_kernels.py ranks the segments and keys the sort).
 import triton
 import triton.language as tl
 
-from .kernel_common import round_bf16, soft_cap
+from .kernel_common import head_transform
 from .segment_kernels import _seg_logits
 from .select_kernels import _sort_key
 
@@ -33,10 +33,7 @@ def _append_candidates(h, w, rows, g, inv_t, thr, count, cand, row0, CAP, H, val
     o_vc = tl.minimum(o_v, valid - 1).to(tl.int64)
     b_r, _ = _seg_logits(h, w, None, None, o_nc, o_vc, o_vc, 0, 0, H, SEG, 1, BLOCK_N, BLOCK_K, EVEN_K,
                          UPCAST, DOT_PRECISION, False)
-    if BF16_LOGITS:
-        b_r = round_bf16(b_r, UPCAST)
-    if SOFTCAP:
-        b_r, _ = soft_cap(b_r, softcap, inv_softcap, UPCAST)
+    b_r, _ = head_transform(b_r, softcap, inv_softcap, UPCAST, BF16_LOGITS, SOFTCAP)
     if HAS_INV_T:
         z = b_r * tl.load(inv_t + o_nc, mask=live, other=1.0)[:, None]
     else:
@@ -188,10 +185,7 @@ def overflow_topk_kernel(h, w, segs, flags, cand, inv_t, thr, count, out, scratc
                     b_r, _ = _seg_logits(h, w, None, None, o_nc, o_vc, o_vc, 0, 0, H, SEG, 1, BLOCK_N, BLOCK_K,
                                          EVEN_K, UPCAST, DOT_PRECISION, False)
                     r = tl.max(b_r, 0)  # the tile's rows are all this row
-                    if BF16_LOGITS:
-                        r = round_bf16(r, UPCAST)
-                    if SOFTCAP:
-                        r, _ = soft_cap(r, softcap, inv_softcap, UPCAST)
+                    r, _ = head_transform(r, softcap, inv_softcap, UPCAST, BF16_LOGITS, SOFTCAP)
                     z = r * b_it
                     take = (o_v < valid) & (z >= b_t)
                     pos = taken + tl.cumsum(take.to(tl.int32), 0) - 1

@@ -1,4 +1,8 @@
-"""Constants and small @triton.jit helpers shared by kernels.py and segment_kernels.py."""
+"""Constants and small @triton.jit helpers shared by the Triton kernel modules (kernels.py, segment_kernels.py,
+candidate_kernels.py, select_kernels.py, output_kernels.py).
+
+A @triton.jit helper is inlined into its caller (the first pass of Triton's TTIR pipeline): sharing one costs no
+call. Its arguments are computed where the caller passes them, before the helper's first instruction."""
 import triton
 import triton.language as tl
 
@@ -29,6 +33,52 @@ def _tile_coords(i_pid, n_blocks_n, n_blocks_v, GROUP_N: tl.constexpr):
     i_n = first_n + (i_pid % width) % group_size
     i_v = (i_pid % width) // group_size
     return i_n, i_v
+
+
+@triton.jit
+def _fwd_rows(y, inv_t, N, n_splits, inv_t_scalar, HAS_INV_T: tl.constexpr, BLOCK_N: tl.constexpr,
+              GROUP_N: tl.constexpr):
+    """A forward program's token block and vocab split (grouped order, _tile_coords): (split index, first
+    row, rows o_n (int64), their mask, the rows clamped to N - 1, their label columns, 1/T, 1/T · log2 e)."""
+    i_n, i_s = _tile_coords(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP_N)
+    row0 = i_n * BLOCK_N
+    o_n = row0.to(tl.int64) + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_nc = tl.minimum(o_n, N - 1)
+    b_y = tl.load(y + o_nc)
+    if HAS_INV_T:
+        b_it = tl.load(inv_t + o_nc)
+    else:
+        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + inv_t_scalar
+    return i_s, row0, o_n, m_n, o_nc, b_y, b_it, b_it * LOG2E
+
+
+@triton.jit
+def _split_cols(i_s, SPLIT_V, V, b_y, m_n):
+    """Columns [v_begin, v_end) of vocab split i_s; empty (v_end = v_begin) when every row of the block is
+    ignored, so such a block folds no tile."""
+    v_begin = i_s * SPLIT_V
+    v_end = tl.minimum(v_begin + SPLIT_V, V)
+    return v_begin, tl.where(tl.max(((b_y != IGNORED) & m_n).to(tl.int32), 0) > 0, v_end, v_begin)
+
+
+@triton.jit
+def _k_slice(p, d, row0, k0, H, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+             USE_TMA: tl.constexpr):
+    """Columns [k0, k0 + BLOCK_K) of a GEMM operand's rows: USE_TMA, the descriptor d's [row0, k0] box
+    (rows and K past the tensor's end read as 0); else pointer loads at p (the rows' base pointers, [rows, 1],
+    clamped by the caller), masked only for a ragged H. UPCAST (the interpreter): converted to fp32."""
+    if USE_TMA:
+        b = d.load([row0, k0])
+    else:
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            b = tl.load(p + o_k[None, :])
+        else:
+            b = tl.load(p + o_k[None, :], mask=(o_k < H)[None, :], other=0.0)
+    if UPCAST:
+        b = b.to(tl.float32)
+    return b
 
 
 @triton.jit
@@ -64,3 +114,17 @@ def soft_cap(r, softcap, inv_softcap, INTERPRET: tl.constexpr):
                                       pack=1)
     t = 1.0 - 2.0 * q
     return t * softcap, t
+
+
+@triton.jit
+def head_transform(b_r, softcap, inv_softcap, UPCAST: tl.constexpr, BF16_LOGITS: tl.constexpr,
+                   SOFTCAP: tl.constexpr):
+    """base.head_transform of an fp32 tile of accumulated logits: rounded to bf16 (BF16_LOGITS, the rounding
+    a bf16-head engine makes), then capped (SOFTCAP). Returns (the op's raw logits, tanh(r / softcap) for the
+    backward's slope; without SOFTCAP the logits again, unused)."""
+    if BF16_LOGITS:
+        b_r = round_bf16(b_r, UPCAST)
+    b_tanh = b_r
+    if SOFTCAP:
+        b_r, b_tanh = soft_cap(b_r, softcap, inv_softcap, UPCAST)
+    return b_r, b_tanh

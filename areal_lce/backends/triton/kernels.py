@@ -47,7 +47,8 @@ UPCAST every loaded tile is converted to fp32 right after the load.
 import triton
 import triton.language as tl
 
-from .kernel_common import IGNORED, LN2, LOG2E, _cache_tile, _tile_coords, round_bf16, soft_cap  # noqa: F401
+from .kernel_common import (IGNORED, LN2, LOG2E, _cache_tile, _fwd_rows, _k_slice,  # noqa: F401
+                            _split_cols, _tile_coords, head_transform)
 
 
 @triton.jit
@@ -57,34 +58,14 @@ def _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, col0, H, k_hi, BLOCK_N: tl.co
     """Raw logits h[rows] . w[cols]^T over k < k_hi (H, or 0 for a tile that needs no GEMM), fp32
     [BLOCK_N, BLOCK_V].
 
-    USE_TMA: tensor-descriptor (TMA) loads of the [row0, k0] / [col0, k0] boxes; rows, columns and K
-    past the tensor's end read as 0. Otherwise pointer loads: row ids are clamped by the caller, so only
-    a ragged H needs a K mask."""
+    Loads: _k_slice (TMA boxes [row0, k0] / [col0, k0], or pointer loads of the clamped rows o_nc / o_vc)."""
     b_acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-    if USE_TMA:
-        for k0 in range(0, k_hi, BLOCK_K):
-            b_h = d_h.load([row0, k0])
-            b_w = d_w.load([col0, k0])
-            if UPCAST:
-                b_h = b_h.to(tl.float32)
-                b_w = b_w.to(tl.float32)
-            b_acc = tl.dot(b_h, tl.trans(b_w), b_acc, input_precision=DOT_PRECISION)
-    else:
-        p_h = h + o_nc[:, None] * H
-        p_w = w + o_vc[:, None] * H
-        for k0 in range(0, k_hi, BLOCK_K):
-            o_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                b_h = tl.load(p_h + o_k[None, :])
-                b_w = tl.load(p_w + o_k[None, :])
-            else:
-                m_k = o_k < H
-                b_h = tl.load(p_h + o_k[None, :], mask=m_k[None, :], other=0.0)
-                b_w = tl.load(p_w + o_k[None, :], mask=m_k[None, :], other=0.0)
-            if UPCAST:
-                b_h = b_h.to(tl.float32)
-                b_w = b_w.to(tl.float32)
-            b_acc = tl.dot(b_h, tl.trans(b_w), b_acc, input_precision=DOT_PRECISION)
+    p_h = h + o_nc[:, None] * H  # the pointer loads' rows (unused with USE_TMA)
+    p_w = w + o_vc[:, None] * H
+    for k0 in range(0, k_hi, BLOCK_K):
+        b_h = _k_slice(p_h, d_h, row0, k0, H, BLOCK_K, EVEN_K, UPCAST, USE_TMA)
+        b_w = _k_slice(p_w, d_w, col0, k0, H, BLOCK_K, EVEN_K, UPCAST, USE_TMA)
+        b_acc = tl.dot(b_h, tl.trans(b_w), b_acc, input_precision=DOT_PRECISION)
     return b_acc
 
 
@@ -101,10 +82,8 @@ def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, N, V, H,
     o_vc = tl.minimum(o_v, V - 1).to(tl.int64)
     b_r = _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, v0, H, H, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, UPCAST,
                        DOT_PRECISION, USE_TMA)
-    if BF16_LOGITS:  # logits_precision="bf16": the raw logit as a bf16-head engine rounds it
-        b_r = round_bf16(b_r, UPCAST)
-    if SOFTCAP:  # softcap · tanh(r / softcap): from here on "raw logit" means the capped one
-        b_r, _ = soft_cap(b_r, softcap, inv_softcap, UPCAST)
+    # bf16 rounding, soft cap: from here on "raw logit" means the rounded, capped one
+    b_r, _ = head_transform(b_r, softcap, inv_softcap, UPCAST, BF16_LOGITS, SOFTCAP)
     if HAS_CACHE:
         p_c = _cache_tile(z_cache, o_n, v0, N, BLOCK_V, CACHE_COLS)
         if MASKED:
@@ -140,6 +119,24 @@ def _fwd_tile(h, w, d_h, d_w, z_cache, o_n, m_n, o_nc, row0, v0, v_end, N, V, H,
 
 
 @triton.jit
+def _store_stats(p, stride, m_n, b_m, b_s, b_a, b_zy, b_mn, b_mx, b_ls, b_lq, b_t, a_unit,
+                 HAS_SUMS: tl.constexpr):
+    """The rows m · b_t, s, a · a_unit, zy · b_t, mn, mx (HAS_SUMS: and Σ r, Σ r²) at p, p + stride,
+    p + 2 · stride, ...: a split's partials from lce_fwd_kernel's running state (its raw m and zy tempered by
+    b_t = 1/T, its base-2 a in natural units by a_unit = ln 2), or the merged stats (b_t = a_unit = 1.0:
+    multiplications the compiler folds away). Each product is formed at its store."""
+    tl.store(p, b_m * b_t, mask=m_n)
+    tl.store(p + stride, b_s, mask=m_n)
+    tl.store(p + 2 * stride, b_a * a_unit, mask=m_n)
+    tl.store(p + 3 * stride, b_zy * b_t, mask=m_n)
+    tl.store(p + 4 * stride, b_mn, mask=m_n)
+    tl.store(p + 5 * stride, b_mx, mask=m_n)
+    if HAS_SUMS:
+        tl.store(p + 6 * stride, b_ls, mask=m_n)
+        tl.store(p + 7 * stride, b_lq, mask=m_n)
+
+
+@triton.jit
 def lce_fwd_kernel(
     h, w, d_h, d_w, y, inv_t, part, z_cache,
     N, H, V, SPLIT_V, n_splits, stride_part, inv_t_scalar, softcap, inv_softcap,
@@ -155,20 +152,8 @@ def lce_fwd_kernel(
     d_h / d_w: TMA descriptors of hidden [N, H] and weight [V, H] when USE_TMA, else unused.
     A token block whose rows are all ignored folds no tile (its partials keep their initial values;
     the caller ignores those rows)."""
-    i_pid = tl.program_id(0)
-    n_blocks_n = tl.cdiv(N, BLOCK_N)
-    i_n, i_s = _tile_coords(i_pid, n_blocks_n, n_splits, GROUP_N)
-    row0 = i_n * BLOCK_N
-    o_n = row0.to(tl.int64) + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    o_nc = tl.minimum(o_n, N - 1)
-    b_y = tl.load(y + o_nc)
-    if HAS_INV_T:
-        b_it = tl.load(inv_t + o_nc)
-    else:
-        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + inv_t_scalar
-    b_c = b_it * LOG2E
-
+    i_s, row0, o_n, m_n, o_nc, b_y, b_it, b_c = _fwd_rows(y, inv_t, N, n_splits, inv_t_scalar, HAS_INV_T, BLOCK_N,
+                                                          GROUP_N)
     b_m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)  # raw units
     b_s = tl.zeros([BLOCK_N], dtype=tl.float32)
     b_a = tl.zeros([BLOCK_N], dtype=tl.float32)  # base-2 units, relative to b_m
@@ -177,9 +162,7 @@ def lce_fwd_kernel(
     b_ls = tl.zeros([BLOCK_N], dtype=tl.float32)  # raw units, HAS_SUMS only
     b_lq = tl.zeros([BLOCK_N], dtype=tl.float32)
 
-    v_begin = i_s * SPLIT_V
-    v_end = tl.minimum(v_begin + SPLIT_V, V)
-    v_end = tl.where(tl.max(((b_y != IGNORED) & m_n).to(tl.int32), 0) > 0, v_end, v_begin)  # all ignored: no tiles
+    v_begin, v_end = _split_cols(i_s, SPLIT_V, V, b_y, m_n)
     n_full = (v_end - v_begin) // BLOCK_V
     for i_t in range(0, n_full):
         b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq = _fwd_tile(
@@ -192,17 +175,9 @@ def lce_fwd_kernel(
             b_c, b_m, b_s, b_a, b_zy, b_mn, b_ls, b_lq, softcap, inv_softcap, True, HAS_CACHE, HAS_SUMS, EVEN_K,
             UPCAST, BF16_LOGITS, SOFTCAP, DOT_PRECISION, USE_TMA, BLOCK_N, BLOCK_V, BLOCK_K, CACHE_COLS)
 
-    p_part = part + i_s * N + o_n
-    stride = stride_part  # n_splits * N, from the host (a scalar 1 arrives as a constexpr)
-    tl.store(p_part, b_m * b_it, mask=m_n)
-    tl.store(p_part + stride, b_s, mask=m_n)
-    tl.store(p_part + 2 * stride, b_a * LN2, mask=m_n)
-    tl.store(p_part + 3 * stride, b_zy * b_it, mask=m_n)
-    tl.store(p_part + 4 * stride, b_mn, mask=m_n)
-    tl.store(p_part + 5 * stride, b_m, mask=m_n)
-    if HAS_SUMS:
-        tl.store(p_part + 6 * stride, b_ls, mask=m_n)
-        tl.store(p_part + 7 * stride, b_lq, mask=m_n)
+    # stride_part = n_splits * N, from the host (a scalar 1 arrives as a constexpr)
+    _store_stats(part + i_s * N + o_n, stride_part, m_n, b_m, b_s, b_a, b_zy, b_mn, b_m, b_ls, b_lq, b_it, LN2,
+                 HAS_SUMS)
 
 
 @triton.jit
@@ -244,16 +219,7 @@ def lce_fwd_merge_kernel(part, out, N, n_splits, stride_part, HAS_SUMS: tl.const
     b_m = tl.where(b_nan, b_s, b_m)
     b_mn = tl.where(b_nan, b_s, b_mn)
     b_mx = tl.where(b_nan, b_s, b_mx)
-    p_out = out + o_n
-    tl.store(p_out, b_m, mask=m_n)
-    tl.store(p_out + N, b_s, mask=m_n)
-    tl.store(p_out + 2 * N, b_a, mask=m_n)
-    tl.store(p_out + 3 * N, b_zy, mask=m_n)
-    tl.store(p_out + 4 * N, b_mn, mask=m_n)
-    tl.store(p_out + 5 * N, b_mx, mask=m_n)
-    if HAS_SUMS:
-        tl.store(p_out + 6 * N, b_ls, mask=m_n)
-        tl.store(p_out + 7 * N, b_lq, mask=m_n)
+    _store_stats(out + o_n, N, m_n, b_m, b_s, b_a, b_zy, b_mn, b_mx, b_ls, b_lq, 1.0, 1.0, HAS_SUMS)
 
 
 @triton.jit
@@ -316,10 +282,8 @@ def lce_bwd_kernel(
             k_hi = tl.where(n_live > 0, H, 0)  # all rows ignored: no GEMM
             b_r = _logits_tile(h, w, d_h, d_w, o_nc, o_vc, row0, v_begin + i_v * BLOCK_V, H, k_hi, BLOCK_N,
                                BLOCK_V, BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION, USE_TMA)
-            if BF16_LOGITS:  # the forward's rounding; its gradient is taken as identity
-                b_r = round_bf16(b_r, UPCAST)
-            if SOFTCAP:
-                b_r, b_tanh = soft_cap(b_r, softcap, inv_softcap, UPCAST)
+            # the forward's rounding (its gradient taken as identity) and cap
+            b_r, b_tanh = head_transform(b_r, softcap, inv_softcap, UPCAST, BF16_LOGITS, SOFTCAP)
             b_x = b_r * (b_it * LOG2E)[:, None] - (b_lse * LOG2E)[:, None]
         b_p = tl.exp2(b_x)
         b_dl = -b_p * (b_A[:, None] + b_B[:, None] * b_x)

@@ -44,7 +44,7 @@ import torch
 import triton
 
 from ...types import LCEParams
-from ..base import Backend, ShardStats, alloc
+from ..base import Backend, ShardStats, alloc, check_shard
 from . import configs, output_launch, segment_launch, select_launch
 from .gemms import Gemms
 from .runtime import INTERPRET, cap_args, descriptors, device_ctx, dot_precision, launch_opts, sm_slots
@@ -101,24 +101,8 @@ def _local_labels(labels: torch.Tensor, params: LCEParams) -> torch.Tensor:
 
 
 def _check(hidden, weight, labels, inv_t, params: LCEParams) -> None:
-    if hidden.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"triton backend: hidden and weight must be 2-D, got {tuple(hidden.shape)} and "
-                         f"{tuple(weight.shape)}")
-    if hidden.dtype not in _DTYPES or weight.dtype != hidden.dtype:
-        raise TypeError(f"triton backend: hidden/weight dtype must be one of bf16, fp16, fp32 and equal, "
-                        f"got {hidden.dtype} and {weight.dtype}")
-    if hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"triton backend: hidden [N, H] and weight [V, H] disagree on H: "
-                         f"{tuple(hidden.shape)} vs {tuple(weight.shape)}")
-    if labels.shape != (hidden.shape[0],):
-        raise ValueError(f"triton backend: labels must be [N]={hidden.shape[0]}, got {tuple(labels.shape)}")
-    if inv_t is not None and inv_t.shape != (hidden.shape[0],):
-        raise ValueError(f"triton backend: inv_t must be [N]={hidden.shape[0]}, got {tuple(inv_t.shape)}")
-    if not 0 <= params.shard_valid <= weight.shape[0]:
-        raise ValueError(f"triton backend: params.shard_valid={params.shard_valid} outside [0, {weight.shape[0]}]")
+    check_shard("triton", _DTYPES, hidden, weight, labels, inv_t, params)
     dev = hidden.device
-    if weight.device != dev or labels.device != dev or (inv_t is not None and inv_t.device != dev):
-        raise ValueError("triton backend: hidden, weight, labels and inv_t must be on one device")
     if dev.type != "cuda" and not INTERPRET:
         raise RuntimeError(f"triton backend: tensors are on {dev}; run on CUDA, or set TRITON_INTERPRET=1 "
                            "before areal_lce.backends.triton is imported to run the kernels on CPU")

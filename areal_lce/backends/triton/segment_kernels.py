@@ -16,12 +16,12 @@
                         exact, so any order gives the same bits.
 
 BF16_LOGITS rounds every raw logit to bf16 right after the fp32 accumulation (logits_precision="bf16"); then
-SOFTCAP caps it, c · tanh(r / c) (kernel_common.soft_cap, elementwise: the invariance is unchanged).
+SOFTCAP caps it, c · tanh(r / c) (kernel_common.head_transform, elementwise: the invariance is unchanged).
 """
 import triton
 import triton.language as tl
 
-from .kernel_common import IGNORED, LN2, LOG2E, _cache_tile, _tile_coords, round_bf16, soft_cap
+from .kernel_common import LN2, LOG2E, _cache_tile, _fwd_rows, _k_slice, _split_cols, head_transform
 
 
 @triton.jit
@@ -42,44 +42,16 @@ def _seg_logits(h, w, d_h, d_w, o_nc, o_vc0, o_vc1, row0, col0, H,
     [BLOCK_N, SEG] accumulators sharing each loaded h tile."""
     b_acc0 = tl.zeros([BLOCK_N, SEG], dtype=tl.float32)
     b_acc1 = tl.zeros([BLOCK_N, SEG], dtype=tl.float32)
-    if USE_TMA:
-        for k0 in range(0, H, BLOCK_K):
-            b_h = d_h.load([row0, k0])
-            b_w0 = d_w.load([col0, k0])
-            if UPCAST:
-                b_h = b_h.to(tl.float32)
-                b_w0 = b_w0.to(tl.float32)
-            b_acc0 = _dot(b_h, b_w0, b_acc0, DOT_PRECISION, UPCAST)
-            if SUB == 2:
-                b_w1 = d_w.load([col0 + SEG, k0])
-                if UPCAST:
-                    b_w1 = b_w1.to(tl.float32)
-                b_acc1 = _dot(b_h, b_w1, b_acc1, DOT_PRECISION, UPCAST)
-    else:
-        p_h = h + o_nc[:, None] * H
-        p_w0 = w + o_vc0[:, None] * H
-        p_w1 = w + o_vc1[:, None] * H
-        for k0 in range(0, H, BLOCK_K):
-            o_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                b_h = tl.load(p_h + o_k[None, :])
-                b_w0 = tl.load(p_w0 + o_k[None, :])
-            else:
-                m_k = o_k < H
-                b_h = tl.load(p_h + o_k[None, :], mask=m_k[None, :], other=0.0)
-                b_w0 = tl.load(p_w0 + o_k[None, :], mask=m_k[None, :], other=0.0)
-            if UPCAST:
-                b_h = b_h.to(tl.float32)
-                b_w0 = b_w0.to(tl.float32)
-            b_acc0 = _dot(b_h, b_w0, b_acc0, DOT_PRECISION, UPCAST)
-            if SUB == 2:
-                if EVEN_K:
-                    b_w1 = tl.load(p_w1 + o_k[None, :])
-                else:
-                    b_w1 = tl.load(p_w1 + o_k[None, :], mask=(o_k < H)[None, :], other=0.0)
-                if UPCAST:
-                    b_w1 = b_w1.to(tl.float32)
-                b_acc1 = _dot(b_h, b_w1, b_acc1, DOT_PRECISION, UPCAST)
+    p_h = h + o_nc[:, None] * H  # the pointer loads' rows (unused with USE_TMA)
+    p_w0 = w + o_vc0[:, None] * H
+    p_w1 = w + o_vc1[:, None] * H
+    for k0 in range(0, H, BLOCK_K):
+        b_h = _k_slice(p_h, d_h, row0, k0, H, BLOCK_K, EVEN_K, UPCAST, USE_TMA)
+        b_w0 = _k_slice(p_w0, d_w, col0, k0, H, BLOCK_K, EVEN_K, UPCAST, USE_TMA)
+        b_acc0 = _dot(b_h, b_w0, b_acc0, DOT_PRECISION, UPCAST)
+        if SUB == 2:
+            b_w1 = _k_slice(p_w1, d_w, col0 + SEG, k0, H, BLOCK_K, EVEN_K, UPCAST, USE_TMA)
+            b_acc1 = _dot(b_h, b_w1, b_acc1, DOT_PRECISION, UPCAST)
     return b_acc0, b_acc1
 
 
@@ -96,10 +68,7 @@ def _seg_fold(b_r, c0, v_end, g, G, seg, top, top_col, stride_seg, o_n, m_n, N, 
     in the label's segment; the label's value is stored at the slot b_lslot that selects it (-1 for none).
     Label and pick share one one-hot reduction, so picking costs no work per logit."""
     o_v = c0 + tl.arange(0, SEG)
-    if BF16_LOGITS:
-        b_r = round_bf16(b_r, UPCAST)
-    if SOFTCAP:
-        b_r, _ = soft_cap(b_r, softcap, inv_softcap, UPCAST)
+    b_r, _ = head_transform(b_r, softcap, inv_softcap, UPCAST, BF16_LOGITS, SOFTCAP)
     if HAS_CACHE:
         p_c = _cache_tile(z_cache, o_n, c0, N, SEG, CACHE_COLS)
         tl.store(p_c, b_r * b_it[:, None], mask=m_n[:, None] & (o_v < v_end)[None, :])
@@ -174,19 +143,8 @@ def lce_fwd_seg_kernel(
     multiple of SUB·SEG. part: fp32 [3, n_splits, N] (raw min, tempered label logit, raw max) per split.
     A token block whose rows are all ignored folds no tile (its values stay unset;
     the caller ignores those rows)."""
-    i_pid = tl.program_id(0)
-    n_blocks_n = tl.cdiv(N, BLOCK_N)
-    i_n, i_s = _tile_coords(i_pid, n_blocks_n, n_splits, GROUP_N)
-    row0 = i_n * BLOCK_N
-    o_n = row0.to(tl.int64) + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    o_nc = tl.minimum(o_n, N - 1)
-    b_y = tl.load(y + o_nc)
-    if HAS_INV_T:
-        b_it = tl.load(inv_t + o_nc)
-    else:
-        b_it = tl.zeros([BLOCK_N], dtype=tl.float32) + inv_t_scalar
-    b_c = b_it * LOG2E
+    i_s, row0, o_n, m_n, o_nc, b_y, b_it, b_c = _fwd_rows(y, inv_t, N, n_splits, inv_t_scalar, HAS_INV_T, BLOCK_N,
+                                                          GROUP_N)
     b_lslot = b_y  # placeholder when not HAS_SEL
     if HAS_SEL:
         b_lslot = tl.load(sel_lslot + o_nc)
@@ -195,9 +153,7 @@ def lce_fwd_seg_kernel(
     b_mx = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
 
     TILE: tl.constexpr = SUB * SEG
-    v_begin = i_s * SPLIT_V
-    v_end = tl.minimum(v_begin + SPLIT_V, V)
-    v_end = tl.where(tl.max(((b_y != IGNORED) & m_n).to(tl.int32), 0) > 0, v_end, v_begin)  # all ignored
+    v_begin, v_end = _split_cols(i_s, SPLIT_V, V, b_y, m_n)
     for i_t in range(0, tl.cdiv(v_end - v_begin, TILE)):
         col0 = v_begin + i_t * TILE
         o_v0 = col0 + tl.arange(0, SEG)
