@@ -1,9 +1,7 @@
 """Functional API: validate once, resolve the backend once, call the op.
 
-Without tensor parallelism the call goes through the torch.library ops of library.py (compiles with
-torch.compile(fullgraph=True)); with a VocabParallel group of more than one rank it goes through the
-autograd.Function of function.py (a process group is not an operator argument), which torch.compile
-runs as a graph break. Both run the same forward and backward code.
+Every call, at every TP degree, goes through the torch.library ops of library.py (the process group by
+its name in the options), which torch.compile(fullgraph=True) traces without a graph break.
 """
 from __future__ import annotations
 
@@ -17,7 +15,6 @@ from .checks import check_temperature, inv_temperature  # noqa: F401  (public he
 from .checks import (LOGITS_PRECISIONS, check_invariant_layout, check_logits_precision,  # noqa: F401
                      resolve_invariant)
 from .backends import Backend, get_backend, resolve_backend
-from .function import LinearLogprobsEntropy
 from .types import LCEOutput, LCEParams, VocabParallel
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -143,9 +140,8 @@ class PreparedCall(NamedTuple):
     weight: torch.Tensor  # [V_shard, H], contiguous
     labels: torch.Tensor  # [N] int64
     inv_t: Optional[torch.Tensor]  # [N] fp32 per-token 1/T, or None (options["inv_t"] holds the scalar)
-    options: dict  # LCEParams' fields but the tensor-parallel ones, the backend by name (library.encode's argument)
+    options: dict  # LCEParams' fields, the backend and the process group by name (library.encode's argument)
     backend: Backend  # the call's backend, resolved once (LCEParams.backend)
-    vocab_parallel: Optional[VocabParallel]
     tp: int
     shape: torch.Size  # labels' shape: the outputs'
     return_stats: bool
@@ -153,8 +149,7 @@ class PreparedCall(NamedTuple):
 
     @property
     def params(self) -> LCEParams:
-        vp = self.vocab_parallel if self.tp > 1 else None
-        return LCEParams(**{**self.options, "backend": self.backend}, vocab_parallel=vp, tp_size=self.tp)
+        return LCEParams(**{**self.options, "backend": self.backend})
 
     def output(self, outs) -> LCEOutput:
         """The named result of the op's (diff [2, N], dstats, stats, selected, top-k logprobs, top-k ids)."""
@@ -175,11 +170,6 @@ class PreparedCall(NamedTuple):
                          rows["sum_logit"] if sums else None, rows["sumsq_logit"] if sums else None,
                          extra(sel, self.selected_ids is not None), extra(topk_ids, p.top_k > 0),
                          extra(topk_lp, p.top_k > 0))
-
-
-@torch.compiler.disable
-def _tensor_parallel(hidden, weight, labels, inv_t, selected_ids, params: LCEParams):
-    return LinearLogprobsEntropy.apply(hidden, weight, labels, inv_t, selected_ids, params)
 
 
 def linear_logprobs_entropy(
@@ -280,12 +270,8 @@ def linear_logprobs_entropy(
                         check_labels=check_labels, compact_ignored=compact_ignored, invariant=invariant,
                         logits_precision=logits_precision, d_weight_fp32=d_weight_fp32,
                         selected_ids=selected_ids, top_k=top_k, softcap=softcap)
-    if call.tp == 1:
-        outs = library.lce(call.hidden, call.weight, call.labels, call.inv_t, library.encode(**call.options),
-                           call.selected_ids)
-    else:
-        outs = _tensor_parallel(call.hidden, call.weight, call.labels, call.inv_t, call.selected_ids, call.params)
-    return call.output(outs)
+    return call.output(library.lce(call.hidden, call.weight, call.labels, call.inv_t, library.encode(**call.options),
+                                   call.selected_ids))
 
 
 def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_size, return_stats, return_logit_sums,
@@ -337,9 +323,12 @@ def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_siz
         raise ValueError(f"top_k={top_k} exceeds vocab_size={vocab_size}")
     if softcap and not resolved.supports_softcap:
         raise ValueError(f"softcap is not implemented by backend={name!r}; use backend='torch'")
-    # every option of the call in one place: LCEParams' fields (library.encode for the custom ops)
-    options = dict(inv_t=inv_t_scalar, ignore_index=ignore_index, vocab_size=vocab_size, vocab_start=vocab_start,
-                   shard_valid=shard_valid, cache_bytes=cache_bytes, backend=name, compact_ignored=compact_ignored,
+    # every option of the call in one place: LCEParams' fields (library.encode for the custom ops), the process
+    # group by its name (resolved inside the op, as torch's functional collectives take it)
+    options = dict(group_name=vp.group_name if tp > 1 else None, tp_size=tp,
+                   d_hidden=vp.d_hidden if tp > 1 else "all_reduce", inv_t=inv_t_scalar, ignore_index=ignore_index,
+                   vocab_size=vocab_size, vocab_start=vocab_start, shard_valid=shard_valid, cache_bytes=cache_bytes,
+                   backend=name, compact_ignored=compact_ignored,
                    check_labels=check, logit_sums=sums, invariant=invariant, logits_precision=logits_precision,
                    d_weight_fp32=d_weight_fp32, softcap=softcap, top_k=top_k)
-    return PreparedCall(h2, w, y, inv_t, options, resolved, vp, tp, labels.shape, bool(return_stats), sel_ids)
+    return PreparedCall(h2, w, y, inv_t, options, resolved, tp, labels.shape, bool(return_stats), sel_ids)
