@@ -133,8 +133,8 @@ def _resolve(backend: str, device: torch.device, dtype: torch.dtype, cache_bytes
 
 class PreparedCall(NamedTuple):
     """One call of the op, validated and resolved (`prepare_call`): its inputs as the op takes them and its
-    options, for `linear_logprobs_entropy` and for front ends that run the op's forward and backward
-    themselves (main_grad.py)."""
+    options, for `linear_logprobs_entropy` and for main_grad.py's `linear_logprobs_entropy_into_main_grad`
+    (the same custom ops with the weight's main_grad)."""
 
     hidden: torch.Tensor  # [N, H], contiguous (this rank's [N/tp, H] sequence shard under SP)
     weight: torch.Tensor  # [V_shard, H], contiguous
@@ -170,6 +170,24 @@ class PreparedCall(NamedTuple):
                          rows["sum_logit"] if sums else None, rows["sumsq_logit"] if sums else None,
                          extra(sel, self.selected_ids is not None), extra(topk_ids, p.top_k > 0),
                          extra(topk_lp, p.top_k > 0))
+
+
+@torch.compiler.assume_constant_result
+def _check_group_once(group_name: str, v_shard: int, vocab_size: int, shard_size: bool, weight) -> bool:
+    """The host-side checks of a vocab-parallel group, each once per group and shape (comms.py): the shard
+    size (unless "sync" label checks compare it per call, function.py) and, where one shard covers the
+    vocabulary, that the weight is not the full one. Collective, with a host sync: torch.compile runs it
+    while tracing, on every rank, and keeps its result (the checks are done once either way)."""
+    group = comms.resolve_group(group_name)
+    tp = comms.group_size(group)
+    if shard_size:
+        comms.check_same_across_group(v_shard, group, "weight's vocab shard size (weight.shape[0])")
+    if vocab_size <= v_shard:  # ranks > 0 hold only padding (legal), unless this is the full weight
+        comms.check_not_replicated(weight[:vocab_size], group, "weight (rows below vocab_size)",
+                                   f"the vocab-parallel group has {tp} ranks and weight's {v_shard} rows "
+                                   f"already cover vocab_size={vocab_size}, identically on every rank: pass "
+                                   "this rank's vocab shard [vocab/tp, H], not the full weight")
+    return True
 
 
 def linear_logprobs_entropy(
@@ -284,7 +302,6 @@ def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_siz
     _check_options(ignore_index, vocab_size)
     vp = check_vocab_parallel(vocab_parallel)
     tp = 1 if vp is None else vp.size
-    group = None if tp == 1 else vp.group
     _check_tensors(hidden, weight, labels, vp is not None and vp.sequence_parallel, tp)
     check_logits_precision(logits_precision)
     sel_ids, top_k, softcap = _check_extras(selected_ids, top_k, softcap, labels, hidden)
@@ -302,13 +319,7 @@ def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_siz
         raise ValueError(f"vocab_size={vocab_size!r} must be an int in [1, {v_total}] "
                          f"(weight rows {v_shard} × tp {tp})")
     if tp > 1:
-        if check != "sync":  # "sync": checked per call with the labels (function.py); else once per group
-            comms.check_same_across_group(v_shard, group, "weight's vocab shard size (weight.shape[0])")
-        if vocab_size <= v_shard:  # ranks > 0 hold only padding (legal), unless this is the full weight
-            comms.check_not_replicated(weight[:vocab_size], group, "weight (rows below vocab_size)",
-                                       f"the vocab-parallel group has {tp} ranks and weight's {v_shard} rows "
-                                       f"already cover vocab_size={vocab_size}, identically on every rank: pass "
-                                       "this rank's vocab shard [vocab/tp, H], not the full weight")
+        _check_group_once(vp.group_name, v_shard, vocab_size, check != "sync", weight)
     vocab_start = vp.vocab_range(v_shard)[0] if tp > 1 else 0
     inv_t_scalar, inv_t = inv_temperature(temperature, labels)  # broadcast to labels: the full sequence under SP
     y = labels.reshape(-1).to(torch.int64)  # label values are checked inside the op (checks.py)

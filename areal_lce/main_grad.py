@@ -16,7 +16,8 @@ from the forward as Megatron's linear keeps it: a layer called twice, e.g. by MT
 buffer of each call), and autograd gets `placeholder_grad(weight)` for the weight (library.py).
 
 Used by the capture seam (megatron/capture.py) and the AReaL adapter where the output layer has
-gradient_accumulation_fusion=True.
+gradient_accumulation_fusion=True. It compiles with torch.compile(fullgraph=True) as the op does (library.py
+says where the flag is set then).
 """
 from __future__ import annotations
 

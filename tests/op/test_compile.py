@@ -105,30 +105,41 @@ def test_compiled_sync_check_still_raises_with_the_value():
 
 
 @pytest.mark.slow
-def test_opcheck_forward_and_backward_ops():
+def test_opcheck_forward_and_backward_ops(fake_group):  # noqa: F811
     """torch.library.opcheck: schema, fake implementation against the real one, autograd registration,
-    AOT dispatch (static and dynamic shapes)."""
+    AOT dispatch (static and dynamic shapes); the backward op's main_grad mutation; under sequence
+    parallelism (the recording 2-rank group, by name) the fake shapes of a [N/2, H] hidden."""
     hidden, weight, _, labels, temp = _inputs(n=9, v=65)
     h = hidden.requires_grad_()
     w = weight.requires_grad_()
+
+    def forward_args(hh, y, t, sel, **options):  # t: the per-token 1/T tensor or None
+        return (hh, w, y, t, sel, None, "none", encode(**options), True)
+
     for inv_t, cache_bytes, compact, inv in ((None, 0, True, False), (1.0 / temp, 1 << 20, True, False),
                                              (None, 0, False, False), (None, 0, True, True)):
         opts = dict(inv_t=1 / 0.7 if inv_t is None else None, ignore_index=IGNORE, vocab_size=65, vocab_start=0,
                     shard_valid=65, cache_bytes=cache_bytes, backend="torch", compact_ignored=compact,
                     check_labels="off", invariant=inv, logits_precision="fp32")
         for sums in (False, True):  # logit_sums: stats [5, N]
-            torch.library.opcheck(lce_forward_op, (h, w, labels, inv_t, None, None, "none", encode(**opts, logit_sums=sums),
-                                                   True))
+            torch.library.opcheck(lce_forward_op, forward_args(h, labels, inv_t, None, **opts, logit_sums=sums))
     # selected ids, top-k and softcap: more outputs of the same op
     sel = torch.randint(0, 65, (9, 3), generator=torch.Generator().manual_seed(3))
     extra = dict(opts, invariant=True, compact_ignored=True)
-    torch.library.opcheck(lce_forward_op, (h, w, labels, None, sel, None, "none", encode(**extra, logit_sums=False, top_k=4,
-                                                                                  softcap=5.0), True))
+    torch.library.opcheck(lce_forward_op, forward_args(h, labels, None, sel, **extra, logit_sums=False, top_k=4, softcap=5.0))
+    # sequence parallelism: this rank's [4, H] rows of a labels' [8] sequence, gathered inside the op
+    sp = dict(opts, group_name=fake_group.group_name, tp_size=2, d_hidden="reduce_scatter", logit_sums=False)
+    torch.library.opcheck(lce_forward_op, forward_args(hidden[:4].detach().requires_grad_(), labels[:8], None, None,
+                                                       **sp))
     options = encode(**opts, logit_sums=False)
-    diff, dstats, stats, _, _, topk_ids, h_c, lse_ent, cache = lce_forward_op(h, w, labels, None, None, None, "none", options, False)
-    bargs = (torch.randn(2, 9), torch.randn(1, 9), None, None, hidden.detach(), weight.detach(), labels, None, None,
-             topk_ids, lse_ent, cache, None, options, True, True)
-    torch.library.opcheck(lce_backward_op, bargs, test_utils=("test_schema", "test_faketensor"))
+    diff, dstats, stats, _, _, topk_ids, h_c, lse_ent, cache = lce_forward_op(h, w, labels, None, None, None, "none",
+                                                                              options, False)
+    bargs = [torch.randn(2, 9), torch.randn(1, 9), None, None, hidden.detach(), weight.detach(), labels, None, None,
+             topk_ids, lse_ent, cache, None, options, True, True]
+    torch.library.opcheck(lce_backward_op, tuple(bargs), test_utils=("test_schema", "test_faketensor"))
+    # main_grad: the fp32 d_weight added into the mutated argument, an empty d_weight returned
+    bargs[12], bargs[13] = torch.zeros(65, 16), encode(**opts, logit_sums=False, d_weight_fp32=True)
+    torch.library.opcheck(lce_backward_op, tuple(bargs), test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("d_hidden", ["all_reduce", "reduce_scatter", "caller"])
