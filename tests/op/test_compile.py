@@ -126,7 +126,8 @@ def test_opcheck_forward_and_backward_ops(fake_group):  # noqa: F811
     # selected ids, top-k and softcap: more outputs of the same op
     sel = torch.randint(0, 65, (9, 3), generator=torch.Generator().manual_seed(3))
     extra = dict(opts, invariant=True, compact_ignored=True)
-    torch.library.opcheck(lce_forward_op, forward_args(h, labels, None, sel, **extra, logit_sums=False, top_k=4, softcap=5.0))
+    torch.library.opcheck(lce_forward_op, forward_args(h, labels, None, sel, **extra, logit_sums=False, top_k=4,
+                                                       softcap=5.0))
     # sequence parallelism: this rank's [4, H] rows of a labels' [8] sequence, gathered inside the op
     sp = dict(opts, group_name=fake_group.group_name, tp_size=2, d_hidden="reduce_scatter", logit_sums=False)
     torch.library.opcheck(lce_forward_op, forward_args(hidden[:4].detach().requires_grad_(), labels[:8], None, None,
