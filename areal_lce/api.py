@@ -1,9 +1,7 @@
 """Functional API: validate once, resolve the backend once, call the op.
 
-Without tensor parallelism the call goes through the torch.library ops of library.py (compiles with
-torch.compile(fullgraph=True)); with a VocabParallel group of more than one rank it goes through the
-autograd.Function of function.py (a process group is not an operator argument), which torch.compile
-runs as a graph break. Both run the same forward and backward code.
+Every call, at every TP degree, goes through the torch.library ops of library.py (the process group by
+its name in the options), which torch.compile(fullgraph=True) traces without a graph break.
 """
 from __future__ import annotations
 
@@ -17,7 +15,6 @@ from .checks import check_temperature, inv_temperature  # noqa: F401  (public he
 from .checks import (LOGITS_PRECISIONS, check_invariant_layout, check_logits_precision,  # noqa: F401
                      resolve_invariant)
 from .backends import Backend, get_backend, resolve_backend
-from .function import LinearLogprobsEntropy
 from .types import LCEOutput, LCEParams, VocabParallel
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -136,16 +133,15 @@ def _resolve(backend: str, device: torch.device, dtype: torch.dtype, cache_bytes
 
 class PreparedCall(NamedTuple):
     """One call of the op, validated and resolved (`prepare_call`): its inputs as the op takes them and its
-    options, for `linear_logprobs_entropy` and for front ends that run the op's forward and backward
-    themselves (main_grad.py)."""
+    options, for `linear_logprobs_entropy` and for main_grad.py's `linear_logprobs_entropy_into_main_grad`
+    (the same custom ops with the weight's main_grad)."""
 
     hidden: torch.Tensor  # [N, H], contiguous (this rank's [N/tp, H] sequence shard under SP)
     weight: torch.Tensor  # [V_shard, H], contiguous
     labels: torch.Tensor  # [N] int64
     inv_t: Optional[torch.Tensor]  # [N] fp32 per-token 1/T, or None (options["inv_t"] holds the scalar)
-    options: dict  # LCEParams' fields but the tensor-parallel ones, the backend by name (library.encode's argument)
+    options: dict  # LCEParams' fields, the backend and the process group by name (library.encode's argument)
     backend: Backend  # the call's backend, resolved once (LCEParams.backend)
-    vocab_parallel: Optional[VocabParallel]
     tp: int
     shape: torch.Size  # labels' shape: the outputs'
     return_stats: bool
@@ -153,8 +149,7 @@ class PreparedCall(NamedTuple):
 
     @property
     def params(self) -> LCEParams:
-        vp = self.vocab_parallel if self.tp > 1 else None
-        return LCEParams(**{**self.options, "backend": self.backend}, vocab_parallel=vp, tp_size=self.tp)
+        return LCEParams(**{**self.options, "backend": self.backend})
 
     def output(self, outs) -> LCEOutput:
         """The named result of the op's (diff [2, N], dstats, stats, selected, top-k logprobs, top-k ids)."""
@@ -177,9 +172,22 @@ class PreparedCall(NamedTuple):
                          extra(topk_lp, p.top_k > 0))
 
 
-@torch.compiler.disable
-def _tensor_parallel(hidden, weight, labels, inv_t, selected_ids, params: LCEParams):
-    return LinearLogprobsEntropy.apply(hidden, weight, labels, inv_t, selected_ids, params)
+@torch.compiler.assume_constant_result
+def _check_group_once(group_name: str, v_shard: int, vocab_size: int, shard_size: bool, weight) -> bool:
+    """The host-side checks of a vocab-parallel group, each once per group and shape (comms.py): the shard
+    size (unless "sync" label checks compare it per call, function.py) and, where one shard covers the
+    vocabulary, that the weight is not the full one. Collective, with a host sync: torch.compile runs it
+    while tracing, on every rank, and keeps its result (the checks are done once either way)."""
+    group = comms.resolve_group(group_name)
+    tp = comms.group_size(group)
+    if shard_size:
+        comms.check_same_across_group(v_shard, group, "weight's vocab shard size (weight.shape[0])")
+    if vocab_size <= v_shard:  # ranks > 0 hold only padding (legal), unless this is the full weight
+        comms.check_not_replicated(weight[:vocab_size], group, "weight (rows below vocab_size)",
+                                   f"the vocab-parallel group has {tp} ranks and weight's {v_shard} rows "
+                                   f"already cover vocab_size={vocab_size}, identically on every rank: pass "
+                                   "this rank's vocab shard [vocab/tp, H], not the full weight")
+    return True
 
 
 def linear_logprobs_entropy(
@@ -280,12 +288,8 @@ def linear_logprobs_entropy(
                         check_labels=check_labels, compact_ignored=compact_ignored, invariant=invariant,
                         logits_precision=logits_precision, d_weight_fp32=d_weight_fp32,
                         selected_ids=selected_ids, top_k=top_k, softcap=softcap)
-    if call.tp == 1:
-        outs = library.lce(call.hidden, call.weight, call.labels, call.inv_t, library.encode(**call.options),
-                           call.selected_ids)
-    else:
-        outs = _tensor_parallel(call.hidden, call.weight, call.labels, call.inv_t, call.selected_ids, call.params)
-    return call.output(outs)
+    return call.output(library.lce(call.hidden, call.weight, call.labels, call.inv_t, library.encode(**call.options),
+                                   call.selected_ids))
 
 
 def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_size, return_stats, return_logit_sums,
@@ -298,7 +302,6 @@ def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_siz
     _check_options(ignore_index, vocab_size)
     vp = check_vocab_parallel(vocab_parallel)
     tp = 1 if vp is None else vp.size
-    group = None if tp == 1 else vp.group
     _check_tensors(hidden, weight, labels, vp is not None and vp.sequence_parallel, tp)
     check_logits_precision(logits_precision)
     sel_ids, top_k, softcap = _check_extras(selected_ids, top_k, softcap, labels, hidden)
@@ -316,13 +319,7 @@ def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_siz
         raise ValueError(f"vocab_size={vocab_size!r} must be an int in [1, {v_total}] "
                          f"(weight rows {v_shard} × tp {tp})")
     if tp > 1:
-        if check != "sync":  # "sync": checked per call with the labels (function.py); else once per group
-            comms.check_same_across_group(v_shard, group, "weight's vocab shard size (weight.shape[0])")
-        if vocab_size <= v_shard:  # ranks > 0 hold only padding (legal), unless this is the full weight
-            comms.check_not_replicated(weight[:vocab_size], group, "weight (rows below vocab_size)",
-                                       f"the vocab-parallel group has {tp} ranks and weight's {v_shard} rows "
-                                       f"already cover vocab_size={vocab_size}, identically on every rank: pass "
-                                       "this rank's vocab shard [vocab/tp, H], not the full weight")
+        _check_group_once(vp.group_name, v_shard, vocab_size, check != "sync", weight)
     vocab_start = vp.vocab_range(v_shard)[0] if tp > 1 else 0
     inv_t_scalar, inv_t = inv_temperature(temperature, labels)  # broadcast to labels: the full sequence under SP
     y = labels.reshape(-1).to(torch.int64)  # label values are checked inside the op (checks.py)
@@ -337,9 +334,12 @@ def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_siz
         raise ValueError(f"top_k={top_k} exceeds vocab_size={vocab_size}")
     if softcap and not resolved.supports_softcap:
         raise ValueError(f"softcap is not implemented by backend={name!r}; use backend='torch'")
-    # every option of the call in one place: LCEParams' fields (library.encode for the custom ops)
-    options = dict(inv_t=inv_t_scalar, ignore_index=ignore_index, vocab_size=vocab_size, vocab_start=vocab_start,
-                   shard_valid=shard_valid, cache_bytes=cache_bytes, backend=name, compact_ignored=compact_ignored,
+    # every option of the call in one place: LCEParams' fields (library.encode for the custom ops), the process
+    # group by its name (resolved inside the op, as torch's functional collectives take it)
+    options = dict(group_name=vp.group_name if tp > 1 else None, tp_size=tp,
+                   d_hidden=vp.d_hidden if tp > 1 else "all_reduce", inv_t=inv_t_scalar, ignore_index=ignore_index,
+                   vocab_size=vocab_size, vocab_start=vocab_start, shard_valid=shard_valid, cache_bytes=cache_bytes,
+                   backend=name, compact_ignored=compact_ignored,
                    check_labels=check, logit_sums=sums, invariant=invariant, logits_precision=logits_precision,
                    d_weight_fp32=d_weight_fp32, softcap=softcap, top_k=top_k)
-    return PreparedCall(h2, w, y, inv_t, options, resolved, vp, tp, labels.shape, bool(return_stats), sel_ids)
+    return PreparedCall(h2, w, y, inv_t, options, resolved, tp, labels.shape, bool(return_stats), sel_ids)

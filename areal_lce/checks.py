@@ -24,7 +24,6 @@ makes every logprob of the call NaN.
 """
 from __future__ import annotations
 
-import functools
 import warnings
 
 import numbers
@@ -275,9 +274,16 @@ def check_invariant_layout(v_shard: int, tp: int, vocab_size: int, asked: bool =
     return True
 
 
-@functools.lru_cache(maxsize=None)
-def _warn_layout_once(v_shard: int, tp: int) -> None:
+_WARNED_LAYOUTS = set()
+
+
+@torch.compiler.assume_constant_result  # run while torch.compile traces (a warning is no graph break)
+def _warn_layout_once(v_shard: int, tp: int) -> bool:
+    if (v_shard, tp) in _WARNED_LAYOUTS:
+        return False
+    _WARNED_LAYOUTS.add((v_shard, tp))
     warnings.warn(f"areal_lce: vocab shards of {v_shard} rows (tp={tp}) do not start at multiples of {exact.SEG} "
                   "global ids, so the default invariant mode is off for these calls (logprobs may change with "
                   f"the batch and the TP degree); pad the vocabulary to a multiple of {exact.SEG}·tp, or pass "
                   "invariant=False to silence this", RuntimeWarning, stacklevel=4)
+    return True

@@ -1,9 +1,10 @@
 """Every collective of areal_lce (tensor- and context-parallel) lives here.
 
-Plain helpers are called from inside `function.LinearLogprobsEntropy` (whose forward/backward are not
-traced by autograd). The small autograd Functions at the bottom serve the materialised route
-(`materialised.py`), whose softmax statistics are differentiated by autograd; each name says what it
-does in forward and in backward.
+Plain helpers are called from inside the op's forward and backward (function.py, the real
+implementations of library.py's custom ops, which autograd and torch.compile do not look into); the op
+carries its group by name (`group_name`, `resolve_group`). The small autograd Functions at the bottom
+serve the materialised route (`materialised.py`), whose softmax statistics are differentiated by
+autograd; each name says what it does in forward and in backward.
 
 Gradient convention (Megatron's): after the LM head, every rank of the TP group computes the same
 replicated loss from the same global per-token values, so the gradient of a replicated value is
@@ -49,6 +50,21 @@ def _named(what: str, group):
 
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
+
+
+def group_name(group) -> str:
+    """The name torch.distributed registered `group` under (ProcessGroup.group_name): how the op's options
+    carry it across the custom op, as torch's functional collectives take a group."""
+    name = getattr(group, "group_name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"VocabParallel.group must be a torch.distributed ProcessGroup with a group_name, "
+                        f"got {group!r}")
+    return name
+
+
+def resolve_group(name: str):
+    """The process group registered under `name` (torch.distributed's own resolver, looked up at call time)."""
+    return dist.distributed_c10d._resolve_process_group(name)
 
 
 def group_backend(group) -> Optional[str]:

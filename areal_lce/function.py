@@ -1,10 +1,28 @@
 """The fused op's forward and backward: row partition, one backend call per pass, TP communication.
 
-`lce_forward` / `lce_backward` are shared by two front ends: `LinearLogprobsEntropy` below (an
-autograd.Function: the tensor-parallel path, whose process group cannot be an operator argument) and
-the `areal_lce::lce_forward` / `lce_backward` torch.library ops of library.py (every call without TP,
-eager or under torch.compile). Neither reads a device value on the host unless params.check_labels
-is "sync".
+`lce_forward` / `lce_backward` are the real implementations of the `areal_lce::lce_forward` /
+`lce_backward` torch.library ops of library.py, the op's one entry at every TP degree (eager or under
+torch.compile). Neither reads a device value on the host unless params.check_labels is "sync".
+
+Collectives (group = params.tp_group, carried by name; none when tp_size == 1), each of the same size on
+every rank; d_hidden modes as defined in VocabParallel's docstring (types.py):
+  forward : check_labels "sync" / "deferred" -> MAX of 2 int64 (the ranks' label fingerprints);
+            "reduce_scatter" -> all-gather of hidden rows (sequence shards -> full sequence);
+            MAX of the raw [max, -min] per token; SUM of packed [s, a, z_label(, Σr, Σr²)] per token.
+            Nothing N×V or V×H.
+  backward: "reduce_scatter" -> reduce-scatter of d_hidden (vocab-partial full-sequence grads ->
+            this rank's shard of the total); "all_reduce" -> all-reduce SUM of d_hidden
+            (vocab-partial -> total on every rank); "caller" -> none (d_hidden left vocab-partial).
+            d_hidden is reduced in fp32. d_weight is local to the shard: never reduced.
+
+Context parallelism: no CP collective, by design. Each CP rank passes its CP-local tokens (megatron's
+load-balanced zigzag: every sequence cut into 2·cp chunks, rank r keeps chunks r and 2·cp−1−r; per
+batch row for BSHD, per packed sequence for THD) with their labels. Every per-token output depends on
+its own row only, so the CP-local outputs are the full-sequence values at those tokens. d_hidden stays
+local (each token's gradient lives where the token lives). d_weight is this rank's partial sum over
+its own tokens; the full-sequence gradient is its SUM over the CP group, which megatron's DDP does
+when it reduces every parameter over the data-parallel × context-parallel group. Reducing it here
+too would count it twice.
 
 Ignored rows (label == ignore_index) always get zero upstream gradient. With params.compact_ignored
 (the API's default for backends that do not skip ignored rows themselves) the rows are partitioned on
@@ -280,66 +298,6 @@ def lce_backward(h_c, weight, labels, inv_t, lse_ent, cache, g_diff: Optional[to
             dh = comms.all_reduce_sum_(dh, params.tp_group)
         dh = dh.to(hidden_dtype)
     return dh, dw
-
-
-class LinearLogprobsEntropy(torch.autograd.Function):
-    """Per-token logprobs and entropy of softmax(h·Wᵀ/T) without materialising logits (TP path).
-
-    Inputs: hidden [N, H] (or this rank's [N/tp, H] sequence shard with d_hidden="reduce_scatter"), weight
-    [V_shard, H] (this rank's vocab shard), labels [N] int64 global ids with ignore_index rows, inv_t
-    [N] fp32 or None, params (LCEParams). Outputs: [2, N] logprobs and entropy (differentiable), and the
-    not differentiable [3, N] max_logit, min_logit (raw logits, before temperature) and lse (tempered),
-    [5, N] with params.logit_sums (+ the raw logits' Σ r and Σ r²).
-
-    Collectives (group = params.vocab_parallel.group; none when tp_size == 1), each of the same size on
-    every rank; d_hidden modes as defined in VocabParallel's docstring (types.py):
-      forward : check_labels "sync" / "deferred" -> MAX of 2 int64 (the ranks' label fingerprints);
-                "reduce_scatter" -> all-gather of hidden rows (sequence shards -> full sequence);
-                MAX of the raw [max, -min] per token; SUM of packed [s, a, z_label(, Σr, Σr²)] per token.
-                Nothing N×V or V×H.
-      backward: "reduce_scatter" -> reduce-scatter of d_hidden (vocab-partial full-sequence grads ->
-                this rank's shard of the total); "all_reduce" -> all-reduce SUM of d_hidden
-                (vocab-partial -> total on every rank); "caller" -> none (d_hidden left vocab-partial).
-                d_hidden is reduced in fp32. d_weight is local to the shard: never reduced.
-
-    Context parallelism: no CP collective, by design. Each CP rank passes its CP-local tokens (megatron's
-    load-balanced zigzag: every sequence cut into 2·cp chunks, rank r keeps chunks r and 2·cp−1−r; per
-    batch row for BSHD, per packed sequence for THD) with their labels. Every per-token output depends on
-    its own row only, so the CP-local outputs are the full-sequence values at those tokens. d_hidden stays
-    local (each token's gradient lives where the token lives). d_weight is this rank's partial sum over
-    its own tokens; the full-sequence gradient is its SUM over the CP group, which megatron's DDP does
-    when it reduces every parameter over the data-parallel × context-parallel group. Reducing it here
-    too would count it twice.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, inv_t, selected_ids, params: LCEParams):
-        keep = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        f = lce_forward(hidden, weight, labels, inv_t, params, keep_cache=keep, selected_ids=selected_ids)
-        sel, topk_lp, topk_ids = empty_extras(f, labels.shape[0], hidden.device)
-        # hidden is saved for once_differentiable only (with weight it ties a create_graph=True gradient to
-        # the graph); no output is saved, so outputs may be edited in place before backward
-        ctx.save_for_backward(f.h_c, weight, labels, inv_t, f.lse_ent, selected_ids, topk_ids.clone(), hidden)
-        ctx.params, ctx.cache, ctx.hidden_dtype = params, f.cache, hidden.dtype
-        ctx.mark_non_differentiable(f.stats, topk_ids)
-        ctx.set_materialize_grads(False)
-        return f.diff, f.dstats, f.stats, sel, topk_lp, topk_ids
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g_diff, g_dstats, _g_stats, g_sel, g_topk, _g_ids):
-        h_c, weight, labels, inv_t, lse_ent, selected_ids, topk_ids, _ = ctx.saved_tensors
-        topk_ids = topk_ids if topk_ids.numel() else None
-        g_sel = g_sel if g_sel is not None and g_sel.shape[1] else None
-        g_topk = g_topk if g_topk is not None and g_topk.shape[1] else None
-        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (need_dh or need_dw) or all(g is None for g in (g_diff, g_dstats, g_sel, g_topk)):
-            return None, None, None, None, None, None
-        dh, dw = lce_backward(h_c, weight, labels, inv_t, lse_ent, ctx.cache, g_diff, ctx.params,
-                              need_dh, need_dw, ctx.hidden_dtype, g_dstats=g_dstats, selected_ids=selected_ids,
-                              g_sel=g_sel, topk_ids=topk_ids, g_topk=g_topk)
-        ctx.cache = None
-        return dh, dw, None, None, None, None
 
 
 def empty_extras(f: Forward, n: int, device):

@@ -9,12 +9,15 @@ accumulating in fp32, sets `weight.grad_added_to_main_grad = True` and hands aut
 gradient, so that DDP's per-parameter hook still fires (it marks the parameter ready for the bucket's
 reduction) but adds nothing. Through autograd the op's d_weight would reach DDP rounded to the weight's
 dtype (torch casts a gradient to its tensor's dtype) and be added from there: one bf16 rounding of each
-micro-batch's gradient. `IntoMainGrad` runs the op through its tensor-parallel Function (function.py: the
-same forward, backward and collectives) with the backend's d_weight left in fp32 (LCEParams.d_weight_fp32)
-and adds that into main_grad itself.
+micro-batch's gradient. Here the op (the same custom ops, forward, backward and collectives) takes
+weight.main_grad as an argument of its own: the backend's d_weight is left in fp32 (LCEParams.d_weight_fp32)
+and the backward op adds it into the main_grad the weight had at the forward (its mutated argument, kept
+from the forward as Megatron's linear keeps it: a layer called twice, e.g. by MTP, accumulates into the
+buffer of each call), and autograd gets `placeholder_grad(weight)` for the weight (library.py).
 
 Used by the capture seam (megatron/capture.py) and the AReaL adapter where the output layer has
-gradient_accumulation_fusion=True.
+gradient_accumulation_fusion=True. It compiles with torch.compile(fullgraph=True) as the op does (library.py
+says where the flag is set then).
 """
 from __future__ import annotations
 
@@ -22,48 +25,13 @@ import inspect
 
 import torch
 
+from . import library
 from .api import linear_logprobs_entropy, prepare_call
-from .function import LinearLogprobsEntropy
-from .types import LCEOutput, LCEParams
+from .types import LCEOutput
 
 # linear_logprobs_entropy's keyword options and their defaults (one definition: its signature)
 _OPTIONS = {name: p.default for name, p in inspect.signature(linear_logprobs_entropy).parameters.items()
             if p.kind is inspect.Parameter.KEYWORD_ONLY}
-
-
-def placeholder_grad(weight: torch.Tensor):
-    """Call after adding the weight's gradient into its main_grad. What Megatron's linear returns as the weight's gradient once main_grad holds it: with DDP's
-    `grad_added_to_main_grad` attribute, a placeholder (zeros under `zero_out_wgrad`, else uninitialised)
-    and the flag set, so that DDP's hook fires and adds nothing; without it, no gradient."""
-    if not hasattr(weight, "grad_added_to_main_grad"):
-        return None
-    weight.grad_added_to_main_grad = True
-    if getattr(weight, "zero_out_wgrad", False):
-        return torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
-    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-
-
-class IntoMainGrad(LinearLogprobsEntropy):
-    """The op's tensor-parallel Function (same inputs, outputs, collectives and d_hidden) whose backward adds
-    the fp32 d_weight (params.d_weight_fp32) into the main_grad the weight had at the forward (kept on ctx,
-    as Megatron's linear keeps it: a layer called twice, e.g. by MTP, accumulates into the buffer of each
-    call) and returns `placeholder_grad` for the weight."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, inv_t, selected_ids, params: LCEParams):
-        ctx.main_grad = weight.main_grad
-        return LinearLogprobsEntropy.forward(ctx, hidden, weight, labels, inv_t, selected_ids, params)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        dh, dw, *rest = LinearLogprobsEntropy.backward(ctx, *grads)
-        if dw is None:
-            return (dh, None, *rest)
-        weight = ctx.saved_tensors[1]
-        with torch.no_grad():
-            ctx.main_grad.add_(dw)  # the fp32 d_weight, rounded once: by the add into main_grad's dtype
-        weight.main_grad = ctx.main_grad
-        return (dh, placeholder_grad(weight), *rest)
 
 
 def fuses_wgrad(output_layer, weight: torch.Tensor) -> bool:
@@ -85,7 +53,6 @@ def check_main_grad(weight: torch.Tensor, where: str) -> None:
                          "gradient_accumulation_fusion=False")
 
 
-@torch.compiler.disable
 def linear_logprobs_entropy_into_main_grad(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                            **options) -> LCEOutput:
     """`linear_logprobs_entropy(hidden, weight, labels, **options)` (same options, same outputs and d_hidden)
@@ -99,5 +66,5 @@ def linear_logprobs_entropy_into_main_grad(hidden: torch.Tensor, weight: torch.T
     if call.weight is not weight:
         raise ValueError("linear_logprobs_entropy_into_main_grad: weight must be contiguous (its main_grad is "
                          "laid out like it)")
-    return call.output(IntoMainGrad.apply(call.hidden, weight, call.labels, call.inv_t, call.selected_ids,
-                                          call.params))
+    return call.output(library.lce(call.hidden, weight, call.labels, call.inv_t, library.encode(**call.options),
+                                   call.selected_ids, main_grad=weight.main_grad))

@@ -38,7 +38,7 @@ def _exact_values(raw, y, it, start: int, valid_cols: int, ignore_index: int, tp
     from .backends.base import ShardStats
     from .backends.torch_chunked import TorchChunkedBackend
     tp = comms.group_size(tp_group)
-    params = LCEParams(vocab_parallel=VocabParallel(tp_group) if tp > 1 else None, tp_size=tp,
+    params = LCEParams(group_name=comms.group_name(tp_group) if tp > 1 else None, tp_size=tp,
                        backend=TorchChunkedBackend(), ignore_index=ignore_index, invariant=True)
     fin = exact.merge(ShardStats(m=None, s=None, a=None, zy=zy, mn=mn, mx=mx, seg=seg), params, inv)
     return fin.lp, fin.ent, fin.mx, fin.mn, fin.lse

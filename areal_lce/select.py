@@ -207,7 +207,7 @@ def _segment_maxima(hidden, weight, inv_t, params: LCEParams, st, part):
 
     from .backends.torch_chunked import TorchChunkedBackend, invariant_forward
     sp = dataclasses.replace(params, vocab_start=0, invariant=True, logit_sums=False, backend=TorchChunkedBackend(),
-                             tp_size=1, vocab_parallel=None)
+                             tp_size=1, group_name=None, d_hidden="all_reduce")
     labels = torch.full((hidden.shape[0],), -1, dtype=torch.int64, device=hidden.device)
     return invariant_forward(hidden, weight, labels, inv_t, sp).seg[0], sp, None
 

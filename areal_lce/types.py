@@ -2,8 +2,9 @@
 
 `VocabParallel` is the op's tensor-parallel option (the process group, who reduces d_hidden, and the
 vocabulary bookkeeping derived from the group). `LCEParams` travels as one frozen value from the
-functional API into the autograd Function and on to the backend, so the Function's backward returns
-one gradient slot per tensor input, not one per option.
+functional API through the custom op (library.py: as one options string) to the backend; the process
+group travels in it by name, as torch's functional collectives take it, and is resolved where a
+collective runs.
 """
 from __future__ import annotations
 
@@ -68,6 +69,11 @@ class VocabParallel:
         return comms.group_rank(self.group)
 
     @property
+    def group_name(self) -> Optional[str]:
+        """The group's torch.distributed group_name (how the op's options carry it), None for a 1-rank one."""
+        return comms.group_name(self.group) if self.size > 1 else None
+
+    @property
     def sequence_parallel(self) -> bool:
         """hidden is this rank's sequence shard (d_hidden="reduce_scatter")."""
         return self.d_hidden == "reduce_scatter"
@@ -100,8 +106,10 @@ class LCEParams:
     backend: Any = None  # the call's backends.base.Backend instance (a layer above: typed Any here); api.py
     #                      resolves it once, library.py's options carry its name; None only for a value handed
     #                      to one backend method directly, which reads no other backend
-    vocab_parallel: Optional[VocabParallel] = None  # the tensor-parallel option; None = unsharded
-    tp_size: int = 1  # vocab_parallel's group size, resolved once by the API
+    group_name: Optional[str] = None  # the vocab-parallel process group by its torch.distributed group_name
+    #                                   (resolved by `tp_group`); None = unsharded
+    tp_size: int = 1  # the group's size, resolved once by the API
+    d_hidden: str = "all_reduce"  # VocabParallel.d_hidden; "all_reduce" without vocab parallelism (no collective)
     compact_ignored: bool = True  # partition ignore_index rows to the tail on the device (function.py); the API
     #                               resolves its default per backend (False for triton: it skips them itself)
     check_labels: str = "off"  # label/temperature value checks: "sync" | "deferred" | "off" (checks.py)
@@ -136,12 +144,8 @@ class LCEParams:
 
     @property
     def tp_group(self):
-        return None if self.vocab_parallel is None else self.vocab_parallel.group
-
-    @property
-    def d_hidden(self) -> str:
-        """VocabParallel.d_hidden, "all_reduce" without vocab parallelism (no collective then)."""
-        return "all_reduce" if self.vocab_parallel is None else self.vocab_parallel.d_hidden
+        """The vocab-parallel process group (torch.distributed's resolver of `group_name`), None without."""
+        return None if self.group_name is None else comms.resolve_group(self.group_name)
 
 
 class LCEOutput(NamedTuple):

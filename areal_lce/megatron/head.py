@@ -15,7 +15,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..main_grad import check_main_grad, fuses_wgrad, placeholder_grad
+from ..library import placeholder_grad
+from ..main_grad import check_main_grad, fuses_wgrad
 from ..types import VocabParallel
 
 

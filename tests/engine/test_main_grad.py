@@ -95,6 +95,62 @@ def test_refuses_a_weight_without_main_grad():
         linear_logprobs_entropy_into_main_grad(h, _param(w, torch.zeros(V, H)), y, tp_group=None)
 
 
+def test_two_calls_before_one_backward_add_into_the_buffer_of_each_call():
+    """A layer called twice before the backward (MTP): each call's d_weight goes into the main_grad the weight
+    had at that call's forward, also where that is the other call's buffer, which the first backward has
+    already added into in place (main_grad is the backward op's mutated argument, not a saved tensor)."""
+    h, w, y, g_lp, g_ent = _inputs()
+    h2 = h * 0.5
+    dws = []
+    for hh in (h, h2):  # each call's fp32 d_weight alone
+        p0 = _param(w, torch.zeros(V, H))
+        out = linear_logprobs_entropy_into_main_grad(hh, p0, y, backend="torch")
+        (out.logprobs * g_lp + out.entropy * g_ent).sum().backward()
+        dws.append(p0.main_grad)
+    for swap in (False, True):
+        p = _param(w, torch.zeros(V, H))
+        first_buffer = p.main_grad
+        a = linear_logprobs_entropy_into_main_grad(h, p, y, backend="torch")
+        if swap:  # the second call sees another buffer
+            p.main_grad = torch.zeros(V, H)
+        second_buffer = p.main_grad
+        b = linear_logprobs_entropy_into_main_grad(h2, p, y, backend="torch")
+        (a.logprobs * g_lp + a.entropy * g_ent + b.logprobs * g_lp + b.entropy * g_ent).sum().backward()
+        assert p.grad_added_to_main_grad is True
+        if swap:
+            assert torch.equal(first_buffer, dws[0]) and torch.equal(second_buffer, dws[1])
+            assert p.main_grad is first_buffer, \
+                "the weight's main_grad is the buffer of the call whose backward ran last (the first call's)"
+        else:  # one buffer: the second call's backward adds first (autograd's reverse order)
+            assert torch.equal(p.main_grad, dws[1] + dws[0])
+
+
+def test_compiled_main_grad_call_equals_eager():
+    """torch.compile(fullgraph=True) of the main_grad front end: one graph, main_grad added bitwise as in eager,
+    the flag set on the real parameter and the placeholder gradient handed to it (DDP's hook fires)."""
+    import torch._dynamo.testing
+
+    h, w, y, g_lp, g_ent = _inputs()
+    init = torch.randn(V, H, generator=torch.Generator().manual_seed(1)) * 1e-2
+
+    def f(hh, p):
+        out = linear_logprobs_entropy_into_main_grad(hh, p, y, backend="torch")
+        return (out.logprobs * g_lp + out.entropy * g_ent).sum()
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, fullgraph=True, backend=counter)
+    res = []
+    for fn in (f, compiled):
+        p, hh = _param(w, init), h.clone().requires_grad_()
+        fn(hh, p).backward()
+        res.append((p, hh.grad))
+    (pe, dhe), (pc, dhc) = res
+    assert counter.frame_count == 1
+    assert torch.equal(pc.main_grad, pe.main_grad) and torch.equal(dhc, dhe)
+    assert pc.grad_added_to_main_grad is True
+    assert pc.grad is not None and pc.grad.shape == pc.shape and pc.grad.dtype == pc.dtype
+
+
 def test_megatron_ddp_hook_adds_nothing_more():
     """Megatron DDP's own backward hook (its _make_backward_post_hook) after the fused backward: main_grad
     keeps exactly the fp32 sum (the hook sees grad_added_to_main_grad and does not add the placeholder)."""

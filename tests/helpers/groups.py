@@ -15,6 +15,7 @@ class FakeGroup:
     """Stands for a 2-rank TP group; this process plays rank 0 and records every collective."""
 
     size, rank = 2, 0
+    group_name = "fake_tp2"  # the op's options carry a group by name (resolved by the patched resolver below)
 
     def __init__(self):
         self.calls: list[dict] = []
@@ -62,6 +63,12 @@ def fake_group(monkeypatch):
         monkeypatch.setattr(dist, name, all_gather, raising=False)
     for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
         monkeypatch.setattr(dist, name, reduce_scatter, raising=False)
+    def resolve(name):
+        if name != g.group_name:
+            raise AssertionError(f"the op resolved the group name {name!r}, not {g.group_name!r}")
+        return g
+
+    monkeypatch.setattr(dist.distributed_c10d, "_resolve_process_group", resolve)
     monkeypatch.setattr(dist, "get_world_size", world_size)
     monkeypatch.setattr(dist, "get_rank", rank)
     monkeypatch.setattr(dist, "get_backend", backend)

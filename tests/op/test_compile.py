@@ -105,42 +105,82 @@ def test_compiled_sync_check_still_raises_with_the_value():
 
 
 @pytest.mark.slow
-def test_opcheck_forward_and_backward_ops():
+def test_opcheck_forward_and_backward_ops(fake_group):  # noqa: F811
     """torch.library.opcheck: schema, fake implementation against the real one, autograd registration,
-    AOT dispatch (static and dynamic shapes)."""
+    AOT dispatch (static and dynamic shapes); the backward op's main_grad mutation; under sequence
+    parallelism (the recording 2-rank group, by name) the fake shapes of a [N/2, H] hidden."""
     hidden, weight, _, labels, temp = _inputs(n=9, v=65)
     h = hidden.requires_grad_()
     w = weight.requires_grad_()
+
+    def forward_args(hh, y, t, sel, **options):  # t: the per-token 1/T tensor or None
+        return (hh, w, y, t, sel, None, "none", encode(**options), True)
+
     for inv_t, cache_bytes, compact, inv in ((None, 0, True, False), (1.0 / temp, 1 << 20, True, False),
                                              (None, 0, False, False), (None, 0, True, True)):
         opts = dict(inv_t=1 / 0.7 if inv_t is None else None, ignore_index=IGNORE, vocab_size=65, vocab_start=0,
                     shard_valid=65, cache_bytes=cache_bytes, backend="torch", compact_ignored=compact,
                     check_labels="off", invariant=inv, logits_precision="fp32")
         for sums in (False, True):  # logit_sums: stats [5, N]
-            torch.library.opcheck(lce_forward_op, (h, w, labels, inv_t, None, encode(**opts, logit_sums=sums), True))
+            torch.library.opcheck(lce_forward_op, forward_args(h, labels, inv_t, None, **opts, logit_sums=sums))
     # selected ids, top-k and softcap: more outputs of the same op
     sel = torch.randint(0, 65, (9, 3), generator=torch.Generator().manual_seed(3))
     extra = dict(opts, invariant=True, compact_ignored=True)
-    torch.library.opcheck(lce_forward_op, (h, w, labels, None, sel, encode(**extra, logit_sums=False, top_k=4,
-                                                                            softcap=5.0), True))
+    torch.library.opcheck(lce_forward_op, forward_args(h, labels, None, sel, **extra, logit_sums=False, top_k=4,
+                                                       softcap=5.0))
+    # sequence parallelism: this rank's [4, H] rows of a labels' [8] sequence, gathered inside the op
+    sp = dict(opts, group_name=fake_group.group_name, tp_size=2, d_hidden="reduce_scatter", logit_sums=False)
+    torch.library.opcheck(lce_forward_op, forward_args(hidden[:4].detach().requires_grad_(), labels[:8], None, None,
+                                                       **sp))
     options = encode(**opts, logit_sums=False)
-    diff, dstats, stats, _, _, topk_ids, h_c, lse_ent, cache = lce_forward_op(h, w, labels, None, None, options, False)
-    bargs = (torch.randn(2, 9), torch.randn(1, 9), None, None, hidden.detach(), weight.detach(), labels, None, None,
-             topk_ids, lse_ent, cache, options, True, True)
-    torch.library.opcheck(lce_backward_op, bargs, test_utils=("test_schema", "test_faketensor"))
+    diff, dstats, stats, _, _, topk_ids, h_c, lse_ent, cache = lce_forward_op(h, w, labels, None, None, None, "none",
+                                                                              options, False)
+    bargs = [torch.randn(2, 9), torch.randn(1, 9), None, None, hidden.detach(), weight.detach(), labels, None, None,
+             topk_ids, lse_ent, cache, None, options, True, True]
+    torch.library.opcheck(lce_backward_op, tuple(bargs), test_utils=("test_schema", "test_faketensor"))
+    # main_grad: the fp32 d_weight added into the mutated argument, an empty d_weight returned
+    bargs[12], bargs[13] = torch.zeros(65, 16), encode(**opts, logit_sums=False, d_weight_fp32=True)
+    torch.library.opcheck(lce_backward_op, tuple(bargs), test_utils=("test_schema", "test_faketensor"))
 
 
-def test_tensor_parallel_call_compiles_with_a_graph_break(fake_group):  # noqa: F811
-    """A process group is not an operator argument: TP calls run the autograd.Function, which
-    torch.compile leaves to eager (one graph break); results stay equal to eager."""
-    hidden, weight, proj, labels, _ = _inputs(n=12, v=10)
-    labels = torch.randint(0, 20, (12,), generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("d_hidden", ["all_reduce", "reduce_scatter", "caller"])
+def test_tensor_parallel_call_compiles_in_one_graph(fake_group, d_hidden):  # noqa: F811
+    """The process group travels by name in the op's options: a TP call is one node of one graph too, its
+    collectives inside the op (issued on the group passed); results equal eager (the recording group's
+    collectives are identities, so both sides run the same kernels on the same values)."""
+    n, v = 12, 10
+    hidden, weight, proj, _, _ = _inputs(n=n, v=v)
+    labels = torch.randint(0, 2 * v, (n,), generator=torch.Generator().manual_seed(1))
     labels[[2, 9]] = IGNORE
-    f = _model(backend="torch", vocab_parallel=areal_lce.VocabParallel(fake_group))
+    if d_hidden == "reduce_scatter":  # this rank's sequence shard; labels cover the full sequence
+        hidden = hidden[: n // 2]
+    vp = areal_lce.VocabParallel(fake_group, d_hidden)
+    f = _model(backend="torch", vocab_parallel=vp)
     eager = _step(f, hidden, weight, proj, labels, 0.9)
-    got = _step(torch.compile(f, backend="aot_eager"), hidden, weight, proj, labels, 0.9)
+    calls = len(fake_group.calls)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    got = _step(torch.compile(f, fullgraph=True, backend=counter), hidden, weight, proj, labels, 0.9)
+    assert counter.frame_count == 1 and "areal_lce.lce_forward" in "\n".join(gm.code for gm in counter.graphs)
+    assert [c["kind"] for c in fake_group.calls[calls:]] == [c["kind"] for c in fake_group.calls[:calls]]
     for a, b in zip(got, eager):
         assert torch.equal(a, b)
+
+
+@pytest.mark.distributed
+def test_tp2_gloo_compiles_fullgraph_equal_to_eager(tmp_path):
+    """2 gloo ranks: a TP=2 call, a sequence-parallel call and the main_grad front end compile with
+    fullgraph=True into one graph (the op one node, the group by name, its collectives inside), and every
+    output and gradient (main_grad, its flag and placeholder) equals eager bitwise, on both ranks."""
+    from pathlib import Path
+
+    from helpers.launch import torchrun
+
+    out = tmp_path / "compile_tp.json"
+    res = torchrun(Path(__file__).with_name("compile_tp_worker.py"), out, result=out, timeout=300)
+    assert not res["mismatches"], res["mismatches"]
+    for per_rank in res["graphs"]:
+        assert set(per_rank) == {"tp2", "sp", "tp2_main_grad"}, per_rank
+        assert all(g == {"frames": 1, "op_in_graph": True} for g in per_rank.values()), per_rank
 
 
 # --------------------------------------------------------------------------------------------------
@@ -260,6 +300,25 @@ def test_cuda_graph_replay_matches_eager(record_property):
         replays.append({"seed": seed, "n_valid": n_valid, "bitwise": _same(captured, eager), "max_abs_diff": diff})
     record_property("result", {"replays": replays})
     assert all(r["bitwise"] or r["max_abs_diff"] <= 1e-5 for r in replays), replays
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+def test_tp2_nccl_cuda_graph_replay_matches_eager(tmp_path, record_property):
+    """TP=2 on NCCL, one GPU per rank: forward + backward (its collectives included) captured once with
+    torch.cuda.graph, for d_hidden "all_reduce" and "reduce_scatter", and replayed on new inputs: every
+    replay bitwise equal to an eager call on the same values, on both ranks."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    from pathlib import Path
+
+    from helpers.launch import torchrun
+
+    out = tmp_path / "cuda_graph_tp.json"
+    res = torchrun(Path(__file__).with_name("cuda_graph_tp_worker.py"), out, result=out, timeout=300)
+    record_property("result", res)
+    assert len(res["replays"]) == 12, res
+    assert all(r["bitwise"] and r["finite"] for r in res["replays"]), res
 
 
 def _loss_model(h, w, y, temp):

@@ -1,4 +1,4 @@
-"""The op's context-parallel contract (function.LinearLogprobsEntropy's docstring), on 2 simulated CP ranks.
+"""The op's context-parallel contract (function.py's docstring), on 2 simulated CP ranks.
 
 Each simulated rank runs the op on its CP-local tokens only, as a CP rank does: BSHD tokens split by
 megatron-core's own `get_batch_on_this_cp_rank` (per-row zigzag: chunks r and 2·cp−1−r of 2·cp), THD

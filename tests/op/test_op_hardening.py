@@ -3,7 +3,7 @@
 - A label >= vocab_size or a negative label that is not ignore_index: the materialised route refuses it
   as the fused op does (it used to score it 0, a perfect logprob).
 - Outputs edited in place before backward (`lp[~mask] = 0; lp.sum().backward()`, the RL pattern) work on
-  both front ends (the torch.library op without TP, the autograd.Function under TP), while a second-order
+  the op without TP and under TP (the same torch.library ops, the group by name), while a second-order
   gradient is still refused with a clear error.
 - With compact_ignored=False a NaN in an ignored row's hidden reaches no d_hidden on the backends that
   compute every row (the contract api.py states).

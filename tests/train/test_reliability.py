@@ -64,7 +64,7 @@ def test_second_order_gradient_is_refused(n_ignored, weight_grad):
 
 
 def test_second_order_gradient_is_refused_on_the_tensor_parallel_path(fake_group):  # noqa: F811
-    """With a VocabParallel group the op runs the autograd.Function (function.py), not the torch.library ops: the
+    """With a VocabParallel group (the same torch.library ops, the group by name, collectives inside): the
     same refusal there, dense and with ignored rows."""
     for n_ignored in (0, 2):
         h, w, y = _op_inputs(n_ignored, True)
