@@ -19,8 +19,7 @@ from typing import Optional
 import torch
 
 from .. import patching
-from ..megatron.context_parallel import (ContextParallelPadding, CPGroup, gather_from_context_parallel, pad_packed,
-                                         split_for_context_parallel)
+from ..megatron.context_parallel import CPGroup, gather_from_context_parallel, pad_packed, split_for_context_parallel
 from ..megatron.packing import PackedLayout, PackedRows, pack_rows
 from ..megatron.stats import TokenStats
 
@@ -34,15 +33,17 @@ class ModelBatch:
     packed: Optional[PackedRows]  # None: BSHD
     shape: tuple  # (b, s) of the caller's padded batch
     cp: CPGroup = CPGroup.none()  # the context-parallel group (CPGroup.none(): no CP)
-    # THD: the packed layout the model sees, built once by `prepare` (under CP its slots padded for the
-    # zigzag split); attention, RoPE, the CP split and gather and the per-token tensors all read this value
+    # THD: the packed layout the model sees, built once by `prepare` (`packed.layout`, under CP its slots
+    # padded for the zigzag split); attention, RoPE, the CP split and gather and the per-token tensors all
+    # read this value. None for BSHD
     layout: Optional[PackedLayout] = None
     compact_ignored: Optional[bool] = None  # the fused LM head's choice for this batch (compact_choice)
 
-    @property
-    def cp_padding(self) -> Optional[ContextParallelPadding]:
-        """THD under CP: the padding of the packed sequences in its older form (`layout` holds it)."""
-        return ContextParallelPadding.of(self.layout) if self.cp.active and self.layout is not None else None
+    def __post_init__(self):
+        if (self.packed is None) != (self.layout is None):
+            raise ValueError("ModelBatch: a packed (THD) batch carries its PackedLayout (layout=) and a BSHD "
+                             f"batch none; got packed={type(self.packed).__name__}, "
+                             f"layout={type(self.layout).__name__}")
 
     def rope_positions(self) -> Optional[torch.Tensor]:
         """Position of every token of the whole packed row (before any CP split) within its sequence."""
@@ -53,10 +54,8 @@ class ModelBatch:
 
     @property
     def packed_seq_params(self):
-        if self.packed is None:
-            return None
         # under CP: real lengths + the padded layout megatron's THD RoPE and attention use
-        return self.packed.packed_seq_params() if self.layout is None else self.layout.packed_seq_params()
+        return None if self.layout is None else self.layout.packed_seq_params()
 
     def stats(self, out: torch.Tensor) -> TokenStats:
         """Model output (packed stats [b, s', 4] or [1, T, 4], CP-local under CP) -> TokenStats in the
@@ -165,7 +164,7 @@ def per_token_rope(gpt_model, mb: ModelBatch):
     if rope is None or positions is None or "forward" in vars(rope):
         yield
         return
-    table_rows = mb.packed.max_seqlen
+    table_rows = mb.packed.layout.max_seqlen
 
     def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
         return rope.get_emb(table_rows, offset)[positions.to(rope.inv_freq.device)]

@@ -39,7 +39,7 @@ from typing import Callable, Optional
 import torch
 
 from .batch import ModelBatch
-from ..megatron.packing import PackedRows, host_to_device
+from ..megatron.packing import PackedLayout, PackedRows, host_to_device
 
 MAX_GRAPHS = 16
 _SEEN = "seen"  # a key met once (ran eagerly)
@@ -72,11 +72,12 @@ class _Entry:
         rows = mb.packed
         t = rows.input_ids.shape[1]
         self.ids, self.labels, self.pos = (x.clone() for x in (rows.input_ids, rows.labels, rows.position_ids))
-        self.cu = host_to_device(rows.cu_seqlens.to(torch.int32), rows.input_ids.device).clone()
-        # no PackedLayout: the static rows' sequences change at every replay (their host lengths would be
-        # stale); attention's captured plan reads only the static cu tensor, with max_seqlen = T
-        static = PackedRows(self.ids, self.labels, self.pos, self.cu, t, rows.index, rows.padded_shape)
-        self.mb = ModelBatch(self.ids, self.labels, self.pos, None, static, mb.shape,
+        self.cu = host_to_device(rows.layout.cu_seqlens, rows.input_ids.device).clone()
+        # the static rows' sequences change at every replay, so their layout holds only the bound on the
+        # host (T tokens: max_seqlen = T); attention's captured plan reads only the static cu tensor
+        layout = PackedLayout.bound(self.cu, t)
+        static = PackedRows(self.ids, self.labels, self.pos, layout, rows.index, rows.padded_shape)
+        self.mb = ModelBatch(self.ids, self.labels, self.pos, None, static, mb.shape, layout=layout,
                              compact_ignored=mb.compact_ignored)
         self.fwd: Optional[torch.cuda.CUDAGraph] = None
         self.bwd: Optional[torch.cuda.CUDAGraph] = None
@@ -88,7 +89,7 @@ class _Entry:
         self.ids.copy_(rows.input_ids)
         self.labels.copy_(rows.labels)
         self.pos.copy_(rows.position_ids)
-        self.cu.copy_(host_to_device(rows.cu_seqlens.to(torch.int32), self.cu.device))
+        self.cu.copy_(host_to_device(rows.layout.cu_seqlens, self.cu.device))
 
 
 class _Replay(torch.autograd.Function):
@@ -123,7 +124,8 @@ class ModelCallGraphs:
 
     def __call__(self, mb: ModelBatch, temperature: float, grad: bool) -> torch.Tensor:
         rows = mb.packed
-        key = (rows.input_ids.shape[1], rows.cu_seqlens.numel(), float(temperature), bool(grad), mb.compact_ignored)
+        key = (rows.input_ids.shape[1], rows.layout.cu_seqlens.numel(), float(temperature), bool(grad),
+               mb.compact_ignored)
         entry = self.entries.get(key)
         if entry is None:  # first sighting: eager
             self._remember(key, _SEEN)

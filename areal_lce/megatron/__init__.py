@@ -12,12 +12,12 @@ generation) lives in areal_lce.engine, above this package.
 
 Importing this package does not import megatron-core; the functions do, when called.
 """
-from .context_parallel import (ContextParallelPadding, CPGroup, gather_from_context_parallel,
-                               pad_for_context_parallel, pad_packed, split_for_context_parallel)
+from .context_parallel import (CPGroup, gather_from_context_parallel, pad_for_context_parallel, pad_packed,
+                               split_for_context_parallel)
 from .packing import PackedLayout, PackedRows, pack_rows, packed_next_token_labels
 from .route import Route
 from .stats import SelectedTokenStats, TokenStats, find_gpt_model, token_stats
 
 __all__ = ["token_stats", "TokenStats", "SelectedTokenStats", "find_gpt_model", "packed_next_token_labels",
            "pack_rows", "PackedRows", "PackedLayout", "split_for_context_parallel", "gather_from_context_parallel",
-           "pad_for_context_parallel", "pad_packed", "ContextParallelPadding", "CPGroup", "Route"]
+           "pad_for_context_parallel", "pad_packed", "CPGroup", "Route"]

@@ -7,11 +7,11 @@ split per packed sequence (the layout megatron's THD RoPE and Transformer Engine
 `thd_get_partitioned_indices` assume), so every sequence length must be a multiple of 2·cp:
 `pad_for_context_parallel` pads them.
 
-    pad = pad_for_context_parallel(cu_seqlens, cp)            # lengths -> multiples of 2·cp
+    pad = pad_for_context_parallel(cu_seqlens, cp)            # a PackedLayout: slots -> multiples of 2·cp
     ids = pad_packed(input_ids, pad)                          # [1, T] -> [1, T_padded]
-    local = split_for_context_parallel(ids, cp_group, pad.cu_seqlens_padded)
+    local = split_for_context_parallel(ids, cp_group, pad)
     ...
-    full = gather_from_context_parallel(local_out, cp_group, pad.cu_seqlens_padded)
+    full = gather_from_context_parallel(local_out, cp_group, pad)
     out = full.index_select(1, pad.index)                     # back to the unpadded tokens
 
 `gather_from_context_parallel` is differentiable with the replicated-loss convention: when every CP
@@ -25,7 +25,7 @@ parallelism), built once where it enters by `CPGroup.of(...)` from whatever the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, NamedTuple, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -191,36 +191,23 @@ def check_same_layout(local: torch.Tensor, lengths: Optional[List[int]], cp_grou
     return None
 
 
-class ContextParallelPadding(NamedTuple):
-    """Packed sequences padded for CP: sequence i occupies
-    [cu_seqlens_padded[i], cu_seqlens_padded[i+1]) with its real tokens first. The older form of a
-    CP-padded `PackedLayout` (which holds the same tensors), kept for one release."""
-
-    cu_seqlens_padded: torch.Tensor  # int32 [n+1]
-    index: torch.Tensor  # int64 [T]: position of every original packed token in the padded layout
-    max_seqlen: int  # longest padded sequence (megatron's PackedSeqParams.max_seqlen_q / _kv)
-    total: int  # padded token count
-
-    @classmethod
-    def of(cls, layout: PackedLayout) -> "ContextParallelPadding":
-        """The padded side of a (CP-padded) PackedLayout in this form."""
-        return cls(layout.cu_seqlens_padded, layout.index, layout.max_seqlen, layout.padded_total)
+def pad_for_context_parallel(cu_seqlens, cp_size: int, multiple: Optional[int] = None) -> PackedLayout:
+    """The packed layout with every sequence's slot padded up to a multiple of `multiple` (default
+    2·cp_size; it must be a multiple of 2·cp_size, e.g. 2·cp·tp when sequence parallelism also splits the
+    packed tokens): `PackedLayout.of(cu_seqlens).for_context_parallel(cp_size, multiple)`.
+    `cu_seqlens`: a cu_seqlens tensor, megatron's PackedSeqParams or a PackedLayout (`PackedLayout.of`).
+    The result's `cu_seqlens_padded`, `index` (where every packed token sits in the padded layout),
+    `max_seqlen` and `padded_total` are what `pad_packed`, the CP split and megatron's PackedSeqParams take."""
+    return PackedLayout.of(cu_seqlens).for_context_parallel(cp_size, multiple)
 
 
-def pad_for_context_parallel(cu_seqlens, cp_size: int, multiple: Optional[int] = None) -> ContextParallelPadding:
-    """Pad every packed sequence's length up to a multiple of `multiple` (default 2·cp_size; it must be a
-    multiple of 2·cp_size, e.g. 2·cp·tp when sequence parallelism also splits the packed tokens).
-    `cu_seqlens`: a cu_seqlens tensor, megatron's PackedSeqParams or a PackedLayout (`PackedLayout.of`);
-    the padding of `PackedLayout.for_context_parallel`, in this older form."""
-    return ContextParallelPadding.of(PackedLayout.of(cu_seqlens).for_context_parallel(cp_size, multiple))
-
-
-def pad_packed(x: torch.Tensor, padding, value=0) -> torch.Tensor:
-    """`x` [1, T, ...] in the padded layout [1, padding.total, ...]; padding slots hold `value`.
-    `padding`: a ContextParallelPadding or a (padded) PackedLayout."""
-    if isinstance(padding, PackedLayout):
-        padding = ContextParallelPadding.of(padding)
-    if x.dim() < 2 or x.shape[0] != 1 or x.shape[1] != padding.index.numel():
-        raise ValueError(f"pad_packed: x must be [1, {padding.index.numel()}, ...], got {tuple(x.shape)}")
-    out = x.new_full((1, padding.total) + tuple(x.shape[2:]), value)
-    return out.index_copy(1, padding.index.to(x.device), x)
+def pad_packed(x: torch.Tensor, layout: PackedLayout, value=0) -> torch.Tensor:
+    """`x` [1, layout.total, ...] (the packed tokens) in the padded layout [1, layout.padded_total, ...];
+    padding slots hold `value`. `layout`: a (padded) PackedLayout, e.g. `pad_for_context_parallel`'s."""
+    if not isinstance(layout, PackedLayout):
+        raise TypeError(f"pad_packed: layout must be a PackedLayout (pad_for_context_parallel's or "
+                        f"PackedLayout.for_context_parallel's), got {type(layout).__name__}")
+    if x.dim() < 2 or x.shape[0] != 1 or x.shape[1] != layout.total:
+        raise ValueError(f"pad_packed: x must be [1, {layout.total}, ...], got {tuple(x.shape)}")
+    out = x.new_full((1, layout.padded_total) + tuple(x.shape[2:]), value)
+    return out.index_copy(1, layout.index.to(x.device), x)

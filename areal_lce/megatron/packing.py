@@ -154,6 +154,24 @@ class PackedLayout:
         return cls(tuple(lengths), tuple(lengths), cu, cu)
 
     @classmethod
+    def bound(cls, cu_seqlens: torch.Tensor, tokens: int) -> "PackedLayout":
+        """The layout of `tokens` packed tokens in `cu_seqlens.numel() - 1` sequences whose lengths live
+        only in the tensor (a CUDA graph's static input, refilled on the device before every replay):
+        the host side holds just the bound -- one slot of every token, then empty ones, so `max_seqlen`
+        is `tokens` and `total` the token count -- not the lengths. Only what reads no host length may
+        take it (attention's captured plan, RoPE's per-token angles); `PackedLayout.of` of its
+        PackedSeqParams reads the tensor again once the tensor has been written."""
+        if not torch.is_tensor(cu_seqlens) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 \
+                or cu_seqlens.numel() < 2:
+            raise ValueError(f"PackedLayout.bound: cu_seqlens must be a 1-D int32 tensor [n + 1] (n >= 1), got "
+                             f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)} "
+                             f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"PackedLayout.bound: tokens={tokens!r} must be an int >= 1")
+        lengths = (tokens,) + (0,) * (cu_seqlens.numel() - 2)
+        return cls(lengths, lengths, cu_seqlens, cu_seqlens)
+
+    @classmethod
     def _of_params(cls, psp, what: str) -> "PackedLayout":
         fmt = getattr(psp, "qkv_format", "thd")
         if fmt != "thd":
@@ -265,38 +283,29 @@ def row_lengths(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
 
 @dataclass
 class PackedRows:
-    """Right-padded rows packed into one THD row (see `pack_rows`)."""
+    """Right-padded rows packed into one THD row (see `pack_rows`); their sequences are `layout`."""
 
     input_ids: torch.Tensor  # [1, T]
     labels: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T], restarting at 0 in every sequence
-    cu_seqlens: torch.Tensor  # [n + 1] int32 (see `to` for where it lives)
-    max_seqlen: int
+    layout: PackedLayout  # the packed sequences (unpadded; see `to` for where its tensors live)
     index: torch.Tensor  # [T_real] flat positions (row * s + col) in the padded [b, s] layout
     padded_shape: tuple  # (b, s) of the padded batch
-    # the sequences as one value (pack_rows builds it; its cu_seqlens is the tensor above). None for rows
-    # whose contents change after construction (a CUDA graph's static rows: no host lengths to trust)
-    layout: Optional[PackedLayout] = None
 
     def packed_seq_params(self):
-        if self.layout is not None:
-            return self.layout.packed_seq_params()
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
-                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+        """megatron's PackedSeqParams of `layout` (`PackedLayout.packed_seq_params`)."""
+        return self.layout.packed_seq_params()
 
     def to(self, device, cu_seqlens_on_host: bool = False) -> "PackedRows":
         """The same rows on `device` (`index` stays on the host: it only addresses the padded layout).
-        `cu_seqlens_on_host`: leave cu_seqlens on the host, where megatron's THD RoPE reads it with
-        `.tolist()` / `.item()` at every layer (a device tensor would cost two device syncs per call);
-        SDPAttention builds its device-side segments from it once per forward. Transformer Engine's
-        attention needs it on the device."""
+        `cu_seqlens_on_host`: leave the layout's tensors on the host, where megatron's THD RoPE reads
+        cu_seqlens with `.tolist()` / `.item()` at every layer (a device tensor would cost two device
+        syncs per call); SDPAttention builds its device-side segments from it once per forward.
+        Transformer Engine's attention needs it on the device."""
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        layout = self.layout if cu_seqlens_on_host or self.layout is None else self.layout.to(device)
-        cu = self.cu_seqlens if cu_seqlens_on_host else layout.cu_seqlens if layout else move(self.cu_seqlens)
-        return PackedRows(move(self.input_ids), move(self.labels), move(self.position_ids), cu,
-                          self.max_seqlen, self.index, self.padded_shape, layout)
+        layout = self.layout if cu_seqlens_on_host else self.layout.to(device)
+        return PackedRows(move(self.input_ids), move(self.labels), move(self.position_ids), layout, self.index,
+                          self.padded_shape)
 
     def unpack(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """[1, T, ...] per-token values -> the padded [b, s, ...] layout (fill elsewhere); differentiable."""
@@ -338,6 +347,5 @@ def pack_rows(input_ids: torch.Tensor, labels: torch.Tensor, *, pad_to_multiple:
         ids = torch.cat([ids, ids.new_zeros(pad)])
         lab = torch.cat([lab, lab.new_full((pad,), ignore_index)])
     pos = torch.cat([torch.arange(n) for n in seq_lens]).to(device)
-    return PackedRows(input_ids=ids[None], labels=lab[None], position_ids=pos[None],
-                      cu_seqlens=layout.cu_seqlens, max_seqlen=layout.max_seqlen, index=index,
-                      padded_shape=(b, s), layout=layout)
+    return PackedRows(input_ids=ids[None], labels=lab[None], position_ids=pos[None], layout=layout, index=index,
+                      padded_shape=(b, s))

@@ -218,7 +218,7 @@ def test_pad_for_context_parallel():
     cu = A.cu_of([7, 12, 3, 9, 0])
     pad = CP.pad_for_context_parallel(cu, 2)
     assert pad.cu_seqlens_padded.tolist() == [0, 8, 20, 24, 36, 36] and pad.cu_seqlens_padded.dtype == torch.int32
-    assert pad.max_seqlen == 12 and pad.total == 36
+    assert pad.max_seqlen == 12 and pad.padded_total == 36 and pad.total == 31
     assert pad.index.tolist() == list(range(7)) + list(range(8, 20)) + [20, 21, 22] + list(range(24, 33))
     x = torch.arange(1, 32)[None]
     padded = CP.pad_packed(x, pad, -1)
@@ -250,8 +250,8 @@ def test_prepare_takes_one_cp_value(fake_group):
 
 def test_prepare_builds_one_packed_layout(fake_group):
     """A packed micro-batch carries its layout as one value, built once by prepare (CP-padded under CP):
-    its PackedSeqParams carries it (attention and the CP helpers read its host lengths), and the older
-    ContextParallelPadding form equals pad_for_context_parallel of the packed cu_seqlens."""
+    its PackedSeqParams carries it (attention and the CP helpers read its host lengths), and under CP it
+    equals pad_for_context_parallel of the packed cu_seqlens."""
     from areal_lce.engine.batch import prepare
     from areal_lce.megatron.packing import PackedLayout
 
@@ -259,16 +259,17 @@ def test_prepare_builds_one_packed_layout(fake_group):
     labels = ids.masked_fill(ids == 0, -100)
     kw = dict(device=torch.device("cpu"), max_seq_len=8, pack=True)
     mb = prepare(ids, labels, **kw)
-    assert mb.layout is mb.packed.layout and mb.layout.lengths == (3, 5) and mb.cp_padding is None
+    assert mb.layout is mb.packed.layout and mb.layout.lengths == (3, 5) and not mb.layout.padded
     assert PackedLayout.of(mb.packed_seq_params) is mb.layout and mb.packed_seq_params.max_seqlen_q == 5
     mb = prepare(ids, labels, cp=CP.CPGroup.of(fake_group), **kw)
-    old = CP.pad_for_context_parallel(mb.packed.cu_seqlens, 2)
+    old = CP.pad_for_context_parallel(mb.packed.layout.cu_seqlens, 2)
     assert mb.layout.lengths == (3, 5) and mb.layout.padded_lengths == (4, 8)
-    assert mb.layout.cu_seqlens is mb.packed.cu_seqlens
+    assert mb.layout.cu_seqlens is mb.packed.layout.cu_seqlens
     psp = mb.packed_seq_params
     assert PackedLayout.of(psp) is mb.layout and psp.cu_seqlens_q_padded is mb.layout.cu_seqlens_padded
     assert psp.max_seqlen_q == old.max_seqlen == 8
-    assert [torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(mb.cp_padding, old)] == [True] * 4
+    assert torch.equal(mb.layout.cu_seqlens_padded, old.cu_seqlens_padded) and torch.equal(mb.layout.index, old.index)
+    assert mb.layout.padded_total == old.padded_total == 12 and old.padded_lengths == mb.layout.padded_lengths
     assert mb.input_ids.tolist() == [[5, 0, 8, 9, 0, 0]]  # rank 0: chunk 0 and 3 of [5 6 7 0] and [8 .. 12 0 0 0]
     assert fake_group.calls == []
 

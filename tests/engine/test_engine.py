@@ -263,7 +263,7 @@ def test_per_token_rope_matches_megatrons_per_sequence_rope():
     e = _engine(ModelConfig(preset="tiny", max_seq_len=64), vocab=W.VOCAB)
     ids, labels = W.batch(12, b=3, s=20)
     mb = e._prepare(ids, labels)
-    assert mb.packed is not None and mb.packed.cu_seqlens.numel() >= 4  # several packed sequences
+    assert mb.packed is not None and mb.packed.layout.cu_seqlens.numel() >= 4  # several packed sequences
     kw = dict(vocab_size=W.VOCAB, position_ids=mb.position_ids, packed_seq_params=mb.packed_seq_params,
               backend="torch")
     with torch.no_grad(), cpu_shims():  # the engine's model driven directly, as the engine would

@@ -106,6 +106,25 @@ def test_graph_keys_eager_first_then_capture_and_failure(monkeypatch):
     assert (32, 4, 1.0, False, None) in graphs.entries and (16, 4, 0.5, False, None) in graphs.entries
 
 
+def test_static_batch_carries_the_bound_layout():
+    """A key's static batch: its layout is the static cu tensor with the bound on the host (max_seqlen =
+    the packed length T, what the captured plan and the per-token RoPE table need), one layout value that
+    the rows, the batch and its PackedSeqParams share; loading another batch refills the tensor."""
+    from areal_lce.megatron.packing import PackedLayout
+
+    a, b = _packed([5, 7]), _packed([9, 3])  # one key: 16 tokens in 3 sequences (two kept rows, then padding)
+    entry = G._Entry(a)
+    layout = entry.mb.layout
+    assert layout is entry.mb.packed.layout and layout.cu_seqlens is entry.cu and entry.cu is not a.layout.cu_seqlens
+    assert (layout.max_seqlen, layout.total, len(layout.lengths)) == (16, 16, 3)
+    psp = entry.mb.packed_seq_params
+    assert psp.cu_seqlens_q is psp.cu_seqlens_kv is entry.cu and psp.cu_seqlens_q_padded is None
+    assert psp.max_seqlen_q == psp.max_seqlen_kv == 16 and entry.cu.tolist() == a.layout.cu_seqlens.tolist()
+    entry.load(b)
+    assert entry.cu.tolist() == b.layout.cu_seqlens.tolist() == [0, 8, 10, 16]
+    assert PackedLayout.of(psp).lengths == (8, 2, 6)  # written since: the tensor is read again
+
+
 def test_captured_plan_reads_nothing_on_host_and_refuses_what_it_cannot_take():
     cu = torch.tensor([0, 5, 16], dtype=torch.int32)
     psp = types.SimpleNamespace(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=None,

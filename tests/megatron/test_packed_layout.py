@@ -1,6 +1,6 @@
 """`PackedLayout`: the packed (THD) layout as one value -- its constructors agree, its host and tensor
-copies agree, its context-parallel form is `pad_for_context_parallel`'s padding, and bad input is refused
-naming the argument."""
+copies agree, its context-parallel form is what `pad_for_context_parallel` returns, the packed rows and
+the engine's batches carry it (no other form of the layout), and bad input is refused naming the argument."""
 import pytest
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -41,10 +41,11 @@ def test_constructors_agree_and_copies_agree():
     assert psp.qkv_format == "thd" and psp.cu_seqlens_q is layout.cu_seqlens and psp.cu_seqlens_kv_padded is None
     assert psp.max_seqlen_q == psp.max_seqlen_kv == 12 and PackedLayout.of(psp) is layout
     _same(layout, PackedLayout.of(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)))
-    # pack_rows builds its rows' cu_seqlens from the same rule
+    # pack_rows builds its rows' layout from the same rule, and their PackedSeqParams carry it
     ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
     rows = pack_rows(ids, ids.masked_fill(ids == 0, -100))
-    assert rows.cu_seqlens.tolist() == PackedLayout.from_lengths([3, 2]).cu_seqlens.tolist()
+    _same(rows.layout, PackedLayout.from_lengths([3, 2]))
+    assert PackedLayout.of(rows.packed_seq_params()) is rows.layout and rows.to("cpu").layout.lengths == (3, 2)
 
 
 @pytest.mark.parametrize("cp, multiple", [(1, None), (2, None), (2, 8), (3, 6)])
@@ -52,15 +53,15 @@ def test_context_parallel_form_is_pad_for_context_parallel(cp, multiple):
     layout = PackedLayout.from_lengths(LENGTHS)
     padded = layout.for_context_parallel(cp, multiple)
     old = CP.pad_for_context_parallel(_cu(LENGTHS), cp, multiple)
+    assert isinstance(old, PackedLayout)  # the public helper returns the layout value itself
+    _same(padded, old)
     step = multiple or 2 * cp
     assert padded.lengths == LENGTHS and padded.padded_lengths == tuple(-(-n // step) * step for n in LENGTHS)
     assert padded.padded and padded.cu_seqlens is not padded.cu_seqlens_padded
     assert padded.cu_seqlens_padded.tolist() == old.cu_seqlens_padded.tolist()
     assert padded.cu_seqlens_padded.dtype == old.cu_seqlens_padded.dtype == torch.int32
     assert torch.equal(padded.index, old.index) and padded.max_seqlen == old.max_seqlen
-    assert padded.padded_total == old.total
-    assert tuple(CP.ContextParallelPadding.of(padded)) == (padded.cu_seqlens_padded, padded.index,
-                                                           padded.max_seqlen, padded.padded_total)
+    assert padded.padded_total == old.padded_total == sum(padded.padded_lengths) and old.total == sum(LENGTHS)
     # the padded PackedSeqParams round-trips: the carried layout, or the same layout rebuilt from its tensors
     psp = padded.packed_seq_params()
     assert psp.cu_seqlens_q_padded is psp.cu_seqlens_kv_padded is padded.cu_seqlens_padded
@@ -94,6 +95,62 @@ def test_cp_split_takes_the_layout(fake_group):
     for spelling in (padded, padded.packed_seq_params()):
         assert torch.equal(CP.split_for_context_parallel(x, fake_group, spelling), want)
     assert fake_group.calls == []
+
+
+def test_pad_packed_takes_the_layout():
+    """pad_packed lays the packed tokens out in a layout's padded slots; it takes the layout value only."""
+    padded = CP.pad_for_context_parallel(_cu(LENGTHS), 2)
+    x = torch.arange(1, padded.total + 1)[None, :, None].expand(1, -1, 2)
+    out = CP.pad_packed(x, padded, -1)
+    assert out.shape == (1, padded.padded_total, 2) and torch.equal(out.index_select(1, padded.index), x)
+    assert int((out == -1).sum()) == 2 * (padded.padded_total - padded.total)
+    unpadded = PackedLayout.from_lengths(LENGTHS)
+    assert torch.equal(CP.pad_packed(x, unpadded), x)
+    with pytest.raises(TypeError, match="pad_packed: layout must be a PackedLayout .* got Tensor"):
+        CP.pad_packed(x, padded.cu_seqlens_padded)
+    with pytest.raises(ValueError, match=f"pad_packed: x must be \\[1, {padded.total}, ...\\]"):
+        CP.pad_packed(x[:, 1:], padded)
+
+
+def test_bound_layout_of_a_graphs_static_input():
+    """A CUDA graph's static cu_seqlens (refilled on the device before every replay): its layout holds the
+    bound on the host (max_seqlen = the token count), and once the tensor is written the PackedSeqParams'
+    carried layout is no longer trusted: the tensor is read again."""
+    cu = _cu((3, 5, 0))
+    layout = PackedLayout.bound(cu, 8)
+    assert layout.cu_seqlens is cu and not layout.padded and len(layout.lengths) == 3
+    assert (layout.total, layout.max_seqlen) == (8, 8)
+    psp = layout.packed_seq_params()
+    assert psp.cu_seqlens_q is cu and psp.cu_seqlens_q_padded is None and psp.max_seqlen_q == psp.max_seqlen_kv == 8
+    assert PackedLayout.of(psp) is layout
+    cu.copy_(_cu((6, 1, 1)))  # what a graph replay's input copy does
+    assert PackedLayout.of(psp).lengths == (6, 1, 1)
+    for bad_cu, bad_tokens, what in ((cu.long(), 8, "cu_seqlens must be a 1-D int32"),
+                                     (cu[:1], 8, "cu_seqlens must be .* got torch.int32 \\(1,\\)"),
+                                     (cu, 0, "tokens=0"), (cu, True, "tokens=True")):
+        with pytest.raises(ValueError, match=f"PackedLayout.bound: {what}"):
+            PackedLayout.bound(bad_cu, bad_tokens)
+
+
+def test_one_form_of_the_layout():
+    """The layout has one form: the packed rows hold no cu_seqlens of their own and the engine's batch no
+    second CP padding; a packed batch without its layout is refused."""
+    import dataclasses
+
+    import areal_lce.megatron as M
+    from areal_lce.engine.batch import ModelBatch
+    from areal_lce.megatron.packing import PackedRows
+
+    assert {f.name for f in dataclasses.fields(PackedRows)} == {"input_ids", "labels", "position_ids", "layout",
+                                                                "index", "padded_shape"}
+    assert not hasattr(M, "ContextParallelPadding") and not hasattr(CP, "ContextParallelPadding")
+    assert not hasattr(ModelBatch, "cp_padding")
+    ids = torch.tensor([[5, 6, 7]])
+    rows = pack_rows(ids, ids)
+    with pytest.raises(ValueError, match="ModelBatch: a packed .THD. batch carries its PackedLayout"):
+        ModelBatch(rows.input_ids, rows.labels, rows.position_ids, None, rows, (1, 3))
+    with pytest.raises(ValueError, match="ModelBatch: a packed .THD. batch carries its PackedLayout"):
+        ModelBatch(ids, ids, ids, None, None, (1, 3), layout=rows.layout)
 
 
 def test_bad_input_names_the_argument():
