@@ -108,18 +108,25 @@ class LCEOptions:
         "finite and > 0). True: 'sync' on CPU tensors, 'deferred' on accelerators. 'sync': raise at the call "
         "(one reduction and a host sync). 'deferred': no host sync; bad rows get logprob NaN and "
         "areal_lce.check_deferred() raises naming the values. False: off. Under vocab_parallel it also checks "
-        "that every rank passes the same labels and shard size (one all-reduce of 2 int64 per call)"))
+        "that every rank passes the same labels (ignore pattern included) and shard size, with one all-reduce of "
+        "2 int64 per call and no further host sync: 'sync' raises on every rank at the call, 'deferred' makes "
+        "every logprob of the call NaN and check_deferred() names the disagreement; off: the shard size is "
+        "checked once per group only"))
     compact_ignored: Optional[bool] = _option(None, _check_optional_bool, (
-        "how ignored rows are kept out of the work. None: the backend's choice (triton skips 128-row blocks "
-        "that are all ignored, in place; the other backends partition valid rows first into a copy of "
-        "hidden). True: always partition; False: rows in place"))
+        "how ignored rows are kept out of the work. None: the backend's choice: triton skips them in its "
+        "kernels with no copy (a block of 128 rows that are all ignored runs no GEMM; ignored rows in a mixed "
+        "block are computed and their gradient zeroed); the other backends partition the rows on the device, "
+        "valid ones first, into a copy of hidden whose ignored tail is zeroed. True: always partition (triton "
+        "then skips the whole tail: worth a copy of hidden when ignored rows are many and scattered); False: "
+        "rows in place"))
     invariant: Optional[bool] = _option(None, _check_optional_bool, (
         "True: each token's logprob, entropy, max / min logit, lse and logit sums are bitwise identical "
         "whatever else is in the call (row count, order, ignored neighbours, padding rows, tensor-parallel "
         "degree with shards at multiples of 128 ids, SP on or off) for a fixed weight, temperature, "
         "vocab_size, logits_precision and backend (docs/op.md, Consistency). None: on for the triton and torch "
-        "backends with bf16 / fp16 / fp32 inputs, off otherwise. False: the online-softmax merge. The "
-        "materialised route (logprobs_entropy_from_logits) takes it too"))
+        "backends with bf16 / fp16 / fp32 inputs, off for reference, fp64 inputs and triton_ascend (which "
+        "refuses True). False: the online-softmax merge. Gradients are deterministic either way, not "
+        "batch-invariant. The materialised route (logprobs_entropy_from_logits) takes it too"))
     logits_precision: str = _option("fp32", lambda v: _expect(v in LOGITS_PRECISIONS, f"one of {LOGITS_PRECISIONS}"), (
         "fp32: logits are the fp32 accumulation of the GEMM (an fp32 / tf32 LM head). bf16: each raw logit "
         "rounded to bf16 before the temperature, as a bf16-head inference engine (vLLM / SGLang defaults); "

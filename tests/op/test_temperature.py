@@ -30,7 +30,8 @@ IDS = torch.zeros(1, 4, dtype=torch.long)
 ENTRIES = {
     "rl": ("rl.temperature", lambda t: RLConfig(temperature=t)),
     "microbatch": ("MicroBatch.temperature", lambda t: MicroBatch(IDS, IDS, t)),
-    "capture": ("temperature", lambda t: CaptureContext(labels=IDS, options=LCEOptions(temperature=t, vocab_size=8))),
+    # the op's options value: what token_stats, the capture seam, the adapters and the HF patch take
+    "options": ("temperature", lambda t: LCEOptions(temperature=t, vocab_size=8)),
     "sampler": ("generate: temperature", lambda t: check_request([[1, 2]], 1, t, 1.0)),
     "own_loss": ("temperature", check_temperature_one),
     "op": ("temperature", lambda t: check_temperature(t)),
