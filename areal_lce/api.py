@@ -7,7 +7,7 @@ runs as a graph break. Both run the same forward and backward code.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -165,7 +165,6 @@ def linear_logprobs_entropy(
     labels: torch.Tensor,
     options: Optional[LCEOptions] = None,
     *,
-    temperature: Union[float, torch.Tensor, None] = None,
     vocab_parallel: Optional[VocabParallel] = None,
     selected_ids: Optional[torch.Tensor] = None,
     **overrides,
@@ -177,10 +176,10 @@ def linear_logprobs_entropy(
 
     options: an `LCEOptions` (options.py: every option, its default, check and meaning), None for the
         defaults; `overrides` are its fields by keyword (`backend="torch"`, `return_stats=True`, ...),
-        applied on top of it. A keyword that is not a field is a TypeError.
-    The call inputs besides the tensors:
-    temperature: a float (the `temperature` option) or a tensor broadcastable to labels (per token / per
-        sample; its values are checked as check_labels says); None: options.temperature. Not differentiated.
+        applied on top of it. A keyword that is not a field is a TypeError. `temperature=` is the option
+        for a float, and a call input for a tensor broadcastable to labels (per token / per sample; its
+        values are checked as check_labels says); not differentiated.
+    The other call inputs besides the tensors:
     vocab_parallel: `VocabParallel(group, d_hidden=...)` when `weight` is this rank's vocab shard
         [V/tp, H]: how hidden arrives, who reduces d_hidden and how global ids map to shards are stated
         in VocabParallel's docstring (types.py). Forward: two O(N) collectives (one MAX, one packed SUM).
@@ -195,7 +194,7 @@ def linear_logprobs_entropy(
     Host syncs: none with the defaults on accelerators (CUDA-graph capturable), apart from one-time checks
     per group (the shard size agrees; with vocab_size <= V_shard, weight is not the full weight).
     """
-    options = call_options(options, temperature, overrides, "linear_logprobs_entropy")
+    options, temperature = call_options(options, overrides, "linear_logprobs_entropy")
     call = prepare_call(hidden, weight, labels, options, temperature=temperature, vocab_parallel=vocab_parallel,
                         selected_ids=selected_ids)
     if call.tp == 1:
@@ -206,12 +205,16 @@ def linear_logprobs_entropy(
     return call.output(outs)
 
 
-def call_options(options: Optional[LCEOptions], temperature, overrides: dict, caller: str) -> LCEOptions:
-    """The options of one call of a front end taking `(options=None, *, temperature=None, **overrides)`: a
-    float temperature is the `temperature` option (checked there, once), a tensor a call input."""
-    if temperature is not None and not torch.is_tensor(temperature):
-        overrides = {**overrides, "temperature": temperature}
-    return LCEOptions.of(options, overrides, caller)
+def call_options(options: Optional[LCEOptions], overrides: dict, caller: str) -> tuple:
+    """(LCEOptions, per-token temperature tensor or None) of one call of a front end taking
+    `(options=None, **overrides)`: `overrides["temperature"]` is the option (checked there, once) unless
+    it is a tensor, a call input."""
+    temperature = overrides.get("temperature")
+    if torch.is_tensor(temperature):
+        overrides = {k: v for k, v in overrides.items() if k != "temperature"}
+    else:
+        temperature = None
+    return LCEOptions.of(options, overrides, caller), temperature
 
 
 def prepare_call(hidden, weight, labels, options: LCEOptions, *, temperature=None, vocab_parallel=None,

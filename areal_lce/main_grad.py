@@ -84,8 +84,8 @@ def check_main_grad(weight: torch.Tensor, where: str) -> None:
 
 @torch.compiler.disable
 def linear_logprobs_entropy_into_main_grad(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                           options: Optional[LCEOptions] = None, *, temperature=None,
-                                           vocab_parallel=None, selected_ids=None, **overrides) -> LCEOutput:
+                                           options: Optional[LCEOptions] = None, *, vocab_parallel=None,
+                                           selected_ids=None, **overrides) -> LCEOutput:
     """`linear_logprobs_entropy(hidden, weight, labels, options, ..., **overrides)` (same arguments, same
     outputs and d_hidden) whose weight gradient is added in fp32 into `weight.main_grad` (the module
     docstring)."""
@@ -93,7 +93,8 @@ def linear_logprobs_entropy_into_main_grad(hidden: torch.Tensor, weight: torch.T
     if "d_weight_fp32" in overrides or (options is not None and getattr(options, "d_weight_fp32", False)):
         raise TypeError(f"{name}: d_weight_fp32 is set here")
     check_main_grad(weight, name)
-    options = call_options(options, temperature, overrides, name).replace(name, d_weight_fp32=True)
+    options, temperature = call_options(options, overrides, name)
+    options = options.replace(name, d_weight_fp32=True)
     call = prepare_call(hidden, weight, labels, options, temperature=temperature, vocab_parallel=vocab_parallel,
                         selected_ids=selected_ids)
     if call.weight is not weight:

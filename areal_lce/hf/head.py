@@ -28,13 +28,15 @@ def fused_head(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, opti
     `hidden` [..., H], run inside `head.__call__` so the head's module hooks (FSDP2 unshard/reshard,
     gradient reduce-scatter) fire. Returns an `LCEOutput` whose fields are shaped like `labels`."""
     lead = labels.shape
-    options = call_options(options, temperature, dict(overrides, ignore_index=ignore_index, return_stats=True),
-                           "areal_lce.hf")
-    if torch.is_tensor(temperature):  # per sample / per token: flatten along with the labels
+    if temperature is not None:  # None: the options' own
+        overrides["temperature"] = temperature
+    options, temperature = call_options(options, dict(overrides, ignore_index=ignore_index, return_stats=True),
+                                        "areal_lce.hf")
+    if temperature is not None:  # per sample / per token: flatten along with the labels
         temperature = check_temperature(temperature.to(labels.device), "areal_lce.hf: temperature", shape=lead)
-        temperature = temperature.reshape(-1)
+        temperature = {"temperature": temperature.reshape(-1)}
     else:
-        temperature = None  # the option
+        temperature = {}
 
     def head_forward(h):
         return _run_op(head.weight, h, labels.reshape(-1), options, temperature)
@@ -51,7 +53,8 @@ def fused_head(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, opti
     return type(out)(*(None if v is None else v.reshape(lead) for v in out))
 
 
-def _run_op(weight, hidden, labels, options: LCEOptions, temperature):
+def _run_op(weight, hidden, labels, options: LCEOptions, temperature: dict):
+    """The op on the head's local weight; `temperature`: {"temperature": the per-token tensor} or {}."""
     labels = labels.to(hidden.device)
     global_vocab = weight.shape[0]
     weight, hidden, vocab_parallel = _resolve_dtensor(weight, hidden)
@@ -68,7 +71,7 @@ def _run_op(weight, hidden, labels, options: LCEOptions, temperature):
         hidden = hidden.to(weight.dtype)
     with torch.autocast(device_type, enabled=False):
         return linear_logprobs_entropy(hidden.contiguous(), weight, labels.contiguous(), options,
-                                       temperature=temperature, vocab_parallel=vocab_parallel)
+                                       vocab_parallel=vocab_parallel, **temperature)
 
 
 def _resolve_dtensor(weight, hidden):

@@ -167,15 +167,15 @@ def _fused_packed(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx:
     mult = head.logit_scale
     s, b, h = hidden.shape
     labels, temperature = _seq_first(ctx, s, b)
-    options = ctx.options
-    if temperature is not None:
-        temperature = temperature.reshape(-1) / mult
+    options, per_token = ctx.options, {}
+    if temperature is not None:  # a call input
+        per_token = {"temperature": temperature.reshape(-1) / mult}
     elif mult != 1.0:  # the scalar option at T/m
         options = options.replace("CaptureContext", temperature=options.temperature / mult)
     # gradient_accumulation_fusion: the weight gradient goes into weight.main_grad in fp32 (main_grad.py)
     op = linear_logprobs_entropy_into_main_grad if fuses_wgrad(output_layer, weight) else linear_logprobs_entropy
     out = op(
-        hidden.reshape(s * b, h), weight, labels.reshape(-1).to(hidden.device), options, temperature=temperature,
+        hidden.reshape(s * b, h), weight, labels.reshape(-1).to(hidden.device), options, **per_token,
         vocab_parallel=head.vocab_parallel,  # d_hidden="caller": Megatron's own mapping (head_input) reduces it
         selected_ids=None if ctx.selected_ids is None else ctx.selected_ids.transpose(0, 1).reshape(s * b, -1),
     )
