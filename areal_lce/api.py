@@ -5,20 +5,18 @@ its name in the options), which torch.compile(fullgraph=True) traces without a g
 """
 from __future__ import annotations
 
-import numbers
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Optional
 
 import torch
 
 from . import checks, comms, library
 from .checks import check_temperature, inv_temperature  # noqa: F401  (public here too: the adapters use it)
-from .checks import (LOGITS_PRECISIONS, check_invariant_layout, check_logits_precision,  # noqa: F401
-                     resolve_invariant)
+from .checks import LOGITS_PRECISIONS, check_invariant_layout, resolve_invariant  # noqa: F401
 from .backends import Backend, get_backend, resolve_backend
+from .options import MAX_TOP_K, LCEOptions  # noqa: F401  (MAX_TOP_K: public here too)
 from .types import LCEOutput, LCEParams, VocabParallel
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-MAX_TOP_K = 1024  # the top-k recomputes k segments of 128 ids per row
 
 
 def _check_tensors(hidden, weight, labels, sequence_parallel: bool, tp: int):
@@ -57,20 +55,10 @@ def _check_tensors(hidden, weight, labels, sequence_parallel: bool, tp: int):
                          f"{tuple(hidden.shape[:-1])}")
 
 
-def _check_extras(selected_ids, top_k, softcap, labels, hidden) -> tuple:
-    """(selected_ids as [N, K] int64 or None, top_k as an int >= 0, softcap as a float >= 0), validated."""
-    if softcap is None:
-        softcap = 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not (0 < softcap < float("inf")) \
-            and softcap != 0:
-        raise ValueError(f"softcap must be None or a finite float > 0 (logits -> softcap·tanh(logits/softcap)), "
-                         f"got {softcap!r}")
-    if top_k is None:
-        top_k = 0
-    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 0 <= top_k <= MAX_TOP_K:
-        raise ValueError(f"top_k must be None or an int in [1, {MAX_TOP_K}], got {top_k!r}")
+def _check_selected_ids(selected_ids, labels, hidden) -> Optional[torch.Tensor]:
+    """selected_ids as [N, K] int64, or None (a call input: checked against labels and hidden)."""
     if selected_ids is None:
-        return None, int(top_k), float(softcap)
+        return None
     if not torch.is_tensor(selected_ids) or selected_ids.dtype.is_floating_point or selected_ids.is_complex() \
             or selected_ids.dtype == torch.bool:
         raise TypeError(f"selected_ids must be an integer tensor [..., K] (global vocab ids), got "
@@ -80,14 +68,7 @@ def _check_extras(selected_ids, top_k, softcap, labels, hidden) -> tuple:
                          f"{tuple(labels.shape)}, selected_ids {tuple(selected_ids.shape)}")
     if selected_ids.device != hidden.device:
         raise ValueError(f"selected_ids is on {selected_ids.device}, hidden on {hidden.device}")
-    return selected_ids.reshape(-1, selected_ids.shape[-1]).to(torch.int64).contiguous(), int(top_k), float(softcap)
-
-
-def _check_options(ignore_index, vocab_size) -> None:
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"ignore_index must be an int (e.g. -100), got {ignore_index!r}")
-    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral)):
-        raise TypeError(f"vocab_size must be an int or None, got {vocab_size!r}")
+    return selected_ids.reshape(-1, selected_ids.shape[-1]).to(torch.int64).contiguous()
 
 
 def check_vocab_parallel(vocab_parallel):
@@ -116,17 +97,13 @@ def auto_cache_bytes(hidden_size: int) -> int:
 
 
 @torch.compiler.assume_constant_result
-def _resolve(backend: str, device: torch.device, dtype: torch.dtype, cache_bytes, check_labels, compact_ignored,
-             invariant=None, hidden_size: int = 0):
+def _resolve(backend: str, device: torch.device, dtype: torch.dtype, cache_bytes, check_labels, invariant=None,
+             hidden_size: int = 0):
     """(backend name, cache budget in bytes, check mode, invariant): host-side choices that depend on the
     device and the shapes only (torch.compile evaluates this once while tracing and keeps the result as a
     constant)."""
-    if cache_bytes == "auto":
+    if cache_bytes == "auto":  # the values were checked by LCEOptions
         cache_bytes = auto_cache_bytes(hidden_size)
-    elif isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
-        raise ValueError(f"cache_bytes must be an int >= 0 or 'auto', got {cache_bytes!r}")
-    if compact_ignored is not None and not isinstance(compact_ignored, bool):
-        raise TypeError(f"compact_ignored must be None, True or False, got {compact_ignored!r}")
     name = resolve_backend(backend, device, dtype)
     return name, cache_bytes, checks.resolve_mode(check_labels, device), resolve_invariant(invariant, name, dtype)
 
@@ -194,120 +171,69 @@ def linear_logprobs_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
+    options: Optional[LCEOptions] = None,
     *,
-    temperature: Union[float, torch.Tensor] = 1.0,
-    ignore_index: int = -100,
-    vocab_size: Optional[int] = None,
-    return_stats: bool = False,
-    return_logit_sums: bool = False,
-    backend: str = "auto",
-    cache_bytes: Union[int, str] = 0,
     vocab_parallel: Optional[VocabParallel] = None,
-    check_labels: Union[bool, str] = True,
-    compact_ignored: Optional[bool] = None,
-    invariant: Optional[bool] = None,
-    logits_precision: str = "fp32",
-    d_weight_fp32: bool = False,
     selected_ids: Optional[torch.Tensor] = None,
-    top_k: Optional[int] = None,
-    softcap: Optional[float] = None,
+    **overrides,
 ) -> LCEOutput:
     """Per-token logprobs and entropy of softmax(hidden · weightᵀ / temperature), never materialising logits.
 
     hidden [..., H] and weight [V, H] (bf16, fp16, fp32 or fp64; same dtype), labels [...] integer ids.
     Returns `LCEOutput` of fp32 tensors shaped like labels (see its docstring for the stats' definitions).
 
-    temperature: float > 0, or a tensor broadcastable to labels (per token / per sample); not differentiated.
-    ignore_index: rows with this label get logprob = entropy = stats = 0 and exactly zero gradient, with no
-        host count of them. A NaN / Inf in such a row's hidden reaches no output and no d_hidden; it
-        reaches d_weight (as 0 · NaN) unless the rows are partitioned (compact_ignored).
-    compact_ignored: how ignored rows are kept out of the work. None (default): the backend's choice. The
-        triton backend skips them in its kernels (a block of 128 rows that are all ignored runs no GEMM;
-        ignored rows in a mixed block are computed and their gradient zeroed), with no copy. The other
-        backends compact: the rows are partitioned on the device, valid ones first, into a copy of
-        hidden whose ignored tail is zeroed. True forces the partition (triton then skips the whole
-        tail: worth a copy of hidden when ignored rows are many and scattered); False: rows in place.
-    vocab_size: the true (global) vocabulary; weight rows at global ids >= vocab_size are padding and are
-        excluded from the softmax (as if their logits were -inf). Default: all rows are real.
-    return_logit_sums: also return `sum_logit` = Σ_j r_j and `sumsq_logit` = Σ_j r_j² of the raw logits
-        r = h·W_jᵀ (before temperature) over the true vocabulary, so the row mean is sum_logit / vocab_size
-        and the row L2 norm sqrt(sumsq_logit). Accumulated in the forward's own pass over the vocabulary
-        and merged over the vocab-parallel group in its existing SUM (two more rows, no extra collective). Opt-in: it
-        costs two reductions per logit in the forward epilogue.
-    cache_bytes: logits-cache budget in bytes. When this rank's fp32 logits (4·N·V_shard bytes) fit it, the
-        forward keeps them and the backward skips the recompute GEMM. Default 0: always recompute.
-        "auto": 6 GiB when H >= 2048, else 0 (a function of the shapes: see auto_cache_bytes).
-    backend: "auto" | "triton" | "triton_ascend" | "torch" | "reference" (see docs/backends.md);
-        "auto" consults the AREAL_LCE_BACKEND environment variable, then the device.
+    options: an `LCEOptions` (options.py: every option, its default, check and meaning), None for the
+        defaults; `overrides` are its fields by keyword (`backend="torch"`, `return_stats=True`, ...),
+        applied on top of it. A keyword that is not a field is a TypeError. `temperature=` is the option
+        for a float, and a call input for a tensor broadcastable to labels (per token / per sample; its
+        values are checked as check_labels says); not differentiated.
+    The other call inputs besides the tensors:
     vocab_parallel: `VocabParallel(group, d_hidden=...)` when `weight` is this rank's vocab shard
         [V/tp, H]: how hidden arrives, who reduces d_hidden and how global ids map to shards are stated
         in VocabParallel's docstring (types.py). Forward: two O(N) collectives (one MAX, one packed SUM).
-    check_labels: validate label values (outside [0, vocab_size) and not ignore_index) and temperature
-        values (not finite and > 0). True (default): "sync" on CPU tensors, "deferred" on accelerators.
-        "sync": raise here (one reduction and a host sync). "deferred": no host sync; bad rows get
-        logprob NaN and `areal_lce.check_deferred()` raises naming the values (checks.py). False: off.
-        Under vocab_parallel it also checks that every rank passes the same labels (ignore pattern included)
-        and shard size, with one all-reduce of 2 int64 per call and no further host sync: "sync" raises
-        on every rank at the call; "deferred" makes every logprob of the call NaN and check_deferred()
-        names the disagreement. Off: the shard size is checked once per group only.
-    invariant: the consistency contract (docs/op.md "Consistency"). True: each token's logprob, entropy,
-        max / min logit, lse and logit sums are bitwise identical whatever else is in the call (row count,
-        position and order, ignored neighbours, compact_ignored, cache_bytes, padding rows past
-        vocab_size, the tensor-parallel degree with shards at multiples of 128 ids, SP on or off), for a
-        fixed weight, temperature, vocab_size, logits_precision and backend: every 128-id segment of the
-        vocabulary is reduced on its own and the segments are summed in 64-bit fixed point (exact.py).
-        None (default): on for the triton and torch backends (bf16 / fp16 / fp32 inputs), off for
-        reference, fp64 inputs and triton_ascend (which refuses True). False: the online-softmax merge.
-        Gradients are deterministic either way, not batch-invariant.
-    logits_precision: "fp32" (default): logits are the fp32 accumulation of the GEMM (what an fp32 / tf32
-        LM-head engine computes). "bf16": each raw logit is rounded to bf16 before the temperature, as a
-        bf16-head engine (vLLM / SGLang defaults) does; the gradient treats the rounding as identity.
-    d_weight_fp32: the backward computes d_weight = d_logitsᵀ·h in fp32 (fp64 for fp64 inputs) and returns
-        it without the cast to weight.dtype, for a front end that takes it from the op's backward itself
-        and accumulates it in fp32 (areal_lce.main_grad: Megatron's gradient_accumulation_fusion). Through
-        autograd torch casts every gradient to its tensor's dtype, so weight.grad is unchanged by it.
     selected_ids: integer tensor [..., K] (labels' shape + K) of global ids: `selected_logprobs` [..., K] are
         the row's logprobs at those ids (any K, repeats allowed; ignore_index entries give 0 with zero
         gradient), differentiable into hidden and weight in the same backward. Checked like labels. Batch /
         TP invariant like the logprobs (a value's bits depend on its row, the row's selected ids and label,
         K, H and vocab_size: select.py says how the route is chosen).
-    top_k: int k in [1, 1024]: `topk_ids` [..., k] (int64, descending by logit, ties to the lower id) and
-        `topk_logprobs` [..., k] (differentiable as if those ids were selected). Exact and, in invariant
-        mode, batch / TP invariant like the logprobs (select.py says how and what it costs).
-    softcap: float c > 0: logits r -> c · tanh(r / c) before the temperature (transformers'
-        final_logit_softcapping), in every backend, with exact gradients. Stats are of the capped logits.
     Differentiable statistics: `lse` (z-loss: lse²) and, without softcap, `sum_logit` (label smoothing:
         sum_logit / (T · vocab_size) - lse is the mean tempered logprob). max / min logit and sumsq are not.
     Determinism: bitwise-identical outputs and gradients run to run for the same inputs and backend.
     Host syncs: none with the defaults on accelerators (CUDA-graph capturable), apart from one-time checks
     per group (the shard size agrees; with vocab_size <= V_shard, weight is not the full weight).
     """
-    call = prepare_call(hidden, weight, labels, temperature=temperature, ignore_index=ignore_index,
-                        vocab_size=vocab_size, return_stats=return_stats, return_logit_sums=return_logit_sums,
-                        backend=backend, cache_bytes=cache_bytes, vocab_parallel=vocab_parallel,
-                        check_labels=check_labels, compact_ignored=compact_ignored, invariant=invariant,
-                        logits_precision=logits_precision, d_weight_fp32=d_weight_fp32,
-                        selected_ids=selected_ids, top_k=top_k, softcap=softcap)
+    options, temperature = call_options(options, overrides, "linear_logprobs_entropy")
+    call = prepare_call(hidden, weight, labels, options, temperature=temperature, vocab_parallel=vocab_parallel,
+                        selected_ids=selected_ids)
     return call.output(library.lce(call.hidden, call.weight, call.labels, call.inv_t, library.encode(**call.options),
                                    call.selected_ids))
 
 
-def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_size, return_stats, return_logit_sums,
-                 backend, cache_bytes, vocab_parallel, check_labels, compact_ignored, invariant, logits_precision,
-                 d_weight_fp32, selected_ids=None, top_k=None, softcap=None) -> PreparedCall:
-    """Validate the arguments of `linear_logprobs_entropy` (same meaning) and resolve the backend and the
-    options once: the call as the op runs it."""
-    if not isinstance(d_weight_fp32, bool):
-        raise TypeError(f"d_weight_fp32 must be True or False, got {d_weight_fp32!r}")
-    _check_options(ignore_index, vocab_size)
+def call_options(options: Optional[LCEOptions], overrides: dict, caller: str) -> tuple:
+    """(LCEOptions, per-token temperature tensor or None) of one call of a front end taking
+    `(options=None, **overrides)`: `overrides["temperature"]` is the option (checked there, once) unless
+    it is a tensor, a call input."""
+    temperature = overrides.get("temperature")
+    if torch.is_tensor(temperature):
+        overrides = {k: v for k, v in overrides.items() if k != "temperature"}
+    else:
+        temperature = None
+    return LCEOptions.of(options, overrides, caller), temperature
+
+
+def prepare_call(hidden, weight, labels, options: LCEOptions, *, temperature=None, vocab_parallel=None,
+                 selected_ids=None) -> PreparedCall:
+    """Validate the call inputs of `linear_logprobs_entropy` (same meaning) against its checked `options`
+    (`call_options`) and resolve the backend and the options once: the call as the op runs it."""
+    o = options
     vp = check_vocab_parallel(vocab_parallel)
     tp = 1 if vp is None else vp.size
     _check_tensors(hidden, weight, labels, vp is not None and vp.sequence_parallel, tp)
-    check_logits_precision(logits_precision)
-    sel_ids, top_k, softcap = _check_extras(selected_ids, top_k, softcap, labels, hidden)
-    asked = invariant is not None
+    sel_ids = _check_selected_ids(selected_ids, labels, hidden)
+    top_k, softcap, compact_ignored, vocab_size = o.top_k or 0, float(o.softcap or 0.0), o.compact_ignored, o.vocab_size
+    asked = o.invariant is not None
     name, cache_bytes, check, invariant = _resolve(
-        backend, hidden.device, hidden.dtype, cache_bytes, check_labels, compact_ignored, invariant, hidden.shape[-1])
+        o.backend, hidden.device, hidden.dtype, o.cache_bytes, o.check_labels, o.invariant, hidden.shape[-1])
     resolved = get_backend(name)  # the one instance the call runs on (LCEParams.backend)
     if compact_ignored is None:  # partition unless the backend skips ignored rows itself
         compact_ignored = not resolved.skips_ignored_rows
@@ -315,16 +241,19 @@ def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_siz
     v_total = v_shard * tp
     if vocab_size is None:
         vocab_size = v_total
-    if not isinstance(vocab_size, int) or vocab_size <= 0 or vocab_size > v_total:
+    if vocab_size > v_total:
         raise ValueError(f"vocab_size={vocab_size!r} must be an int in [1, {v_total}] "
                          f"(weight rows {v_shard} × tp {tp})")
     if tp > 1:
         _check_group_once(vp.group_name, v_shard, vocab_size, check != "sync", weight)
     vocab_start = vp.vocab_range(v_shard)[0] if tp > 1 else 0
-    inv_t_scalar, inv_t = inv_temperature(temperature, labels)  # broadcast to labels: the full sequence under SP
+    if torch.is_tensor(temperature):  # a call input: broadcast to labels (the full sequence under SP)
+        inv_t_scalar, inv_t = inv_temperature(temperature, labels)
+    else:  # the option, checked by LCEOptions
+        inv_t_scalar, inv_t = 1.0 / o.temperature, None
     y = labels.reshape(-1).to(torch.int64)  # label values are checked inside the op (checks.py)
     shard_valid = max(0, min(v_shard, vocab_size - vocab_start))
-    sums = bool(return_logit_sums)
+    sums = o.return_logit_sums
     h2 = hidden.reshape(-1, hidden.shape[-1])
     h2 = h2 if h2.is_contiguous() else h2.contiguous()
     w = weight if weight.is_contiguous() else weight.contiguous()
@@ -337,9 +266,9 @@ def prepare_call(hidden, weight, labels, *, temperature, ignore_index, vocab_siz
     # every option of the call in one place: LCEParams' fields (library.encode for the custom ops), the process
     # group by its name (resolved inside the op, as torch's functional collectives take it)
     options = dict(group_name=vp.group_name if tp > 1 else None, tp_size=tp,
-                   d_hidden=vp.d_hidden if tp > 1 else "all_reduce", inv_t=inv_t_scalar, ignore_index=ignore_index,
+                   d_hidden=vp.d_hidden if tp > 1 else "all_reduce", inv_t=inv_t_scalar, ignore_index=o.ignore_index,
                    vocab_size=vocab_size, vocab_start=vocab_start, shard_valid=shard_valid, cache_bytes=cache_bytes,
-                   backend=name, compact_ignored=compact_ignored,
-                   check_labels=check, logit_sums=sums, invariant=invariant, logits_precision=logits_precision,
-                   d_weight_fp32=d_weight_fp32, softcap=softcap, top_k=top_k)
-    return PreparedCall(h2, w, y, inv_t, options, resolved, tp, labels.shape, bool(return_stats), sel_ids)
+                   backend=name, compact_ignored=compact_ignored, check_labels=check, logit_sums=sums,
+                   invariant=invariant, logits_precision=o.logits_precision, d_weight_fp32=o.d_weight_fp32,
+                   softcap=softcap, top_k=top_k)
+    return PreparedCall(h2, w, y, inv_t, options, resolved, tp, labels.shape, o.return_stats, sel_ids)

@@ -1,7 +1,7 @@
 """The LM-head weight gradient added in fp32 into `weight.main_grad`, as Megatron's own linear layer adds it
 under `gradient_accumulation_fusion`.
 
-    out = linear_logprobs_entropy_into_main_grad(hidden, weight, labels, **options)  # options: the op's
+    out = linear_logprobs_entropy_into_main_grad(hidden, weight, labels, options, **overrides)  # as the op's
 
 Megatron's `LinearWithGradAccumulationAndAsyncCommunication` with gradient_accumulation_fusion=True adds its
 weight gradient to `weight.main_grad` (the fp32 gradient buffer of Megatron's DDP) inside its backward,
@@ -21,17 +21,14 @@ says where the flag is set then).
 """
 from __future__ import annotations
 
-import inspect
+from typing import Optional
 
 import torch
 
 from . import library
-from .api import linear_logprobs_entropy, prepare_call
+from .api import call_options, prepare_call
+from .options import LCEOptions
 from .types import LCEOutput
-
-# linear_logprobs_entropy's keyword options and their defaults (one definition: its signature)
-_OPTIONS = {name: p.default for name, p in inspect.signature(linear_logprobs_entropy).parameters.items()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
 def fuses_wgrad(output_layer, weight: torch.Tensor) -> bool:
@@ -54,15 +51,19 @@ def check_main_grad(weight: torch.Tensor, where: str) -> None:
 
 
 def linear_logprobs_entropy_into_main_grad(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                           **options) -> LCEOutput:
-    """`linear_logprobs_entropy(hidden, weight, labels, **options)` (same options, same outputs and d_hidden)
-    whose weight gradient is added in fp32 into `weight.main_grad` (the module docstring)."""
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown or "d_weight_fp32" in options:
-        raise TypeError(f"linear_logprobs_entropy_into_main_grad: unexpected options {unknown or ['d_weight_fp32']} "
-                        "(d_weight_fp32 is set here)")
-    check_main_grad(weight, "linear_logprobs_entropy_into_main_grad")
-    call = prepare_call(hidden, weight, labels, **{**_OPTIONS, **options, "d_weight_fp32": True})
+                                           options: Optional[LCEOptions] = None, *, vocab_parallel=None,
+                                           selected_ids=None, **overrides) -> LCEOutput:
+    """`linear_logprobs_entropy(hidden, weight, labels, options, ..., **overrides)` (same arguments, same
+    outputs and d_hidden) whose weight gradient is added in fp32 into `weight.main_grad` (the module
+    docstring)."""
+    name = "linear_logprobs_entropy_into_main_grad"
+    if "d_weight_fp32" in overrides or (options is not None and getattr(options, "d_weight_fp32", False)):
+        raise TypeError(f"{name}: d_weight_fp32 is set here")
+    check_main_grad(weight, name)
+    options, temperature = call_options(options, overrides, name)
+    options = options.replace(name, d_weight_fp32=True)
+    call = prepare_call(hidden, weight, labels, options, temperature=temperature, vocab_parallel=vocab_parallel,
+                        selected_ids=selected_ids)
     if call.weight is not weight:
         raise ValueError("linear_logprobs_entropy_into_main_grad: weight must be contiguous (its main_grad is "
                          "laid out like it)")

@@ -29,7 +29,11 @@ CHUNK_ELEMENTS = 1 << 25  # fp32 elements of one row block (128 MiB): big enough
 
 @dataclass(frozen=True)
 class LeanParams:
-    """Options of one call, checked by `materialised.logprobs_entropy_from_logits`."""
+    """One call's options *resolved* against its logits, built by `materialised.logprobs_entropy_from_logits`
+    from its checked arguments: this shard's column range, the row block, the TP group. Not the user's
+    options value (`LCEOptions`, options.py, whose fields that function takes by the same names and
+    meanings), as `LCEParams` is not for the fused op: what it holds depends on the logits' shape and the
+    group, and the Function's backward needs no other."""
     inv_t: float  # scalar 1/T (unused where a per-token inv_t tensor is passed)
     start: int  # global id of this shard's first column
     valid_cols: int  # columns of this shard below vocab_size (the rest are padding)

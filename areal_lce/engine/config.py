@@ -9,15 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Tuple, Union
 
-from ..api import LOGITS_PRECISIONS
-from ..backends import BACKENDS
 from ..megatron.capture import SEAMS
+from ..options import group as options_group
 
 PRESETS = ("tiny", "tiny-llama", "tiny-qwen3", "qwen2.5-0.5b", "qwen2.5-7b")
 DTYPES = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("constant", "cosine")
 CAPTURE_SEAMS = ("auto",) + SEAMS  # "auto": the installed megatron-core's seam (capture.resolve_seam)
-LCE_BACKENDS = ("auto",) + BACKENDS
 
 
 @dataclass
@@ -185,59 +183,26 @@ class OptimConfig:
             raise ValueError("optim.clip_grad and optim.weight_decay must be >= 0, optim.eps > 0")
 
 
-@dataclass
-class LCEConfig:
-    """engine.lce: the options of the fused LM head (`linear_logprobs_entropy`) on the engine's route."""
+def _check_compact_choice(v):
+    return None if isinstance(v, bool) or v == "auto" else (ValueError, "true, false or 'auto'")
 
-    backend: str = field(
-        default="auto", metadata={"help": f"fused-op backend, one of {LCE_BACKENDS}; auto: triton on CUDA, "
-                                  "triton_ascend on NPU, else torch"}
-    )
-    cache_bytes: Union[int, str] = field(
-        default="auto",
-        metadata={"help": "fused op may keep fp32 logits for backward up to this many bytes; 'auto' (the "
-                  "default): 6 GiB when the hidden size is >= 2048, else 0, chosen from the shapes alone "
-                  "(measured: docs/op.md, Logits cache); 0: always recompute"},
-    )
-    compact_ignored: Union[bool, str] = field(
-        default="auto",
-        metadata={"help": "fused op's compact_ignored per micro-batch: auto = true when at least 1/16 of "
-                  "the positions have no target (RL batches with their prompts masked: only the rows with a "
-                  "target are computed), else the backend's choice (Triton skips 128-row blocks without a "
-                  "target in place); counted on the host, no sync. true / false: always / never compact"},
-    )
-    invariant: Optional[bool] = field(
-        default=None,
-        metadata={"help": "true: each token's logprob, entropy and logit extremes from the LM head are bitwise "
-                  "the same whatever else is in the call (row count and order, packing, ignored rows, tensor-"
-                  "parallel degree); the model body is not covered. false: no such promise. null: the "
-                  "backend's default (docs/op.md). Both routes (fused and materialised) take it"},
-    )
-    logits_precision: str = field(
-        default="fp32",
-        metadata={"help": f"one of {LOGITS_PRECISIONS}: fp32 = logits from fp32 accumulation, as an fp32/tf32 LM "
-                  "head computes them (SGLang --enable-fp32-lm-head, vLLM head_dtype=float32); bf16 = each "
-                  "logit rounded to bf16 after the fp32 accumulation, before temperature, as a bf16-head "
-                  "inference engine computes them (its gradient treats the rounding as identity). Both routes "
-                  "follow it: the materialised route of a bf16 model computes fp32 logits under fp32"},
-    )
 
-    def __post_init__(self):
-        if self.backend not in LCE_BACKENDS:
-            raise ValueError(f"engine.lce.backend={self.backend!r}: expected one of {LCE_BACKENDS}")
-        if isinstance(self.cache_bytes, bool) or not isinstance(self.cache_bytes, (int, str)) \
-                or (isinstance(self.cache_bytes, str) and self.cache_bytes != "auto"):
-            raise ValueError(f"engine.lce.cache_bytes={self.cache_bytes!r}: expected an int >= 0 or 'auto'")
-        if isinstance(self.cache_bytes, int) and self.cache_bytes < 0:
-            raise ValueError(f"engine.lce.cache_bytes={self.cache_bytes} must be >= 0 (or 'auto')")
-        if not isinstance(self.compact_ignored, bool) and self.compact_ignored != "auto":
-            raise ValueError(f"engine.lce.compact_ignored={self.compact_ignored!r}: expected true, false or 'auto'")
-        if self.invariant is not None and not isinstance(self.invariant, bool):
-            raise ValueError(f"engine.lce.invariant={self.invariant!r}: expected true, false or null (the "
-                             "backend's default)")
-        if self.logits_precision not in LOGITS_PRECISIONS:
-            raise ValueError(f"engine.lce.logits_precision={self.logits_precision!r}: expected one of "
-                             f"{LOGITS_PRECISIONS}")
+# engine.lce: the op's own options (LCEOptions' fields: type, default, check and help come from there; the
+# engine's default cache budget is "auto") and one option of the engine's: compact_ignored "auto", a choice
+# the engine makes per micro-batch from the host's labels (batch.compact_choice) that the op cannot make
+# without a host sync. The per-call options (temperature, vocab_size, ignore_index, top_k, return_stats) come
+# from the jobs and the model, not from this group.
+LCEConfig = options_group(
+    "LCEConfig", ("backend", "cache_bytes", "compact_ignored", "invariant", "logits_precision"), "engine.lce.",
+    defaults={"cache_bytes": "auto"},
+    own={"compact_ignored": (Union[bool, str], field(default="auto", metadata={"check": _check_compact_choice, "help": (
+        "the fused op's compact_ignored per micro-batch: auto = true when at least 1/16 of the positions have "
+        "no target (RL batches with their prompts masked: only the rows with a target are computed), else the "
+        "backend's choice (Triton skips 128-row blocks without a target in place); counted on the host, no "
+        "sync. true / false: always / never compact")}))},
+    module=__name__,
+    doc="engine.lce: the options of the fused LM head (`linear_logprobs_entropy`) on the engine's route; "
+        "`options()` is their LCEOptions (compact_ignored, the engine's own, is chosen per micro-batch).")
 
 
 @dataclass

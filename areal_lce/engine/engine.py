@@ -90,9 +90,7 @@ class MegatronEngine:
             d.tp_group, d.mp_group, d.dp_group, d.pp_group, d.cp_group)
         self.cp = CPGroup.of(d.cp_group if d.cp_size > 1 else None)  # the context-parallel group, as one value
         # the LM-head route, chosen once: token_stats, train_step and generate all run through it
-        lce = cfg.lce
-        self.route = Route.choose(cfg.use_fused_linear_ce, cfg.capture_seam, lce.backend, lce.cache_bytes,
-                                  lce.invariant, lce.logits_precision)
+        self.route = Route.choose(cfg.use_fused_linear_ce, cfg.capture_seam, cfg.lce.options())
         with cpu_shims():  # on a CPU-only host: megatron's model and grad buffers ask for a CUDA device
             self.gpt, self.model = self._build_model()
         self.route.check(self.gpt.config)

@@ -10,30 +10,36 @@ dimension's process group (no gather of the weight); anything else raises.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from ..api import check_temperature, linear_logprobs_entropy
+from ..api import call_options, check_temperature, linear_logprobs_entropy
+from ..options import LCEOptions
 from ..types import VocabParallel
 
 _MISSING = object()
 
 
-def fused_head(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
-               **op_options: Any):
-    """`linear_logprobs_entropy` of `hidden` [..., H] against `head.weight`, run inside `head.__call__`
-    so the head's module hooks (FSDP2 unshard/reshard, gradient reduce-scatter) fire. Returns an
-    `LCEOutput` whose fields are shaped like `labels`."""
+def fused_head(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, options: Optional[LCEOptions] = None,
+               *, ignore_index: int = -100, temperature=None, **overrides: Any):
+    """`linear_logprobs_entropy(hidden, head.weight, labels, options, temperature=..., **overrides)` for
+    `hidden` [..., H], run inside `head.__call__` so the head's module hooks (FSDP2 unshard/reshard,
+    gradient reduce-scatter) fire. Returns an `LCEOutput` whose fields are shaped like `labels`."""
     lead = labels.shape
-    temperature = op_options.get("temperature")
-    if torch.is_tensor(temperature):  # per sample / per token: flatten along with the labels
+    if temperature is not None:  # None: the options' own
+        overrides["temperature"] = temperature
+    options, temperature = call_options(options, dict(overrides, ignore_index=ignore_index, return_stats=True),
+                                        "areal_lce.hf")
+    if temperature is not None:  # per sample / per token: flatten along with the labels
         temperature = check_temperature(temperature.to(labels.device), "areal_lce.hf: temperature", shape=lead)
-        op_options = dict(op_options, temperature=temperature.reshape(-1))
+        temperature = {"temperature": temperature.reshape(-1)}
+    else:
+        temperature = {}
 
     def head_forward(h):
-        return _run_op(head.weight, h, labels.reshape(-1), ignore_index, op_options)
+        return _run_op(head.weight, h, labels.reshape(-1), options, temperature)
 
     previous = head.__dict__.get("forward", _MISSING)
     head.__dict__["forward"] = head_forward
@@ -47,14 +53,15 @@ def fused_head(head: nn.Linear, hidden: torch.Tensor, labels: torch.Tensor, *, i
     return type(out)(*(None if v is None else v.reshape(lead) for v in out))
 
 
-def _run_op(weight, hidden, labels, ignore_index, op_options):
+def _run_op(weight, hidden, labels, options: LCEOptions, temperature: dict):
+    """The op on the head's local weight; `temperature`: {"temperature": the per-token tensor} or {}."""
     labels = labels.to(hidden.device)
     global_vocab = weight.shape[0]
     weight, hidden, vocab_parallel = _resolve_dtensor(weight, hidden)
     if hidden.device != weight.device:  # e.g. an accelerate device map put the head elsewhere
         hidden, labels = hidden.to(weight.device), labels.to(weight.device)
-    if "vocab_size" not in op_options and vocab_parallel is not None:
-        op_options = dict(op_options, vocab_size=global_vocab)
+    if options.vocab_size is None and vocab_parallel is not None:
+        options = options.replace("areal_lce.hf", vocab_size=global_vocab)
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         # nn.Linear would run in the autocast dtype: do the same, then keep autocast off inside the op.
@@ -63,8 +70,8 @@ def _run_op(weight, hidden, labels, ignore_index, op_options):
     elif hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
     with torch.autocast(device_type, enabled=False):
-        return linear_logprobs_entropy(hidden.contiguous(), weight, labels.contiguous(), ignore_index=ignore_index,
-                                       return_stats=True, vocab_parallel=vocab_parallel, **op_options)
+        return linear_logprobs_entropy(hidden.contiguous(), weight, labels.contiguous(), options,
+                                       vocab_parallel=vocab_parallel, **temperature)
 
 
 def _resolve_dtensor(weight, hidden):

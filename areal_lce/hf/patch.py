@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..api import check_temperature
+from ..options import LCEOptions
 from .head import fused_head
 
 # Families whose causal-LM forward is exactly `lm_head(base_model(...).last_hidden_state)` (gemma2: then
@@ -56,8 +56,9 @@ _LOGIT_TRANSFORM_OPTIONS = (
     ("output_multiplier", (None, 1, 1.0)),  # logits * output_multiplier
 )
 
-# Options forwarded to linear_logprobs_entropy as is (the rest are set by the patch itself).
-_OP_OPTIONS = ("temperature", "backend", "cache_bytes", "vocab_size", "check_labels")
+# LCEOptions fields the patch sets itself: ignore_index (apply's own argument, also the labels' shift),
+# return_stats (the output's max / min logit and lse), softcap (the model config's final_logit_softcapping).
+_SET_BY_PATCH = ("ignore_index", "return_stats", "softcap")
 # Forward keywords that belong to the loss or the head, never passed to the base model.
 _HEAD_KWARGS = ("labels", "shift_labels", "logits_to_keep", "num_items_in_batch", "return_dict")
 
@@ -96,11 +97,11 @@ class PatchedForward:
     holds at call time. `copy.deepcopy(model)` copies this object along with the model (the copy holds
     the copy); `torch.save` / `torch.load` likewise."""
 
-    def __init__(self, model: nn.Module, previous, op_options: Dict[str, Any], ignore_index: int,
+    def __init__(self, model: nn.Module, previous, options: LCEOptions, ignore_index: int,
                  packed_boundaries: bool):
         self.model = model
         self.previous = previous
-        self.op_options = op_options
+        self.options = options
         self.ignore_index = ignore_index
         self.packed_boundaries = packed_boundaries
         self._signatures = None  # (original's, with the patch's parameters): a cache, never copied
@@ -144,6 +145,7 @@ def apply(
     ignore_index: int = -100,
     packed_boundaries: bool = True,
     allow_unverified: bool = False,
+    options: Optional[LCEOptions] = None,
     **op_options: Any,
 ) -> nn.Module:
     """Patch `model` (in place, this instance only) to use the fused LM head; returns `model`.
@@ -154,27 +156,28 @@ def apply(
     allow_unverified   patch a model type outside VERIFIED_MODEL_TYPES (its forward must be
                        lm_head(base_model(...)) with no extra logits transform, or soft-capped by
                        config.final_logit_softcapping as Gemma2's).
-    op_options         forwarded to `linear_logprobs_entropy`: temperature, backend, cache_bytes,
-                       vocab_size (exclude padded vocabulary rows), check_labels.
+    options, op_options  the op's `LCEOptions` (None: the defaults) and fields of it by keyword
+                       (temperature, backend, cache_bytes, vocab_size to exclude padded vocabulary rows,
+                       check_labels, invariant, logits_precision, ...), checked here once; ignore_index,
+                       return_stats and softcap are the patch's own.
     Applying twice raises; call `remove(model)` first.
     """
     if getattr(model, _STATE_ATTR, None) is not None:
         raise RuntimeError("areal_lce.hf.apply: this model is already patched; call areal_lce.hf.remove(model) "
                            "first to change options")
-    unknown = sorted(set(op_options) - set(_OP_OPTIONS))
-    if unknown:
-        raise TypeError(f"areal_lce.hf.apply: unknown option(s) {unknown}; allowed: ignore_index, "
-                        f"packed_boundaries, allow_unverified, {', '.join(_OP_OPTIONS)}")
-    check_temperature(op_options.get("temperature", 1.0), "areal_lce.hf.apply: temperature")
+    value = LCEOptions.of(options, op_options, "areal_lce.hf.apply")
+    own = [k for k in _SET_BY_PATCH if getattr(value, k) != getattr(LCEOptions, k)]
+    if own:
+        raise TypeError(f"areal_lce.hf.apply: {own} are set by the patch (ignore_index: its own argument; "
+                        "return_stats; softcap: the config's final_logit_softcapping)")
     if not isinstance(ignore_index, int):
         raise TypeError(f"areal_lce.hf.apply: ignore_index must be an int, got {ignore_index!r}")
     check_supported(model, allow_unverified=allow_unverified)
     softcap = model_softcap(model.config)
     if softcap is not None:
-        op_options["softcap"] = softcap
+        value = value.replace("areal_lce.hf.apply", softcap=softcap)
 
-    forward = PatchedForward(model, model.__dict__.get("forward"), dict(op_options), ignore_index,
-                             packed_boundaries)
+    forward = PatchedForward(model, model.__dict__.get("forward"), value, ignore_index, packed_boundaries)
     model.__dict__[_STATE_ATTR] = forward
     model.forward = forward
     return model
@@ -365,11 +368,8 @@ def _fused_forward(model, state: PatchedForward, call: Dict[str, Any], temperatu
         raise ValueError(f"areal_lce.hf: labels of shape {tuple(shift_labels.shape)} don't match the hidden "
                          f"states' {tuple(hidden.shape[:-1])}")
 
-    options = dict(state.op_options)
-    if temperature is not None:
-        options["temperature"] = temperature
     head = get_lm_head(model)
-    out = fused_head(head, hidden, shift_labels, ignore_index=ignore_index, **options)
+    out = fused_head(head, hidden, shift_labels, state.options, ignore_index=ignore_index, temperature=temperature)
 
     loss = None
     if want_loss:

@@ -7,6 +7,7 @@ import importlib
 import torch
 
 from .. import checks, patching
+from ..options import LCEOptions
 
 _HANDLES: dict = {}  # (module name, attribute) -> the areal_lce.patching handle that remove() restores
 _RESERVED = ("vocab_parallel", "tp_group", "sequence_parallel", "reduce_d_hidden", "temperature",
@@ -17,12 +18,25 @@ _RESERVED = ("vocab_parallel", "tp_group", "sequence_parallel", "reduce_d_hidden
 NO_IGNORE_INDEX = -(2 ** 63)
 
 
-def check_op_options(options: dict, adapter: str) -> None:
+# The options of the building blocks of slime's and miles' log-prob steps (`calculate_log_probs_and_entropy`):
+# the step passes them on to the block, which fixes the op's contract from them.
+BLOCK_OPTIONS = ("vocab_size", "logits_precision", "invariant", "check_labels")
+
+
+def check_op_options(options: dict, adapter: str, block: tuple = ()) -> None:
     """Options forwarded to `linear_logprobs_entropy` may tune it (backend, cache_bytes, compact_ignored)
-    but not change the framework's contract, which the adapter fixes."""
+    but not change the framework's contract, which the adapter fixes; `block`: names the adapter takes for
+    itself (BLOCK_OPTIONS), passed through. A name that is no LCEOptions field is refused here, once."""
     bad = sorted(set(options) & set(_RESERVED))
     if bad:
         raise TypeError(f"{adapter}: {bad} are set by the adapter from the framework's own arguments")
+    LCEOptions.of(None, {k: v for k, v in options.items() if k not in block}, adapter)
+
+
+def op_value(op_options: dict, adapter: str, temperature) -> LCEOptions:
+    """The op's options of one adapter call as one LCEOptions, each checked once here (errors name
+    `adapter`): the caller's tuning options and the framework's scalar temperature."""
+    return LCEOptions.of(None, {**op_options, "temperature": temperature}, adapter)
 
 
 def consistency_options(invariant, logits_precision, adapter: str) -> dict:

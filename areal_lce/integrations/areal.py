@@ -58,11 +58,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..api import check_temperature, linear_logprobs_entropy
+from ..api import linear_logprobs_entropy
 from ..main_grad import fuses_wgrad, linear_logprobs_entropy_into_main_grad
 from ..megatron.head import head_of
-from ._common import (NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, patch,
-                      restore, token_rows)
+from ._common import (NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, op_value,
+                      patch, restore, token_rows)
 
 _NAME = "areal_lce.integrations.areal.chunked_lm_head_logprobs_entropy"
 PATCH_TARGET = ("areal.engine.megatron_engine", "chunked_lm_head_logprobs_entropy")
@@ -178,7 +178,7 @@ def chunked_lm_head_logprobs_entropy(output_layer, hidden_states: torch.Tensor, 
     `op_options` go to `areal_lce.linear_logprobs_entropy` (backend, cache_bytes, compact_ignored)."""
     check_op_options(op_options, _NAME)
     consistency = consistency_options(invariant, logits_precision, _NAME)
-    t = check_temperature(temperature, f"{_NAME}: temperature", allow_tensor=False)
+    opts = op_value(op_options, _NAME, temperature)
     # the layer's TP group, sequence parallelism and d_hidden reduction (the op's: no megatron mapping here)
     vp, scale, sp = head_of(output_layer, logit_scale=logit_scale, mappings=False, caller=_NAME)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
@@ -197,8 +197,10 @@ def chunked_lm_head_logprobs_entropy(output_layer, hidden_states: torch.Tensor, 
         h2, weight = h2.float(), weight.float()
     elif h2.dtype != weight.dtype:
         raise ValueError(f"{_NAME}: hidden ({h2.dtype}) and weight ({weight.dtype}) dtypes must match")
-    out = op(h2, weight, y, temperature=t / scale, vocab_parallel=vp, return_stats=True, return_logit_sums=True,
-             ignore_index=NO_IGNORE_INDEX, check_labels=check_labels, softcap=softcap, **consistency, **op_options)
+    if scale != 1.0:  # the model's logits m·h·Wᵀ at T: the op's h·Wᵀ at T/m
+        opts = opts.replace(_NAME, temperature=opts.temperature / scale)
+    out = op(h2, weight, y, opts, vocab_parallel=vp, return_stats=True, return_logit_sums=True,
+             ignore_index=NO_IGNORE_INDEX, check_labels=check_labels, softcap=softcap, **consistency)
     vocab = weight.shape[0] * tp
     return output_type()(
         out.logprobs, out.entropy.detach(), out.min_logit * scale, out.max_logit * scale,

@@ -49,10 +49,10 @@ from typing import Optional
 import torch
 
 from .. import comms
-from ..api import check_temperature, linear_logprobs_entropy
+from ..api import linear_logprobs_entropy
 from ..types import VocabParallel
-from ._common import (NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, patch_all,
-                      restore_all, token_rows)
+from ._common import (BLOCK_OPTIONS, NO_IGNORE_INDEX, check_no_negative_labels, check_op_options,
+                      consistency_options, op_value, patch_all, restore_all, token_rows)
 from .nemo_rl import default_precision
 
 _NAME = "areal_lce.integrations.miles.calculate_log_probs_and_entropy"
@@ -63,7 +63,6 @@ CP_UTILS = "miles.backends.training_utils.cp_utils"
 # from, and the megatron actor's own imported name (compute_log_prob)
 STEP_TARGETS = ("miles.backends.training_utils.loss_hub.losses", "miles.backends.training_utils.loss",
                 "miles.backends.megatron_utils.actor")
-_BLOCK_OPTIONS = ("vocab_size", "logits_precision", "invariant", "check_labels")
 
 
 def calculate_log_probs_and_entropy(
@@ -88,7 +87,7 @@ def calculate_log_probs_and_entropy(
     check_op_options(op_options, _NAME)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         raise TypeError(f"{_NAME}: chunk_size must be an int (miles' --log-probs-chunk-size), got {chunk_size!r}")
-    t = check_temperature(temperature, f"{_NAME}: temperature", allow_tensor=False)
+    opts = op_value(op_options, _NAME, temperature)
     tp = comms.checked_group_size(tp_group, f"{_NAME}: tp_group")
     h2, y = token_rows(hidden, tokens, _NAME)
     if true_on_policy:
@@ -102,9 +101,9 @@ def calculate_log_probs_and_entropy(
         return empty, (empty.clone() if with_entropy else None)
     consistency = consistency_options(invariant, default_precision(h2.dtype, logits_precision, _NAME), _NAME)
     check_no_negative_labels(y, check_labels, tp, _NAME)
-    out = linear_logprobs_entropy(h2, weight, y, temperature=t, vocab_parallel=VocabParallel(tp_group),
+    out = linear_logprobs_entropy(h2, weight, y, opts, vocab_parallel=VocabParallel(tp_group),
                                   vocab_size=vocab_size, ignore_index=NO_IGNORE_INDEX, check_labels=check_labels,
-                                  **consistency, **op_options)
+                                  **consistency)
     log_prob, entropy = out.logprobs, (out.entropy if with_entropy else None)
     if entropy is not None and not entropy_requires_grad:
         entropy = entropy.detach()
@@ -121,7 +120,7 @@ def log_probs_step(weight_fn, *, logit_processors=None, cp_utils=None, **options
     logits_precision, invariant, check_labels) and the op's tuning options; args.vocab_size is used in
     true-on-policy mode, as miles uses it. `logit_processors` / `cp_utils`: miles' modules (imported by name
     when not given)."""
-    check_op_options({k: v for k, v in options.items() if k not in _BLOCK_OPTIONS}, _STEP)
+    check_op_options(options, _STEP, block=BLOCK_OPTIONS)
     if not callable(weight_fn):
         raise TypeError(f"{_STEP}: weight_fn must be a callable returning the LM-head weight shard, got {weight_fn!r}")
     lp_mod = logit_processors or importlib.import_module(LOGIT_PROCESSORS)

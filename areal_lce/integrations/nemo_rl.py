@@ -54,9 +54,10 @@ from typing import Optional
 import torch
 
 from .. import comms
-from ..api import check_temperature, linear_logprobs_entropy
+from ..api import linear_logprobs_entropy
 from ..types import VocabParallel
-from ._common import NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, patch, restore
+from ._common import (NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, op_value,
+                      patch, restore)
 
 _NAME = "areal_lce.integrations.nemo_rl.from_parallel_hidden_states_to_logprobs"
 PATCH_TARGET = ("nemo_rl.distributed.model_utils", "from_parallel_hidden_states_to_logprobs")
@@ -107,15 +108,15 @@ def _run(hidden, weight, target, vocab_start_index, vocab_end_index, tp_group, i
                          f"{hidden.shape[0]} × tp {tp}] for hidden {tuple(hidden.shape)} (the sequence-parallel "
                          "shard [S/tp, B, H] at tp > 1)")
     check_vocab_range(weight, vocab_start_index, vocab_end_index, tp_group, _NAME)
-    t = check_temperature(temperature, f"{_NAME}: temperature", allow_tensor=False)
+    opts = op_value(op_options, _NAME, temperature)
     consistency = consistency_options(invariant, default_precision(hidden.dtype, logits_precision), _NAME)
     labels = target.roll(shifts=-1, dims=-1).t().contiguous()  # [S, B]: hidden's row order
     check_no_negative_labels(labels, check_labels, tp, _NAME)
     vp = VocabParallel(tp_group, d_hidden="reduce_scatter" if tp > 1 else "all_reduce")
     with torch.no_grad() if inference_only else contextlib.nullcontext():
-        return linear_logprobs_entropy(hidden, weight, labels, temperature=t, vocab_parallel=vp, vocab_size=vocab_size,
+        return linear_logprobs_entropy(hidden, weight, labels, opts, vocab_parallel=vp, vocab_size=vocab_size,
                                        ignore_index=NO_IGNORE_INDEX, check_labels=check_labels,
-                                       **consistency, **op_options)
+                                       **consistency)
 
 
 def from_parallel_hidden_states_to_logprobs(

@@ -41,9 +41,9 @@ from typing import Optional
 import torch
 
 from .. import comms
-from ..api import check_temperature, linear_logprobs_entropy
+from ..api import linear_logprobs_entropy
 from ..types import VocabParallel
-from ._common import NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options
+from ._common import NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, op_value
 from .nemo_rl import check_vocab_range, default_precision
 
 _NAME = "areal_lce.integrations.nemo_rl_packed.from_parallel_hidden_states_to_logprobs_packed_sequences"
@@ -147,7 +147,7 @@ def _packed(hidden, weight, target, cu_seqlens_padded, unpacked_seqlen, vocab_st
         raise TypeError(f"{_NAME}: chunk_size must be an int or None, got {chunk_size!r}")
     if isinstance(unpacked_seqlen, bool) or not isinstance(unpacked_seqlen, int) or unpacked_seqlen < 1:
         raise ValueError(f"{_NAME}: unpacked_seqlen must be an int >= 1, got {unpacked_seqlen!r}")
-    t = check_temperature(temperature, f"{_NAME}: temperature", allow_tensor=False)
+    opts = op_value(op_options, _NAME, temperature)
     tp = comms.checked_group_size(tp_group, f"{_NAME}: tp_group")
     cp = comms.checked_group_size(cp_group, f"{_NAME}: cp_group")
     lengths = _lengths(cu_seqlens_padded, cp)
@@ -163,9 +163,9 @@ def _packed(hidden, weight, target, cu_seqlens_padded, unpacked_seqlen, vocab_st
     check_no_negative_labels(labels, check_labels, tp, _NAME)
     vp = VocabParallel(tp_group, d_hidden="reduce_scatter" if tp > 1 else "all_reduce")
     with torch.no_grad() if inference_only else contextlib.nullcontext():
-        out = linear_logprobs_entropy(hidden[:, 0], weight, labels, temperature=t, vocab_parallel=vp,
+        out = linear_logprobs_entropy(hidden[:, 0], weight, labels, opts, vocab_parallel=vp,
                                       vocab_size=vocab_size, ignore_index=NO_IGNORE_INDEX, check_labels=check_labels,
-                                      **consistency, **op_options)
+                                      **consistency)
         lp = _unpack(out.logprobs, lengths, cp, cp_group, unpacked_seqlen)
         return (lp, _unpack(out.entropy, lengths, cp, cp_group, unpacked_seqlen)) if entropy else lp
 

@@ -42,10 +42,10 @@ from typing import Optional
 import torch
 
 from .. import comms, patching
-from ..api import check_temperature, linear_logprobs_entropy
+from ..api import linear_logprobs_entropy
 from ..types import VocabParallel
-from ._common import (NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, patch_all,
-                      restore_all, token_rows)
+from ._common import (BLOCK_OPTIONS, NO_IGNORE_INDEX, check_no_negative_labels, check_op_options,
+                      consistency_options, op_value, patch_all, restore_all, token_rows)
 from .nemo_rl import default_precision
 
 _NAME = "areal_lce.integrations.slime.calculate_log_probs_and_entropy"
@@ -54,7 +54,6 @@ LOSS_MODULE = "slime.backends.megatron_utils.loss"
 # slime's loss module looks the step up as a global in policy_loss_function; the actor imported its own name
 # for compute_log_prob (forward_only). Both are replaced.
 STEP_TARGETS = (LOSS_MODULE, "slime.backends.megatron_utils.actor")
-_BLOCK_OPTIONS = ("vocab_size", "logits_precision", "invariant", "check_labels")
 _LAST_STAGE: list = []  # the GPTModel built by hidden_states_provider on this process's last pipeline stage
 _OUTPUT_LAYERS: list = []  # areal_lce.patching handles of the output layers hidden_states_provider changed
 
@@ -84,7 +83,7 @@ def calculate_log_probs_and_entropy(
         raise NotImplementedError(f"{_NAME}: log_prob_keep_mask (slime's top-p replay, --rollout-top-p != 1) is a "
                                   "[T, V/tp] mask over the logits, the tensor the fused op never builds; run "
                                   "slime's own calculate_log_probs_and_entropy for top-p replay")
-    t = check_temperature(temperature, f"{_NAME}: temperature", allow_tensor=False)
+    opts = op_value(op_options, _NAME, temperature)
     tp = comms.checked_group_size(tp_group, f"{_NAME}: tp_group")
     h2, y = token_rows(hidden, tokens, _NAME, seq_factor=tp if sequence_parallel else 1)
     if y.numel() == 0:  # slime returns [0] tensors (no [T, 1]) and runs no collective
@@ -93,9 +92,9 @@ def calculate_log_probs_and_entropy(
     consistency = consistency_options(invariant, default_precision(h2.dtype, logits_precision, _NAME), _NAME)
     check_no_negative_labels(y, check_labels, tp, _NAME)
     vp = VocabParallel(tp_group, d_hidden="reduce_scatter" if sequence_parallel else "all_reduce")
-    out = linear_logprobs_entropy(h2, weight, y, temperature=t, vocab_parallel=vp,
+    out = linear_logprobs_entropy(h2, weight, y, opts, vocab_parallel=vp,
                                   vocab_size=vocab_size, ignore_index=NO_IGNORE_INDEX, check_labels=check_labels,
-                                  **consistency, **op_options)
+                                  **consistency)
     entropy = None
     if with_entropy:
         entropy = out.entropy if with_entropy_grad else out.entropy.detach()
@@ -112,7 +111,7 @@ def log_probs_step(loss_module, weight_fn, *, sequence_parallel: bool = False, *
     args.rollout_temperature; the entropy carries gradient only when args.entropy_coef != 0, as in slime.
     `options`: the building block's (vocab_size, logits_precision, invariant, check_labels) and the op's
     tuning options. Refused: top-p replay (top_p_token_ids: a [T, V/tp] keep-mask)."""
-    check_op_options({k: v for k, v in options.items() if k not in _BLOCK_OPTIONS}, _STEP)
+    check_op_options(options, _STEP, block=BLOCK_OPTIONS)
     if not callable(weight_fn):
         raise TypeError(f"{_STEP}: weight_fn must be a callable returning the LM-head weight shard, got {weight_fn!r}")
 

@@ -43,10 +43,10 @@ from typing import Optional
 import torch
 
 from .. import comms
-from ..api import check_temperature, linear_logprobs_entropy
+from ..api import linear_logprobs_entropy
 from ..types import VocabParallel
-from ._common import (NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, patch,
-                      restore, token_rows)
+from ._common import (NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, op_value,
+                      patch, restore, token_rows)
 
 _NAME = "areal_lce.integrations.verl.linear_cross_entropy"
 # Where verl 0.9.1 looks `linear_cross_entropy` up at call time: the Megatron fused forward (its
@@ -75,7 +75,7 @@ def linear_cross_entropy(
     `areal_lce.linear_logprobs_entropy` (backend, cache_bytes, compact_ignored)."""
     check_op_options(op_options, _NAME)
     consistency = consistency_options(invariant, logits_precision, _NAME)
-    t = check_temperature(temperature, f"{_NAME}: temperature", allow_tensor=False)
+    opts = op_value(op_options, _NAME, temperature)
     if not isinstance(reduction, str) or reduction.lower() not in ("none", "sum", "mean"):
         raise ValueError(f"{_NAME}: reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
     h2, y = token_rows(hidden, labels, _NAME)
@@ -84,8 +84,8 @@ def linear_cross_entropy(
         h2 = h2.to(weight.dtype)
     # verl's SP gather (or, without SP, its caller) reduces d_hidden: the op leaves it vocab-partial
     vp = VocabParallel(dist_process_group, d_hidden="caller")
-    out = linear_logprobs_entropy(h2, weight, y, temperature=t, vocab_parallel=vp, ignore_index=NO_IGNORE_INDEX,
-                                  check_labels=check_labels, **consistency, **op_options)
+    out = linear_logprobs_entropy(h2, weight, y, opts, vocab_parallel=vp, ignore_index=NO_IGNORE_INDEX,
+                                  check_labels=check_labels, **consistency)
     logprobs = out.logprobs
     if reduction.lower() == "sum":
         logprobs = logprobs.sum()
@@ -127,7 +127,7 @@ def linear_topk_log_probs(
         raise ValueError(f"{_TOPK_NAME}: chunk_size must be None or a positive int, got {chunk_size!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"{_TOPK_NAME}: temperature must be a float, got {type(temperature).__name__}")
-    t = check_temperature(float(temperature), f"{_TOPK_NAME}: temperature", allow_tensor=False)
+    opts = op_value(op_options, _TOPK_NAME, temperature)
     if not torch.is_tensor(topk_ids) or topk_ids.dim() < 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{_TOPK_NAME}: topk_ids must be an int32 / int64 tensor [..., K], got "
                         f"{getattr(topk_ids, 'dtype', type(topk_ids).__name__)}")
@@ -140,9 +140,9 @@ def linear_topk_log_probs(
         h2 = h2.to(weight.dtype)
     check_no_negative_labels(ids.reshape(-1), check_labels, comms.group_size(dist_process_group), _TOPK_NAME)
     vp = VocabParallel(dist_process_group, d_hidden="caller")
-    out = linear_logprobs_entropy(h2, weight, ids[:, 0], temperature=t, vocab_parallel=vp,
+    out = linear_logprobs_entropy(h2, weight, ids[:, 0], opts, vocab_parallel=vp,
                                   ignore_index=NO_IGNORE_INDEX, check_labels=check_labels, selected_ids=ids,
-                                  **consistency, **op_options)
+                                  **consistency)
     return out.selected_logprobs.view(topk_ids.shape)
 
 

@@ -35,15 +35,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
 from .. import patching
 from ..api import linear_logprobs_entropy
-from ..checks import check_temperature
 from ..main_grad import fuses_wgrad, linear_logprobs_entropy_into_main_grad
 from ..materialised import logprobs_entropy_from_logits
+from ..options import LCEOptions
 from ..types import VocabParallel
 from .compat import has_output_processor
 from .context_parallel import CPGroup, gather_from_context_parallel
@@ -59,41 +59,36 @@ class CaptureContext:
     """What the seam needs besides the hidden states (one model call).
 
     labels: global next-token ids laid out like the model's input_ids ([b, s], or [1, T] for packed THD),
-    ignore_index where there is no target. temperature: a float, or a per-token tensor shaped like labels.
-    vocab_size: the true vocabulary (required: Megatron's padded rows must not enter the softmax): the HF
-        config's `vocab_size` to match vLLM / SGLang, not the tokenizer's size.
+        options.ignore_index where there is no target.
+    options: the op's `LCEOptions` for this call (its checked value: nothing here checks a field again).
+        options.vocab_size is required, the true vocabulary (Megatron's padded rows must not enter the
+        softmax): the HF config's `vocab_size` to match vLLM / SGLang, not the tokenizer's size. Both routes
+        take it: the fused one hands it to `linear_logprobs_entropy` as it is (return_stats set), the
+        materialised one its temperature, ignore_index, vocab_size, invariant, logits_precision and
+        check_labels (`logprobs_entropy_from_logits`), building its logits in the precision asked for
+        (`head.fp32_logits`). options.top_k: fused route only.
+    temperature: a per-token temperature tensor shaped like labels (a call input), or None: the scalar
+        options.temperature.
     fused: True computes the stats with the fused op; False builds the logits through the output layer
-    (the materialised route, same outputs).
-    backend, cache_bytes, compact_ignored: passed to `linear_logprobs_entropy` (fused route).
-    invariant, logits_precision: passed to the head of either route (`head_options`); None: the op's
-    default. The materialised route builds its logits in the precision asked for (`head.fp32_logits`).
+        (the materialised route, same outputs).
     """
 
     labels: torch.Tensor
-    temperature: Union[float, torch.Tensor]
-    vocab_size: int
-    backend: str = "auto"
-    cache_bytes: Union[int, str] = 0  # bytes, or "auto" (linear_logprobs_entropy's cache_bytes)
-    ignore_index: int = -100
+    options: LCEOptions
+    temperature: Optional[torch.Tensor] = None
     fused: bool = True
-    compact_ignored: Optional[bool] = None  # None: the backend's choice (linear_logprobs_entropy)
-    invariant: Optional[bool] = None  # None: the backend's default
-    logits_precision: Optional[str] = None  # None: the op's default ("fp32")
     selected_ids: Optional[torch.Tensor] = None  # [b, s, K] global ids laid out like labels (+ K)
-    top_k: int = 0
     extras: Optional[dict] = None  # output of the fused processor with selected_ids / top_k: selected_logprobs
     #                                [b, s, K], topk_ids [b, s, k] int64, topk_logprobs [b, s, k] (None if not asked)
 
-    def head_options(self) -> dict:
-        """The options both heads take (`linear_logprobs_entropy`, `logprobs_entropy_from_logits`), those
-        that are set: an option left None keeps the op's own default."""
-        options = {"invariant": self.invariant, "logits_precision": self.logits_precision}
-        return {k: v for k, v in options.items() if v is not None}
-
     def __post_init__(self):
-        if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size <= 0:
-            raise ValueError(f"CaptureContext(vocab_size={self.vocab_size!r}): pass the true vocabulary size "
-                             "(an int > 0); without it Megatron's padded vocabulary rows enter the softmax")
+        if not isinstance(self.options, LCEOptions):
+            raise TypeError(f"CaptureContext(options=...): an areal_lce.LCEOptions, got {self.options!r}")
+        if self.options.vocab_size is None:
+            raise ValueError("CaptureContext(options.vocab_size=None): pass the true vocabulary size (an int > 0); "
+                             "without it Megatron's padded vocabulary rows enter the softmax")
+        if not self.options.return_stats:  # the packed stats carry the logit extremes
+            self.options = self.options.replace("CaptureContext", return_stats=True)
         if not torch.is_tensor(self.labels) or self.labels.dim() != 2 or self.labels.is_floating_point():
             raise ValueError("CaptureContext(labels=...): an integer tensor [b, s] (or [1, T] for packed "
                              f"sequences) laid out like input_ids, got {_describe(self.labels)}")
@@ -102,14 +97,16 @@ class CaptureContext:
                                 or tuple(sel.shape[:2]) != tuple(self.labels.shape)):
             raise ValueError(f"selected_ids must be an integer tensor [b, s, K] laid out like labels "
                              f"{tuple(self.labels.shape)} plus K ids per token, got {_describe(sel)}")
-        if (sel is not None or self.top_k) and not self.fused:
+        if (sel is not None or self.options.top_k) and not self.fused:
             raise ValueError("selected_ids / top_k are computed by the fused route only (the materialised route "
                              "returns logprobs, entropy and logit extremes): set fused=True "
                              "(engine.use_fused_linear_ce: true)")
-        t = check_temperature(self.temperature, "CaptureContext(temperature=...)")
-        if torch.is_tensor(t) and tuple(t.shape) != tuple(self.labels.shape):
-            raise ValueError(f"CaptureContext(temperature=...): a per-token tensor must be shaped like labels "
-                             f"{tuple(self.labels.shape)}, got {tuple(t.shape)} (token_stats broadcasts it)")
+        t = self.temperature
+        if t is not None and (not torch.is_tensor(t) or not t.is_floating_point()
+                              or tuple(t.shape) != tuple(self.labels.shape)):
+            raise ValueError(f"CaptureContext(temperature=...): a per-token floating-point tensor shaped like labels "
+                             f"{tuple(self.labels.shape)} (token_stats broadcasts it), or None for "
+                             f"options.temperature; got {_describe(t)}")
 
 
 def _describe(x) -> str:
@@ -150,12 +147,13 @@ def check_seam_config(config, seam: str, fused: bool = True) -> None:
 
 
 def _seq_first(ctx: CaptureContext, s: int, b: int):
-    """Labels and temperature of ctx in Megatron's sequence-first [s, b] layout (views, no copy)."""
+    """Labels and the per-token temperature (or None) of ctx in Megatron's sequence-first [s, b] layout
+    (views, no copy)."""
     if tuple(ctx.labels.shape) != (b, s):
         raise ValueError(f"labels {tuple(ctx.labels.shape)} do not match the model's tokens [b={b}, s={s}] "
                          "(labels are laid out like input_ids: [batch, seq], or [1, T] for packed sequences)")
     t = ctx.temperature
-    return ctx.labels.t(), (t.t() if torch.is_tensor(t) else t)
+    return ctx.labels.t(), (None if t is None else t.t())
 
 
 def _fused_packed(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx: CaptureContext,
@@ -163,26 +161,26 @@ def _fused_packed(hidden: torch.Tensor, weight: torch.Tensor, output_layer, ctx:
     """[s_local, b, H] hidden + this rank's [V/tp, H] weight -> packed [s, b, 4] fp32 stats of the model's
     logits m·h·Wᵀ (m = head.logit_scale, MuP's multiplier). m is folded in here and nowhere else: the op runs at
     temperature T/m (its softmax is that of m·h·Wᵀ / T) and returns the extremes of the raw h·Wᵀ, which
-    one multiply by m puts on the model's logit scale. With ctx.selected_ids / ctx.top_k the selected and
+    one multiply by m puts on the model's logit scale. With ctx.selected_ids / options.top_k the selected and
     top-k outputs go to ctx.extras, batch-first like labels, as their own tensors (the ids stay int64)."""
     hidden, _ = head_input(hidden, weight, output_layer)
     mult = head.logit_scale
     s, b, h = hidden.shape
     labels, temperature = _seq_first(ctx, s, b)
-    if torch.is_tensor(temperature):
-        temperature = temperature.reshape(-1)
+    options, per_token = ctx.options, {}
+    if temperature is not None:  # a call input
+        per_token = {"temperature": temperature.reshape(-1) / mult}
+    elif mult != 1.0:  # the scalar option at T/m
+        options = options.replace("CaptureContext", temperature=options.temperature / mult)
     # gradient_accumulation_fusion: the weight gradient goes into weight.main_grad in fp32 (main_grad.py)
     op = linear_logprobs_entropy_into_main_grad if fuses_wgrad(output_layer, weight) else linear_logprobs_entropy
     out = op(
-        hidden.reshape(s * b, h), weight, labels.reshape(-1).to(hidden.device),
-        temperature=temperature / mult, ignore_index=ctx.ignore_index, vocab_size=ctx.vocab_size,
-        return_stats=True, backend=ctx.backend, cache_bytes=ctx.cache_bytes, compact_ignored=ctx.compact_ignored,
+        hidden.reshape(s * b, h), weight, labels.reshape(-1).to(hidden.device), options, **per_token,
         vocab_parallel=head.vocab_parallel,  # d_hidden="caller": Megatron's own mapping (head_input) reduces it
         selected_ids=None if ctx.selected_ids is None else ctx.selected_ids.transpose(0, 1).reshape(s * b, -1),
-        top_k=ctx.top_k or None, **ctx.head_options(),
     )
     stats = (out.logprobs, out.entropy, out.max_logit * mult, out.min_logit * mult)
-    if ctx.selected_ids is not None or ctx.top_k:
+    if ctx.selected_ids is not None or options.top_k:
         ctx.extras = {name: (None if t is None else t.view(s, b, -1).transpose(0, 1))
                       for name, t in (("selected_logprobs", out.selected_logprobs), ("topk_ids", out.topk_ids),
                                       ("topk_logprobs", out.topk_logprobs))}
@@ -195,10 +193,13 @@ def _materialised_packed(logits: torch.Tensor, labels: torch.Tensor, temperature
     [x, y, 4] fp32 stats, in whichever layout they come (no copy of the logits)."""
     tp_group, tp = _tp(output_layer)
     vocab_parallel = tp > 1 and logits.shape[-1] == weight_rows  # else parallel_output=False gathered them
-    r = logprobs_entropy_from_logits(logits, labels.to(logits.device), temperature=temperature,
-                                     ignore_index=ctx.ignore_index, vocab_size=ctx.vocab_size,
+    o = ctx.options
+    r = logprobs_entropy_from_logits(logits, labels.to(logits.device),
+                                     temperature=o.temperature if temperature is None else temperature,
+                                     ignore_index=o.ignore_index, vocab_size=o.vocab_size,
                                      vocab_parallel=VocabParallel(tp_group) if vocab_parallel else None,
-                                     **ctx.head_options())
+                                     invariant=o.invariant, logits_precision=o.logits_precision,
+                                     check_labels=o.check_labels)
     return torch.stack([r.logprobs, r.entropy, r.max_logit, r.min_logit], dim=-1)
 
 
@@ -224,7 +225,7 @@ def stats_output_processor(*, hidden_states, output_layer, output_weight, contex
         if seam != "output_processor":
             raise ValueError("the output_layer seam runs the fused route only (the materialised route calls "
                              "the model as is)")
-        if output_layer_gives(weight, context.logits_precision):
+        if output_layer_gives(weight, context.options.logits_precision):
             logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
         else:
             logits = fp32_logits(hidden_states, weight, output_layer)
@@ -340,7 +341,7 @@ def _stats_call(model, gpt_model, seam: str, ctx: CaptureContext, input_ids, pos
     kwargs = {"packed_seq_params": packed_seq_params}
     if seam == "output_processor" and getattr(gpt_model.config, "mtp_num_layers", None):
         # Megatron's MTP heads need labels and a loss mask (GPTModel rolls both once per MTP layer)
-        valid = ctx.labels != ctx.ignore_index
+        valid = ctx.labels != ctx.options.ignore_index
         kwargs.update(labels=torch.where(valid, ctx.labels, torch.zeros_like(ctx.labels)), loss_mask=valid.float())
     return call_with_processor(model, gpt_model, seam, stats_output_processor, ctx, input_ids, position_ids,
                                attention_mask, **kwargs)
@@ -362,7 +363,7 @@ def run_materialised(model, gpt_model, seam: str, ctx: CaptureContext, input_ids
         return model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
     weight = gpt_model.shared_embedding_or_output_weight()
     with contextlib.ExitStack() as stack:
-        if not output_layer_gives(weight, ctx.logits_precision):
+        if not output_layer_gives(weight, ctx.options.logits_precision):
             stack.enter_context(output_layer_seam(gpt_model.output_layer, logits_output_processor, ctx))
         out = model(input_ids, position_ids, attention_mask, packed_seq_params=packed_seq_params)
     if tuple(out.shape[:2]) != tuple(ctx.labels.shape):

@@ -1,12 +1,11 @@
 """The LM-head route, chosen once: the fused op at the capture seam, or the output layer's logits.
 
-    route = Route.choose(fused=True, seam="auto", backend="auto", cache_bytes=0, invariant=None,
-                         logits_precision=None)
+    route = Route.choose(fused=True, seam="auto", options=LCEOptions(backend="auto", cache_bytes=0))
     packed = route.stats(model, input_ids, labels, vocab_size=V)   # [b, s, 4] on the LM-head stage
     logits = route.last_token_logits(model, gpt, positions, input_ids, position_ids, attention_mask)
 
 `token_stats` builds a Route from its arguments; `MegatronEngine` builds one at construction from
-`engine.use_fused_linear_ce`, `capture_seam` and `engine.lce` (`LCEConfig`) and runs training,
+`engine.use_fused_linear_ce`, `capture_seam` and `engine.lce` (`LCEConfig.options()`) and runs training,
 logprob passes and generation through it (`engine.route`), so the flag is read in one place. Both routes
 make one model call through the same seam (capture.py) and give the same outputs and gradients;
 `name` ("fused" | "materialised") and `description` ("fused linear op" | "materialised logits") name
@@ -17,11 +16,12 @@ cannot serve on it (MTP depths, the KV-cache decode path).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
 from ..checks import check_temperature
+from ..options import LCEOptions
 from . import capture, compat
 from .context_parallel import CPGroup
 from .packing import PackedLayout
@@ -104,41 +104,36 @@ def _check_inputs(gpt, input_ids, labels, position_ids, packed_seq_params, vocab
                          f"{input_ids.shape[1]} must be a multiple of {tp} (pad it; padded labels = ignore_index)")
 
 
-def _temperature(temperature, labels: torch.Tensor) -> Union[float, torch.Tensor]:
-    """A float, or a per-token fp32 tensor broadcast to labels' shape (checks.check_temperature's rule)."""
+def _temperature(temperature, labels: torch.Tensor) -> Optional[torch.Tensor]:
+    """A per-token temperature tensor as the seam takes it: fp32, broadcast to labels' shape (checks'
+    rule, checked here once); None for a float (the `temperature` option, checked by LCEOptions)."""
+    if not torch.is_tensor(temperature):
+        return None
     checked = check_temperature(temperature, "temperature", shape=labels.shape)
-    if not torch.is_tensor(checked):
-        return checked
-    return torch.broadcast_to(temperature.to(labels.device, torch.float32), labels.shape).contiguous()
+    return checked.to(labels.device, torch.float32).contiguous()
 
 
 @dataclass(frozen=True)
 class Route:
     """fused: the fused op at the LM head (no [tokens, vocab] logits) or the output layer's logits;
-    seam: "output_processor" | "output_layer" (resolved, see capture.py); backend, cache_bytes: passed
-    to `linear_logprobs_entropy` on the fused route; invariant, logits_precision: passed to the head of
-    either route (`linear_logprobs_entropy` / `logprobs_entropy_from_logits`), None = the op's default;
-    auto_seam: the seam was asked as "auto" (a HybridModel then takes the output_layer seam, `seam_for`)."""
+    seam: "output_processor" | "output_layer" (resolved, see capture.py); options: the op's `LCEOptions`
+    of every call on this route (backend, cache_bytes, ... : what the engine's `engine.lce` sets), to which
+    each call adds its own (vocab_size, temperature, ignore_index, compact_ignored, top_k); the materialised
+    route takes those it has (invariant, logits_precision, ...: capture.CaptureContext); auto_seam: the
+    seam was asked as "auto" (a HybridModel then takes the output_layer seam, `seam_for`)."""
 
     fused: bool
     seam: str
-    backend: str = "auto"
-    cache_bytes: Union[int, str] = 0
-    invariant: Optional[bool] = None
-    logits_precision: Optional[str] = None
+    options: LCEOptions = LCEOptions()
     auto_seam: bool = False
 
     @classmethod
-    def choose(cls, fused: bool = True, seam: str = "auto", backend: str = "auto",
-               cache_bytes: Union[int, str] = 0, invariant: Optional[bool] = None,
-               logits_precision: Optional[str] = None) -> "Route":
-        """The route of these options; seam "auto" resolves to the installed megatron-core's seam. The op
-        checks the values (token_stats and the engine check nothing twice): only their types here."""
-        if invariant is not None and not isinstance(invariant, bool):
-            raise TypeError(f"invariant={invariant!r}: expected True, False or None (the backend's default)")
-        if logits_precision is not None and not isinstance(logits_precision, str):
-            raise TypeError(f"logits_precision={logits_precision!r}: expected a str ('fp32' or 'bf16') or None")
-        return cls(bool(fused), capture.resolve_seam(seam), backend, cache_bytes, invariant, logits_precision,
+    def choose(cls, fused: bool = True, seam: str = "auto", options: Optional[LCEOptions] = None) -> "Route":
+        """The route of these options (None: the op's defaults); seam "auto" resolves to the installed
+        megatron-core's seam."""
+        if options is not None and not isinstance(options, LCEOptions):
+            raise TypeError(f"Route.choose(options=...): an areal_lce.LCEOptions or None, got {options!r}")
+        return cls(bool(fused), capture.resolve_seam(seam), LCEOptions.of(options, {}, "Route.choose"),
                    seam == "auto")
 
     @property
@@ -183,12 +178,12 @@ class Route:
         _check_inputs(gpt, input_ids, labels, position_ids, packed_seq_params, vocab_size)
         self.check(gpt.config, seam)
         labels = labels.to(input_ids.device)
-        ctx = capture.CaptureContext(labels=labels, temperature=_temperature(temperature, labels),
-                                     vocab_size=vocab_size, backend=self.backend, cache_bytes=self.cache_bytes,
-                                     ignore_index=ignore_index, fused=self.fused, compact_ignored=compact_ignored,
-                                     invariant=self.invariant, logits_precision=self.logits_precision,
-                                     selected_ids=None if selected_ids is None else selected_ids.to(input_ids.device),
-                                     top_k=top_k or 0)
+        t = _temperature(temperature, labels)
+        scalar = {} if t is not None else {"temperature": temperature}  # the option: checked there, once
+        options = self.options.replace("token_stats", vocab_size=vocab_size, ignore_index=ignore_index,
+                                       compact_ignored=compact_ignored, top_k=top_k, return_stats=True, **scalar)
+        ctx = capture.CaptureContext(labels=labels, options=options, temperature=t, fused=self.fused,
+                                     selected_ids=None if selected_ids is None else selected_ids.to(input_ids.device))
         run = capture.run_fused if self.fused else capture.run_materialised
         out = run(model, gpt, seam, ctx, input_ids, position_ids, attention_mask, packed_seq_params)
         if gpt.post_process and ctx.extras is not None:

@@ -9,8 +9,8 @@ decoder runs as usual and the LM head is replaced by the capture seam (capture.p
 never builds the [tokens, vocab] logits; `fused=False` runs the materialised route through the same
 seam (Megatron's output layer builds the logits), with the same outputs and gradients. MTP heads (on
 megatron-core >= 0.18) run as Megatron runs them and add their losses to the backward through
-Megatron's MTPLossAutoScaler. The route is a `Route` (route.py) built from `fused`, `seam`, `backend`,
-`cache_bytes`, `invariant` and `logits_precision`; the engine holds one and calls it directly; any
+Megatron's MTPLossAutoScaler. The route is a `Route` (route.py) built from `fused`, `seam` and the
+`LCEOptions` of `backend`, `cache_bytes`, `invariant` and `logits_precision`; the engine holds one; any
 training loop can call this function. On a host without CUDA the call runs inside `compat.cpu_shims()`
 (megatron-core's RoPE, TP mappings and buffers ask for a CUDA device), entered here.
 """
@@ -20,6 +20,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
+from ..options import LCEOptions
 from . import capture, compat
 from .route import Route, find_gpt_model
 
@@ -84,7 +85,10 @@ def model_output(model, input_ids, labels, *, vocab_size: int, position_ids=None
     """`token_stats` as a pipeline stage sees it: packed [b, s, 4] stats on the stage with the LM head
     ((packed, extras) with selected_ids / top_k: Route.stats), the decoder's output (what the schedule
     sends on) on the other stages."""
-    route = Route.choose(fused, seam, backend, cache_bytes, invariant, logits_precision)
+    precision = {} if logits_precision is None else {"logits_precision": logits_precision}  # None: the default
+    options = LCEOptions.of(None, dict(backend=backend, cache_bytes=cache_bytes, invariant=invariant, **precision),
+                            "token_stats")  # only these fields are checked: the defaults were, once
+    route = Route.choose(fused, seam, options)
     _check_cpu_backward(find_gpt_model(model))
     _check_input_ids(find_gpt_model(model), input_ids)
     with compat.cpu_shims():  # a no-op with CUDA

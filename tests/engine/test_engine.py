@@ -243,7 +243,8 @@ def test_engine_lce_options_reach_the_head_of_either_route(monkeypatch):
 
     lce = LCEConfig(backend="torch", invariant=True, logits_precision="bf16")
     e = tiny_engine(W.VOCAB, lce=lce)
-    assert (e.route.backend, e.route.invariant, e.route.logits_precision) == ("torch", True, "bf16")
+    o = e.route.options
+    assert (o.backend, o.invariant, o.logits_precision) == ("torch", True, "bf16")
     seen = spy_heads(monkeypatch)
     ids, labels = W.batch(7)
     e.token_stats(ids, labels)

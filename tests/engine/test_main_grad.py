@@ -91,7 +91,7 @@ def test_refuses_a_weight_without_main_grad():
         linear_logprobs_entropy_into_main_grad(h, torch.nn.Parameter(w), y, backend="torch")
     with pytest.raises(TypeError, match="d_weight_fp32"):
         linear_logprobs_entropy_into_main_grad(h, _param(w, torch.zeros(V, H)), y, d_weight_fp32=False)
-    with pytest.raises(TypeError, match=r"unexpected options \['tp_group'\]"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tp_group'"):
         linear_logprobs_entropy_into_main_grad(h, _param(w, torch.zeros(V, H)), y, tp_group=None)
 
 

@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 
+from areal_lce import LCEOptions
 from areal_lce import comms
 from areal_lce.megatron import head
 from areal_lce.megatron.head import head_of
@@ -74,7 +75,7 @@ def test_the_seam_and_the_areal_adapter_read_the_layer_through_head_of(monkeypat
     h, w = torch.randn(4, 1, 8), torch.randn(16, 8)
     labels = torch.randint(0, 16, (1, 4))
     layer = _layer(weight=w, config=types.SimpleNamespace(use_mup=True))
-    ctx = capture.CaptureContext(labels=labels, temperature=1.0, vocab_size=16, backend="torch")
+    ctx = capture.CaptureContext(labels=labels, options=LCEOptions(vocab_size=16, backend="torch"))
     seam = capture.stats_output_processor(hidden_states=h, output_layer=layer, output_weight=None, context=ctx,
                                           scale_logits=lambda z: z * 0.5, config=layer.config)
     out = areal.chunked_lm_head_logprobs_entropy(layer, h, w, labels.reshape(-1), temperature=1.0, chunk_size=4,

@@ -27,6 +27,7 @@ import hybrid_builder as HB  # noqa: E402
 from helpers.gpt_builder import megatron_on_cpu  # noqa: E402,F401  (autouse: megatron-core on a CPU-only host)
 from helpers.launch import torchrun  # noqa: E402
 
+from areal_lce import LCEOptions  # noqa: E402
 import areal_lce.megatron as M  # noqa: E402
 from areal_lce.megatron import capture, pack_rows, token_stats  # noqa: E402
 from areal_lce.megatron.route import Route  # noqa: E402
@@ -82,7 +83,7 @@ def test_auto_takes_the_output_layer_seam(models):
     explicit = token_stats(model, ids, labels, vocab_size=G.VOCAB, backend="torch", seam="output_layer")
     assert torch.equal(auto.logprobs, explicit.logprobs) and torch.equal(auto.entropy, explicit.entropy)
     assert Route.choose(seam="auto").seam_for(model) == "output_layer"
-    ctx = capture.CaptureContext(labels=labels, temperature=1.0, vocab_size=G.VOCAB)
+    ctx = capture.CaptureContext(labels=labels, options=LCEOptions(vocab_size=G.VOCAB))
     with pytest.raises(ValueError, match=r"HybridModel\.forward has no output_processor"):
         capture.run_fused(model, model, "output_processor", ctx, ids, None, None)
 

@@ -20,6 +20,7 @@ from helpers import megatron_worker as W  # noqa: E402
 from helpers.engines import tiny_engine  # noqa: E402
 from helpers.megatron_worker import results as worker_results  # noqa: E402
 
+from areal_lce import LCEOptions  # noqa: E402
 from areal_lce.megatron import capture  # noqa: E402
 from areal_lce.engine.microbatch import MicroBatch  # noqa: E402
 from areal_lce.engine.config import EngineConfig, ParallelConfig  # noqa: E402
@@ -180,7 +181,7 @@ def test_mup_folds_into_temperature():
     labels = torch.randint(0, 40, (1, 6))
     layer = types.SimpleNamespace(tp_group=None, sequence_parallel=False, weight=w,
                                   config=types.SimpleNamespace(use_mup=True))
-    ctx = capture.CaptureContext(labels=labels, temperature=0.8, vocab_size=40, backend="torch")
+    ctx = capture.CaptureContext(labels=labels, options=LCEOptions(temperature=0.8, vocab_size=40, backend="torch"))
     cfg = types.SimpleNamespace(use_mup=True)
     packed = capture.stats_output_processor(hidden_states=h, output_layer=layer, output_weight=None, context=ctx,
                                             scale_logits=lambda z: z * 0.25, config=cfg)

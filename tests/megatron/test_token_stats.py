@@ -20,11 +20,12 @@ import torch
 warnings.filterwarnings("ignore")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-from helpers.spies import spy_heads
+from helpers.spies import count_temperature_checks, spy_heads
 from helpers import gpt_builder as G  # noqa: E402
 from helpers.gpt_builder import megatron_on_cpu  # noqa: E402,F401  (autouse: megatron-core on a CPU-only host)
 from helpers.launch import torchrun  # noqa: E402
 
+from areal_lce import LCEOptions  # noqa: E402
 from areal_lce.megatron import capture, pack_rows, packed_next_token_labels, token_stats  # noqa: E402
 from areal_lce.megatron.stats import find_gpt_model  # noqa: E402
 
@@ -143,8 +144,8 @@ def test_square_batch_layout():
 def test_seam_checks_without_token_stats():
     """The processor refuses on its own, for callers that use the seam directly."""
     with pytest.raises(ValueError, match="vocab_size"):
-        capture.CaptureContext(labels=torch.zeros(1, 4, dtype=torch.long), temperature=1.0, vocab_size=None)
-    ctx = capture.CaptureContext(labels=torch.zeros(2, 4, dtype=torch.long), temperature=1.0, vocab_size=10)
+        capture.CaptureContext(labels=torch.zeros(1, 4, dtype=torch.long), options=LCEOptions())
+    ctx = capture.CaptureContext(labels=torch.zeros(2, 4, dtype=torch.long), options=LCEOptions(vocab_size=10))
     layer = types.SimpleNamespace(weight=torch.zeros(10, 8), sequence_parallel=False, tp_group=None,
                                   config=types.SimpleNamespace(defer_embedding_wgrad_compute=True))
     with pytest.raises(ValueError, match="defer_embedding_wgrad_compute"):
@@ -194,16 +195,36 @@ def test_token_stats_passes_the_head_options(monkeypatch, fused):
     call = functools.partial(token_stats, model, ids, labels, vocab_size=G.VOCAB, fused=fused, backend="torch")
     seen = spy_heads(monkeypatch)
     with torch.no_grad():
-        call()  # None: the op's own defaults, nothing passed
+        call()  # None: the op's own defaults
         call(invariant=True, logits_precision="bf16")
         call(invariant=False, logits_precision="fp32")
     head = "linear_logprobs_entropy" if fused else "logprobs_entropy_from_logits"
-    assert seen == [(head, {}), (head, {"invariant": True, "logits_precision": "bf16"}),
+    assert seen == [(head, {"invariant": None, "logits_precision": "fp32"}),
+                    (head, {"invariant": True, "logits_precision": "bf16"}),
                     (head, {"invariant": False, "logits_precision": "fp32"})]
     with pytest.raises(TypeError, match="invariant"):
         call(invariant="yes")
     with pytest.raises(ValueError, match="logits_precision"):  # the op's own check
         call(logits_precision="fp16")
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "materialised"])
+def test_token_stats_checks_a_temperature_once(monkeypatch, fused):
+    """token_stats is one entry: its float temperature is checked once (the LCEOptions it builds), and the
+    seam and the op take that value without checking it again; a tensor likewise, where the route broadcasts
+    it. The materialised route's head is an entry of its own (logprobs_entropy_from_logits): one more. A
+    tensor's type and shape are checked where the route broadcasts it and by the op's head (an entry of its
+    own that takes any broadcastable tensor); its values once, on the device, with the labels."""
+    model = G.build_gpt()
+    ids, labels, _ = G.batch(0)
+    calls = count_temperature_checks(monkeypatch)
+    with torch.no_grad():
+        token_stats(model, ids, labels, vocab_size=G.VOCAB, fused=fused, backend="torch", temperature=0.7)
+        assert len(calls) == (1 if fused else 2), calls
+        calls.clear()
+        token_stats(model, ids, labels, vocab_size=G.VOCAB, fused=fused, backend="torch",
+                    temperature=torch.full((ids.shape[0], 1), 0.7))
+    assert len(calls) == 2, calls
 
 
 GRID = 64  # the LM head's inputs on a 1/64 grid (_exact_head_model)

@@ -120,7 +120,7 @@ def seen(monkeypatch):
     op = capture.linear_logprobs_entropy
 
     def spy(*a, **kw):
-        calls.append(kw["compact_ignored"])
+        calls.append(a[3].compact_ignored)  # the call's LCEOptions
         return op(*a, **kw)
 
     monkeypatch.setattr(capture, "linear_logprobs_entropy", spy)

@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 
+from areal_lce import LCEOptions
 from areal_lce.checks import check_sampling_temperature, check_temperature
 from areal_lce.engine.generation.generate import check_request
 from areal_lce.engine.microbatch import MicroBatch
@@ -29,7 +30,8 @@ IDS = torch.zeros(1, 4, dtype=torch.long)
 ENTRIES = {
     "rl": ("rl.temperature", lambda t: RLConfig(temperature=t)),
     "microbatch": ("MicroBatch.temperature", lambda t: MicroBatch(IDS, IDS, t)),
-    "capture": ("CaptureContext(temperature=...)", lambda t: CaptureContext(labels=IDS, temperature=t, vocab_size=8)),
+    # the op's options value: what token_stats, the capture seam, the adapters and the HF patch take
+    "options": ("temperature", lambda t: LCEOptions(temperature=t, vocab_size=8)),
     "sampler": ("generate: temperature", lambda t: check_request([[1, 2]], 1, t, 1.0)),
     "own_loss": ("temperature", check_temperature_one),
     "op": ("temperature", lambda t: check_temperature(t)),
@@ -98,8 +100,10 @@ def test_tensor_temperatures_where_per_token_values_are_taken():
         with pytest.raises(TypeError, match=re.escape(name) + ".*tensor"):
             call(torch.tensor(1.0))
     with pytest.raises(ValueError, match=re.escape("CaptureContext(temperature=...)")):
-        CaptureContext(labels=IDS, temperature=torch.ones(2, 4), vocab_size=8)  # the seam takes labels' shape
-    CaptureContext(labels=IDS, temperature=torch.ones(1, 4), vocab_size=8)
+        CaptureContext(labels=IDS, options=LCEOptions(vocab_size=8), temperature=torch.ones(2, 4))  # labels' shape
+    with pytest.raises(ValueError, match=re.escape("CaptureContext(temperature=...)")):  # a float is the option
+        CaptureContext(labels=IDS, options=LCEOptions(vocab_size=8), temperature=0.5)
+    CaptureContext(labels=IDS, options=LCEOptions(vocab_size=8), temperature=torch.ones(1, 4))
 
 
 def test_hf_head_broadcasts_with_the_same_rule():

@@ -126,7 +126,7 @@ def sampled_logprobs(gm: GenerationModel, hidden: torch.Tensor, tokens: torch.Te
         weight = (gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights
                   else gpt.output_layer.weight)
         lp = token_logprobs(hidden, weight, tokens, temperature=temperature, vocab_size=gm.vocab_size,
-                            backend=gm.route.backend, invariant=invariant, logits_precision=logits_precision,
+                            backend=gm.route.options.backend, invariant=invariant, logits_precision=logits_precision,
                             tp_group=d.tp_group if d.tp_size > 1 else None)
     return from_last_stage(lp, d.pp_group) if d.pp_size > 1 else lp
 

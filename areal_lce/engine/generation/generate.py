@@ -96,12 +96,12 @@ def generate_tokens(gm: GenerationModel, prompts: List[List[int]], max_new_token
     decode steps replayed from CUDA graphs when `cuda_graphs` and the model allow (decode.py); with
     `return_logprobs` a `Generation` (tokens and the sampler's logprobs). The tokens are drawn from the
     head's fp32 logits in `logits_precision`; `invariant` and `logits_precision` are the training head's
-    options (None: those of gm.route, i.e. engine.lce, else the op's defaults).
+    options (None: those of gm.route's LCEOptions, i.e. engine.lce's).
     The request is checked by the caller (`check_request`); the prompts against the model here."""
     prompts = [[int(t) for t in p] for p in prompts]
     check_prompts(prompts, gm.max_seq_len, gm.vocab_size)
-    invariant = getattr(gm.route, "invariant", None) if invariant is None else invariant
-    logits_precision = getattr(gm.route, "logits_precision", None) if logits_precision is None else logits_precision
+    invariant = gm.route.options.invariant if invariant is None else invariant
+    logits_precision = gm.route.options.logits_precision if logits_precision is None else logits_precision
     cached = kv_cache and kv_cache_supported(gm)
     was_training = gm.model.training
     gm.model.eval()
