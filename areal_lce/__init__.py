@@ -8,13 +8,9 @@
     out = linear_logprobs_entropy(hidden, weight_shard, labels, vocab_parallel=VocabParallel(tp_group))
     areal_lce.check_deferred()   # raise on bad labels seen by deferred (accelerator default) checks
 """
-from .api import linear_logprobs_entropy
-from .checks import check_deferred
-from .materialised import logprobs_entropy_from_logits
-from .options import LCEOptions
-from .types import LCEOutput, LCEParams, VocabParallel
+from .op import (LCEOptions, LCEOutput, LCEParams, VocabParallel, check_deferred, linear_logprobs_entropy,
+                 logprobs_entropy_from_logits)
 
 __version__ = "0.2.0"
 __all__ = ["linear_logprobs_entropy", "check_deferred", "logprobs_entropy_from_logits", "LCEOptions", "LCEOutput",
-           "LCEParams",
-           "VocabParallel", "__version__"]
+           "LCEParams", "VocabParallel", "__version__"]

@@ -49,8 +49,8 @@ for job in "$@"; do
     gpu_tests) run gpu_tests 500 python3 -m pytest -q -p no:cacheprovider -m gpu tests ;;  # every gpu-marked case
     gpu_kernels) run gpu_kernels 300 python3 -m pytest -q -p no:cacheprovider \
           tests/op/test_softcap_triton.py::test_in_kernel_tanh_is_within_its_absolute_bound \
-          tests/backends/test_triton_select_rank.py tests/backends/test_triton_selected_picks.py \
-          tests/backends/test_triton_outputs.py \
+          tests/op/backends/test_triton_select_rank.py tests/op/backends/test_triton_selected_picks.py \
+          tests/op/backends/test_triton_outputs.py \
           tests/op/test_select.py::test_triton_topk_with_compacted_rows_is_the_same ;;  # interpreter tests whose kernels also run on CUDA
     bench_ignored) run bench_ignored 240 python3 -m benchmark.op.bench_ignored --out "$W" ;;
     bench_sft) run "bench_sft${ROPE:+_rope_$ROPE}${GRAPHS:+_graphs_$GRAPHS}" ${SFT_LIMIT_S:-300} torchrun --nproc_per_node=1 -m benchmark.engine.bench_train --job sft \

@@ -6,8 +6,8 @@
 * Where the Triton kernels run (helpers/kernel_device.py, imported next): with a CUDA device, compiled on
   CUDA tensors; without one, through the interpreter on CPU tensors (TRITON_INTERPRET=1, which must be set
   before any @triton.jit function is defined). Kernel tests put their tensors on `kernel_device()`.
-* NaN poisoning: every buffer a backend's kernels write (areal_lce.backends.base.alloc) starts as NaN
-  (AREAL_LCE_POISON_OUTPUTS=1, read once when areal_lce.backends loads), so an output element a kernel
+* NaN poisoning: every buffer a backend's kernels write (areal_lce.op.backends.base.alloc) starts as NaN
+  (AREAL_LCE_POISON_OUTPUTS=1, read once when areal_lce.op.backends loads), so an output element a kernel
   fails to write fails the test that reads it. torchrun workers launched by the tests inherit it.
 * Under the interpreter, numpy's inf/NaN RuntimeWarnings from inside it are hidden (the poisoned
   buffers make them on purpose); every other warning is shown.
@@ -59,7 +59,7 @@ def pytest_runtest_teardown(item):
 @pytest.fixture(autouse=True, scope="session")
 def _outputs_are_poisoned():
     """Fail loudly if something imported areal_lce before the variable above was set."""
-    from areal_lce.backends import base
+    from areal_lce.op.backends import base
 
     assert base.POISON == (os.environ[base.POISON_ENV] == "1"), \
-        f"{base.POISON_ENV} was not set before areal_lce.backends was imported"
+        f"{base.POISON_ENV} was not set before areal_lce.op.backends was imported"

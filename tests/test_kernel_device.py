@@ -40,7 +40,7 @@ def test_this_session_decided_before_triton(pytestconfig):
     kernels' launcher module read the same value when it was imported."""
     if os.environ.get(K.ENV) is None:
         assert torch.cuda.is_available()
-    from areal_lce.backends.triton import launch
+    from areal_lce.op.backends.triton import launch
 
     assert launch.INTERPRET == K.interpreter_on()
 

@@ -32,8 +32,8 @@ except ImportError:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from areal_lce import VocabParallel, check_deferred, linear_logprobs_entropy, logprobs_entropy_from_logits  # noqa: E402
-from areal_lce.backends import get_backend, interpreter_on  # noqa: E402
-from areal_lce.reference import logprobs_entropy as reference_logprobs_entropy  # noqa: E402
+from areal_lce.op.backends import get_backend, interpreter_on  # noqa: E402
+from areal_lce.op.reference import logprobs_entropy as reference_logprobs_entropy  # noqa: E402
 
 IGNORE = -100
 # torch >= 2.13 names the single-tensor collectives *_single (the *_tensor names warn); older keep *_tensor.

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Tuple, Union
 
 from ..megatron.capture import SEAMS
-from ..options import group as options_group
+from ..op.options import group as options_group
 
 PRESETS = ("tiny", "tiny-llama", "tiny-qwen3", "qwen2.5-0.5b", "qwen2.5-7b")
 DTYPES = ("auto", "fp32", "bf16")

@@ -45,14 +45,14 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .. import checks
+from ..op import checks
 from .generation import generate as generation
 from . import schedule
 from . import state as engine_state
 from .batch import ModelBatch, per_token_rope
 from .graphs import ModelCallGraphs, why_not_graphed
 from .batch import prepare as prepare_batch
-from ..checks import check_temperature
+from ..op.checks import check_temperature
 from ..megatron.compat import cpu_shims
 from ..megatron.context_parallel import CPGroup
 from .config import EngineConfig
@@ -375,8 +375,3 @@ class MegatronEngine:
     def load_weights(self, path: str) -> None:
         """Collective: the model weights only from `save`'s directory (any layout), nothing else."""
         engine_state.load_weights(path, self.gpt, self.dist, self.vocab_size)
-
-    def export_hf(self, out_dir, tokenizer=None, **kwargs):
-        """Collective: write this model as a Hugging Face checkpoint directory (areal_lce.export.hf.export_hf)."""
-        from ..export.hf import export_hf
-        return export_hf(self, out_dir, tokenizer=tokenizer, **kwargs)

@@ -15,7 +15,7 @@ from typing import Any, Dict, Mapping
 
 import torch
 
-from .. import comms
+from ..op import comms
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 _IDENTITY = {"sum": 0.0, "mean": 0.0, "max": -math.inf, "min": math.inf}

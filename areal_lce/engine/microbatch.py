@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..checks import check_temperature
+from ..op.checks import check_temperature
 from ..megatron.packing import host_to_device, row_lengths
 
 

@@ -12,7 +12,7 @@ from typing import Tuple
 
 import torch
 
-from .. import comms
+from ..op import comms
 
 
 def lr_at(step: int, optim) -> float:

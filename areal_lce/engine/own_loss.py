@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_temperature
+from ..op.checks import check_temperature
 from ..megatron.stats import TokenStats
 
 

@@ -6,7 +6,7 @@ and in a plain single process (a one-rank group on a free local port). Backend: 
 gloo without. Data parallelism is whatever remains of the world after TP x PP x CP. `DistInfo`
 carries this rank's sizes, ranks and process groups, so callers never reach into parallel_state.
 
-Job-level collectives (few, small, on the host; the op's collectives live in areal_lce.comms):
+Job-level collectives (few, small, on the host; the op's collectives live in areal_lce.op.comms):
 `all_ranks_true` (an AND over the job), `barrier_world`, `broadcast_object` and
 `object_from_last_stage` (a small value from the last pipeline stage to every stage).
 """
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import comms
+from ..op import comms
 
 from .config import ParallelConfig
 

@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from .. import comms
+from ..op import comms
 from .batch import packed_length
 from .microbatch import MicroBatch
 

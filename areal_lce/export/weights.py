@@ -22,7 +22,7 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
-from .. import comms
+from ..op import comms
 
 # how the tensor-parallel shards of a layer parameter join into the whole tensor
 REPLICATED, ROWS, COLUMNS, GATE_UP = "replicated", "rows", "columns", "gate_up"

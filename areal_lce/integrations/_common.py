@@ -6,8 +6,9 @@ import importlib
 
 import torch
 
-from .. import checks, patching
-from ..options import LCEOptions
+from ..op import checks
+from .. import patching
+from ..op.options import LCEOptions
 
 _HANDLES: dict = {}  # (module name, attribute) -> the areal_lce.patching handle that remove() restores
 _RESERVED = ("vocab_parallel", "tp_group", "sequence_parallel", "reduce_d_hidden", "temperature",

@@ -18,7 +18,7 @@ AReaL's contract (read from its source):
       NeMo's) Gemma2OutputLayer, c·tanh(h·Wᵀ / c) with c = layer.config.final_logit_softcapping (unset or
       0: no cap), computed by the op's softcap=c (then logit_scale must be 1). With its
       `gradient_accumulation_fusion=True` the weight gradient is added in fp32 into `weight.main_grad` and
-      `grad_added_to_main_grad` set, as megatron's own linear does (areal_lce/main_grad.py); with
+      `grad_added_to_main_grad` set, as megatron's own linear does (areal_lce/op/main_grad.py); with
       `fp32_operands` the fp32 copy's gradient returns through autograd instead.
   hidden_states [s, b, H] (AReaL: [T, 1, H] packed): this rank's sequence shard [s/tp, b, H] under
       sequence parallel (gathered here, d_hidden reduce-scattered back), else the full sequence
@@ -58,8 +58,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..api import linear_logprobs_entropy
-from ..main_grad import fuses_wgrad, linear_logprobs_entropy_into_main_grad
+from ..op.api import linear_logprobs_entropy
+from ..op.main_grad import fuses_wgrad, linear_logprobs_entropy_into_main_grad
 from ..megatron.head import head_of
 from ._common import (NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, op_value,
                       patch, restore, token_rows)

@@ -40,9 +40,9 @@ from typing import Optional
 
 import torch
 
-from .. import comms
-from ..api import linear_logprobs_entropy
-from ..types import VocabParallel
+from ..op import comms
+from ..op.api import linear_logprobs_entropy
+from ..op.types import VocabParallel
 from ._common import NO_IGNORE_INDEX, check_no_negative_labels, check_op_options, consistency_options, op_value
 from .nemo_rl import check_vocab_range, default_precision
 

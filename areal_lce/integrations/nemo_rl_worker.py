@@ -47,7 +47,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import comms
+from ..op import comms
 from ._common import check_op_options, consistency_options, patch, restore
 from . import nemo_rl as _dropin
 from . import nemo_rl_packed as _packed

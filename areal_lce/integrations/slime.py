@@ -41,9 +41,10 @@ from typing import Optional
 
 import torch
 
-from .. import comms, patching
-from ..api import linear_logprobs_entropy
-from ..types import VocabParallel
+from ..op import comms
+from .. import patching
+from ..op.api import linear_logprobs_entropy
+from ..op.types import VocabParallel
 from ._common import (BLOCK_OPTIONS, NO_IGNORE_INDEX, check_no_negative_labels, check_op_options,
                       consistency_options, op_value, patch_all, restore_all, token_rows)
 from .nemo_rl import default_precision

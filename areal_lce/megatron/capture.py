@@ -27,7 +27,7 @@ The LM-head weight's gradient: without gradient-accumulation fusion it comes out
 Function into `weight.grad`, and Megatron DDP's per-parameter hook adds it to `main_grad` (grad buffer),
 as for the materialised route. With the output layer's `gradient_accumulation_fusion=True` the fused
 route adds it in fp32 into `weight.main_grad` itself and sets `grad_added_to_main_grad`, as Megatron's
-own linear does (areal_lce/main_grad.py), so it is not rounded to the weight's dtype first. Tied
+own linear does (areal_lce/op/main_grad.py), so it is not rounded to the weight's dtype first. Tied
 embeddings: GPTModel passes the shared embedding matrix as `weight=`; we use it as is, so both uses
 accumulate into one parameter.
 """
@@ -40,11 +40,11 @@ from typing import Any, Optional
 import torch
 
 from .. import patching
-from ..api import linear_logprobs_entropy
-from ..main_grad import fuses_wgrad, linear_logprobs_entropy_into_main_grad
-from ..materialised import logprobs_entropy_from_logits
-from ..options import LCEOptions
-from ..types import VocabParallel
+from ..op.api import linear_logprobs_entropy
+from ..op.main_grad import fuses_wgrad, linear_logprobs_entropy_into_main_grad
+from ..op.materialised import logprobs_entropy_from_logits
+from ..op.options import LCEOptions
+from ..op.types import VocabParallel
 from .compat import has_output_processor
 from .context_parallel import CPGroup, gather_from_context_parallel
 from .head import HeadOf, fp32_logits, head_input, head_of, output_layer_gives

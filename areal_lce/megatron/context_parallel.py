@@ -29,7 +29,7 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
-from .. import checks, comms
+from ..op import checks, comms
 from .packing import PackedLayout, ranges, sequence_lengths  # noqa: F401  (ranges, sequence_lengths: re-exported)
 
 
@@ -164,7 +164,7 @@ def check_same_layout(local: torch.Tensor, lengths: Optional[List[int]], cp_grou
     all-reduce of 12 int64, the first time this rank gathers a layout (then never again for it, so
     micro-batches of a known layout cost nothing). On CPU tensors the votes are read at once and every
     rank raises ValueError naming what differs. On accelerators nothing waits on them: the disagreement
-    is counted for `areal_lce.checks.check_deferred()` (which the engine calls once per step) and the
+    is counted for `areal_lce.op.checks.check_deferred()` (which the engine calls once per step) and the
     returned 0-d bool makes this call's output NaN. None when no check ran.
     A rank that has checked its layout before while another's is new does not join the check's
     all-reduce: the collectives then meet out of order, which gloo reports as an error."""

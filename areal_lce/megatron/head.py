@@ -15,9 +15,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..library import placeholder_grad
-from ..main_grad import check_main_grad, fuses_wgrad
-from ..types import VocabParallel
+from ..op.library import placeholder_grad
+from ..op.main_grad import check_main_grad, fuses_wgrad
+from ..op.types import VocabParallel
 
 
 def tp_of(output_layer):

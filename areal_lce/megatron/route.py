@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from ..checks import check_temperature
-from ..options import LCEOptions
+from ..op.checks import check_temperature
+from ..op.options import LCEOptions
 from . import capture, compat
 from .context_parallel import CPGroup
 from .packing import PackedLayout

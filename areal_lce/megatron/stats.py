@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from ..options import LCEOptions
+from ..op.options import LCEOptions
 from . import capture, compat
 from .route import Route, find_gpt_model
 

@@ -220,7 +220,7 @@ def check_runs_here(cfg: JobConfig) -> None:
         return  # the materialised route does not call the op
     import torch
 
-    from areal_lce.backends import resolve_backend
+    from areal_lce.op.backends import resolve_backend
 
     name, option = cfg.engine.lce.backend, "engine.lce.backend"
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

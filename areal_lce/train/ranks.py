@@ -28,7 +28,7 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from .. import comms
+from ..op import comms
 from .config_io import ConfigError, iter_fields
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)

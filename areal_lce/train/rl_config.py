@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple, Union
 
-from ..checks import check_temperature
+from ..op.checks import check_temperature
 
 LOSS_AGG_MODES = ("token-mean", "sequence-mean-token-mean", "sequence-mean-token-sum")
 KL_ESTIMATORS = ("k1", "k3")

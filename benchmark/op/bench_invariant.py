@@ -23,9 +23,10 @@ import statistics
 
 import torch
 
-from areal_lce import exact, linear_logprobs_entropy
-from areal_lce.backends import get_backend
-from areal_lce.types import LCEParams
+from areal_lce.op import exact
+from areal_lce import linear_logprobs_entropy
+from areal_lce.op.backends import get_backend
+from areal_lce.op.types import LCEParams
 
 from ..harness import log, parse_shapes, run_meta, write_json
 

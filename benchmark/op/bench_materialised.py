@@ -24,8 +24,8 @@ import statistics
 
 import torch
 
-from areal_lce import materialised_lean
-from areal_lce.materialised import logprobs_entropy_from_logits
+from areal_lce.op import materialised_lean
+from areal_lce.op.materialised import logprobs_entropy_from_logits
 from benchmark.op.materialised_autograd import logprobs_entropy_autograd
 
 from ..harness import log, parse_shapes, run_meta, write_json

@@ -57,9 +57,9 @@ def checks(v=151936, h=896, n=1024):
                                    for f in ("selected_logprobs", "topk_ids", "topk_logprobs", "logprobs"))
     # the top-k recompute gives the invariant forward's bits: each recomputed segment's max equals the
     # forward's segment max (the proof that the top-k is exact needs exactly this)
-    from areal_lce.backends import get_backend
-    from areal_lce.backends.triton import select_launch
-    from areal_lce.types import LCEParams
+    from areal_lce.op.backends import get_backend
+    from areal_lce.op.backends.triton import select_launch
+    from areal_lce.op.types import LCEParams
     be = get_backend("triton")
     p = LCEParams(inv_t=1.0, vocab_size=v, shard_valid=v, backend=be, invariant=True, compact_ignored=False)
     st = be.forward(hid, w, y, None, p, keep_cache=False)

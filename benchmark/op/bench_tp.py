@@ -19,7 +19,7 @@ d_hidden and d_weight GEMMs), so floor_ms = 8·N·H·(V/tp) / peak_flops (--peak
 measured bf16 cuBLAS rate of one H100; pass the rate of your device).
 
 Collective time is measured two ways: (1) the same collectives the op issues for that shape, run alone
-through `areal_lce.comms` in the same order and sizes (the API's shard-size check, MAX [2, N], SUM
+through `areal_lce.op.comms` in the same order and sizes (the API's shard-size check, MAX [2, N], SUM
 [3, N], all-reduce or reduce-scatter of fp32 d_hidden [N, H], SP all-gather of hidden rows); (2) on
 CUDA, torch.profiler's device time of NCCL kernels inside one profiled step ("in op"; kernels that
 overlap compute count in full). Peak memory is torch.cuda.max_memory_allocated during a step, absolute
@@ -50,7 +50,8 @@ except ImportError:  # run as `benchmark/op/bench_tp.py` from a checkout: the re
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import areal_lce  # noqa: E402
-from areal_lce import VocabParallel, comms, linear_logprobs_entropy  # noqa: E402
+from areal_lce import VocabParallel, linear_logprobs_entropy
+from areal_lce.op import comms  # noqa: E402
 from benchmark.harness import PeakMemory, percentiles, run_meta, sync, write_json  # noqa: E402
 
 SHAPES = {  # name -> list of global (N, H, V)
@@ -113,7 +114,7 @@ class Step:
 
 
 class CommsOnly:
-    """The collectives one step issues, alone, with the step's sizes and dtypes (see areal_lce.function)."""
+    """The collectives one step issues, alone, with the step's sizes and dtypes (see areal_lce.op.function)."""
 
     def __init__(self, n, h, tp, sp, dtype, device, group, v_shard):
         self.n, self.sp, self.group, self.v_shard = n, sp, group, v_shard

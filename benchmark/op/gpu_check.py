@@ -19,7 +19,7 @@ import torch
 
 from benchmark.harness import ROOT, run_meta, write_json
 
-TESTS = ("tests/backends/test_backends.py", "tests/op/test_compile.py", "tests/engine/test_generate.py",
+TESTS = ("tests/op/backends/test_backends.py", "tests/op/test_compile.py", "tests/engine/test_generate.py",
          "tests/engine/test_rope.py", "tests/engine/test_graphs.py", "tests/train/test_checkpoint_integrity.py")
 
 

@@ -9,7 +9,7 @@ harness.exact_reference (max |dlogp|, max |dentropy|, rel-L2 of dh and dW). Inpu
 W ~ N(0, 16/H), so the logits are ~ N(0, 16) and the entropy 3-4 nats; uniform labels.
 
 The backend-level timings (breakdown, sweep) call the Triton backend's contract directly
-(areal_lce/backends/base.py) and use its public tuning knobs: `configs.tuning(...)` for tiles and load
+(areal_lce/op/backends/base.py) and use its public tuning knobs: `configs.tuning(...)` for tiles and load
 options, `TritonBackend(backward_gemms=False)` for the backward kernels without the cuBLAS GEMMs.
 """
 from __future__ import annotations
@@ -175,8 +175,8 @@ def run_shape(name, shape, providers, args) -> dict:
 # ------------------------------------------------------------------------------- the Triton backend
 def _backend_call(h, W, y, cache=False):
     """(backend, params, forward stats, lse, entropy, upstream -1 grads) for direct contract calls."""
-    from areal_lce.backends.triton.launch import TritonBackend
-    from areal_lce.types import LCEParams
+    from areal_lce.op.backends.triton.launch import TritonBackend
+    from areal_lce.op.types import LCEParams
 
     be = TritonBackend()
     N, V = h.shape[0], W.shape[0]
@@ -193,7 +193,7 @@ def breakdown(h, W, y, args, cache=False) -> dict:
     public op's forward over the backend's (op_fwd_over_backend: the two called in turn, each call timed
     alone, the median of the per-pair ratios: what the API, checks and output assembly add)."""
     from areal_lce import linear_logprobs_entropy
-    from areal_lce.backends.triton.launch import TritonBackend
+    from areal_lce.op.backends.triton.launch import TritonBackend
 
     be, p, st, lse, ent, g = _backend_call(h, W, y, cache)
     kernels = TritonBackend(backward_gemms=False)
@@ -211,9 +211,9 @@ def breakdown(h, W, y, args, cache=False) -> dict:
 
 def sweep(shapes, args) -> list:
     """Time forward and backward-kernel tiles of the Triton backend on each shape (bf16)."""
-    from areal_lce.backends.triton import configs
-    from areal_lce.backends.triton.configs import TileConfig as T
-    from areal_lce.backends.triton.launch import TritonBackend
+    from areal_lce.op.backends.triton import configs
+    from areal_lce.op.backends.triton.configs import TileConfig as T
+    from areal_lce.op.backends.triton.launch import TritonBackend
 
     cands = [  # (tile, TMA loads, persistent backward programs per SM)
         (T(128, 256, 64, 16, 8, 3), True, 1), (T(128, 256, 64, 16, 8, 3), False, 1),

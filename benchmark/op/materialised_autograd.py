@@ -10,9 +10,9 @@ from typing import Optional, Union
 
 import torch
 
-from areal_lce import comms
-from areal_lce.materialised import _exact_values, checked_call, vocab_parallel_group
-from areal_lce.types import LCEOutput, VocabParallel
+from areal_lce.op import comms
+from areal_lce.op.materialised import _exact_values, checked_call, vocab_parallel_group
+from areal_lce.op.types import LCEOutput, VocabParallel
 
 
 def logprobs_entropy_autograd(logits: torch.Tensor, labels: torch.Tensor, *,

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from areal_lce import reference
+from areal_lce.op import reference
 from benchmark.op import bench_lce
 from benchmark.harness import exact_reference
 from helpers.kernel_device import kernel_device
@@ -17,7 +17,7 @@ SHAPE = "40x32x384"
 
 
 def _fp64(h, W, y, with_ent):
-    """areal_lce.reference in fp64, gradients of loss = -sum(logp) [- sum(entropy)] by autograd."""
+    """areal_lce.op.reference in fp64, gradients of loss = -sum(logp) [- sum(entropy)] by autograd."""
     h, W = h.double().requires_grad_(), W.double().requires_grad_()
     ref = reference.logprobs_entropy(h, W, y)
     (-ref.logprobs.sum() - (ref.entropy.sum() if with_ent else 0)).backward()

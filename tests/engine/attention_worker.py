@@ -20,7 +20,7 @@ import torch
 
 warnings.filterwarnings("ignore")
 
-from areal_lce import comms  # noqa: E402
+from areal_lce.op import comms  # noqa: E402
 from areal_lce.megatron import context_parallel as CP  # noqa: E402
 
 VOCAB = 512

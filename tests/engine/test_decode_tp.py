@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from areal_lce import comms
+from areal_lce.op import comms
 from areal_lce.engine.generation import decode
 
 from helpers.launch import torchrun

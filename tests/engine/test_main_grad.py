@@ -1,4 +1,4 @@
-"""gradient_accumulation_fusion at the LM head (areal_lce/main_grad.py): the weight gradient is added in fp32
+"""gradient_accumulation_fusion at the LM head (areal_lce/op/main_grad.py): the weight gradient is added in fp32
 into `weight.main_grad`, `grad_added_to_main_grad` is set, and Megatron DDP's hook does not add it again.
 
 Megatron refuses gradient_accumulation_fusion=True without APEX, which CI does not have, so the flag and
@@ -14,7 +14,7 @@ from helpers.bounds import assert_within, rounded_gemm_bound
 from helpers.inputs import available_backends
 
 from areal_lce import linear_logprobs_entropy  # noqa: E402
-from areal_lce.main_grad import linear_logprobs_entropy_into_main_grad  # noqa: E402
+from areal_lce.op.main_grad import linear_logprobs_entropy_into_main_grad  # noqa: E402
 
 N, H, V = 96, 64, 80
 

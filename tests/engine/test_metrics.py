@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from areal_lce import comms
+from areal_lce.op import comms
 from areal_lce.engine.metrics import StepShare, last_stage_share, reduce_metrics, reduce_step
 
 

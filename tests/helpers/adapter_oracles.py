@@ -18,7 +18,7 @@ import warnings
 import torch
 from helpers.paths import REPO
 
-from areal_lce import reference
+from areal_lce.op import reference
 
 _SETUP_ASIDE = str(REPO / ".venv" / "verl-aside")
 VERL_ASIDE = os.environ.get("AREAL_LCE_VERL_ASIDE", "") or _SETUP_ASIDE

@@ -1,6 +1,6 @@
 """The backend harness: shard-level cases, their inputs, and the one pass rule every backend is held to.
 
-A backend (areal_lce/backends/base.py) sees one vocabulary shard: hidden [N, H], weight [V_shard, H],
+A backend (areal_lce/op/backends/base.py) sees one vocabulary shard: hidden [N, H], weight [V_shard, H],
 global labels, 1/T and LCEParams. `run_case` runs its forward and backward on a `ShardCase` and checks
 every output against the fp64 oracle (ReferenceBackend on the same values upcast to fp64).
 
@@ -18,9 +18,9 @@ from typing import Optional
 
 import torch
 
-from areal_lce.backends import get_backend
-from areal_lce.backends.reference import ReferenceBackend, grad_logits, shard_logits
-from areal_lce.types import LCEParams
+from areal_lce.op.backends import get_backend
+from areal_lce.op.backends.reference import ReferenceBackend, grad_logits, shard_logits
+from areal_lce.op.types import LCEParams
 
 from .inputs import PER_TOKEN, peak_logits
 

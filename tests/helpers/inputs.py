@@ -1,6 +1,6 @@
 """Inputs of the op's tests: the one peaked-logits builder, the API-level case list and its builder.
 
-Oracle everywhere: the fp64 materialised reference (areal_lce/backends/reference.py).
+Oracle everywhere: the fp64 materialised reference (areal_lce/op/backends/reference.py).
 """
 from __future__ import annotations
 
@@ -111,8 +111,8 @@ def available_backends():
     interpreter (helpers/kernel_device.py turns it on where there is no CUDA device). On a GPU machine the
     Triton backends' CUDA cases are the tests that take `kernel_device()` and `python -m benchmark.op.gpu_check`."""
     names = ["reference", "torch"]
-    for name, mod in (("triton", "areal_lce.backends.triton.launch"),
-                      ("triton_ascend", "areal_lce.backends.ascend.launch")):
+    for name, mod in (("triton", "areal_lce.op.backends.triton.launch"),
+                      ("triton_ascend", "areal_lce.op.backends.ascend.launch")):
         if importlib.util.find_spec(mod.rsplit(".", 1)[0]) is None:
             continue
         if importlib.util.find_spec(mod) is not None and interpreter_on():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from areal_lce import checks
+from areal_lce.op import checks
 from areal_lce.megatron import capture
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from areal_lce import reference
+from areal_lce.op import reference
 from helpers import gpt_builder as G
 from helpers.bounds import U32, gamma, op_bounds
 
@@ -118,7 +118,7 @@ def _reference(model, ids, labels, temperature, position_ids, packed_seq_params)
 
     logits = model(ids, position_ids, None, packed_seq_params=packed_seq_params)  # [b, s, V_pad/tp] fp32
     full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)[..., :G.VOCAB]
-    return reference.from_logits(full, labels, temperature=temperature)[:4]  # areal_lce.reference: fp64, differentiable
+    return reference.from_logits(full, labels, temperature=temperature)[:4]  # areal_lce.op.reference: fp64, differentiable
 
 
 def _coefficients(labels, seed: int = 5):

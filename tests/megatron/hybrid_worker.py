@@ -21,7 +21,7 @@ warnings.filterwarnings("ignore")
 from helpers import gpt_builder as G  # noqa: E402
 import hybrid_builder as HB  # noqa: E402
 
-from areal_lce import comms  # noqa: E402
+from areal_lce.op import comms  # noqa: E402
 
 
 def worst_over_ranks(result: dict) -> dict:

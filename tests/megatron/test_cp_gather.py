@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from areal_lce import checks
+from areal_lce.op import checks
 from helpers.groups import fake_group  # noqa: F401  (fixture: a recording 2-rank group)
 
 
@@ -74,7 +74,7 @@ def _expect_error(fn, *needles):
 def _worker():
     import torch.distributed as dist
 
-    from areal_lce import comms
+    from areal_lce.op import comms
     from areal_lce.megatron import context_parallel as CP
 
     dist.init_process_group("gloo")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from areal_lce import LCEOptions
-from areal_lce import comms
+from areal_lce.op import comms
 from areal_lce.megatron import head
 from areal_lce.megatron.head import head_of
 

@@ -21,7 +21,7 @@ warnings.filterwarnings("ignore")
 from helpers.paths import REPO
 from helpers import gpt_builder as G  # noqa: E402
 
-from areal_lce import comms  # noqa: E402
+from areal_lce.op import comms  # noqa: E402
 from areal_lce.megatron import token_stats  # noqa: E402
 
 

@@ -17,7 +17,7 @@ import torch._dynamo.testing
 import torch.distributed as dist
 
 from areal_lce import VocabParallel, check_deferred, linear_logprobs_entropy
-from areal_lce.main_grad import linear_logprobs_entropy_into_main_grad
+from areal_lce.op.main_grad import linear_logprobs_entropy_into_main_grad
 
 N, H, V_SHARD, IGNORE = 16, 16, 128, -100
 

@@ -106,7 +106,7 @@ def main():
     pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
     everyone = dist.group.WORLD
     mismatches, checked = [], 0
-    from areal_lce.backends.triton import select_launch
+    from areal_lce.op.backends.triton import select_launch
     default = select_launch.PICK_KH_PER_ID
     for route, dtypes in (("torch", (torch.bfloat16, torch.float32)), ("triton", (torch.bfloat16, torch.float32)),
                             ("triton:picks", (torch.bfloat16,))):

@@ -9,7 +9,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from areal_lce import exact  # noqa: E402
+from areal_lce.op import exact  # noqa: E402
 from areal_lce import linear_logprobs_entropy as lce  # noqa: E402
 
 H = 16

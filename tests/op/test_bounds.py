@@ -6,9 +6,9 @@ with the terms summed instead.)"""
 import pytest
 import torch
 
-from areal_lce.backends import get_backend
-from areal_lce.backends.reference import ReferenceBackend, grad_logits, shard_logits
-from areal_lce.types import LCEParams
+from areal_lce.op.backends import get_backend
+from areal_lce.op.backends.reference import ReferenceBackend, grad_logits, shard_logits
+from areal_lce.op.types import LCEParams
 from helpers.bounds import assert_within, gamma, op_bounds
 from helpers.inputs import peak_logits
 from helpers.kernel_device import on_kernel_device

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import areal_lce
-from areal_lce import api
-from areal_lce.backends.torch_chunked import TorchChunkedBackend
+from areal_lce.op import api
+from areal_lce.op.backends.torch_chunked import TorchChunkedBackend
 
 GiB = 1 << 30
 

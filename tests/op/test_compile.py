@@ -13,7 +13,7 @@ import torch._dynamo
 import torch._dynamo.testing
 
 import areal_lce
-from areal_lce.library import encode, lce_backward_op, lce_forward_op
+from areal_lce.op.library import encode, lce_backward_op, lce_forward_op
 
 from helpers.groups import fake_group  # noqa: F401  (fixture: a recording 2-rank TP group)
 from helpers.inputs import PER_TOKEN
@@ -200,7 +200,7 @@ def test_tp2_gloo_compiles_fullgraph_equal_to_eager(tmp_path):
 #                       op's outputs within 1e-4 of eager, the loss within 1e-5, the gradients within 1e-3.
 #   compile_cudagraphs  the same with mode="reduce-overhead" (CUDA graphs through Inductor), no cudagraph skip.
 #
-# Run: `python -m pytest -q -m gpu tests/backends/test_backends.py tests/op/test_compile.py`, or
+# Run: `python -m pytest -q -m gpu tests/op/backends/test_backends.py tests/op/test_compile.py`, or
 # `python -m benchmark.op.gpu_check` for the same with a JSON summary.
 
 N, H, V, VOCAB = 1000, 512, 32000, 31900  # N not a multiple of the 128-row blocks; padded vocab
@@ -360,7 +360,7 @@ def test_compile_fullgraph_matches_eager(mode, record_property):
     record_property("result", res)
     # Inductor fuses and reorders the fp32 arithmetic around the opaque custom op (temperature, the stats'
     # finishing math, the loss), so compiled and eager agree to fp32 rounding, not bit for bit; the bf16
-    # gradients then to bf16 rounding of those inputs (their floor against fp64 is ~2e-3, the CUDA cases of tests/backends/test_backends.py).
+    # gradients then to bf16 rounding of those inputs (their floor against fp64 is ~2e-3, the CUDA cases of tests/op/backends/test_backends.py).
     assert res["graph_breaks"] == 0, res
     assert mode is None or res["cudagraph_skips"] == 0, res
     assert res["op_outputs_max_abs_diff"] <= 1e-4 and res["loss_rel"] <= 1e-5, res

@@ -1,6 +1,6 @@
 """The consistency contract (docs/op.md "Consistency"): with invariant=True a token's outputs are bitwise
 (torch.equal) the same whatever else is in the call, on the torch backend and on the Triton kernels
-(under the interpreter on CPU; the `gpu` cases of tests/backends/test_backends.py run them on CUDA), and the logits-precision modes.
+(under the interpreter on CPU; the `gpu` cases of tests/op/backends/test_backends.py run them on CUDA), and the logits-precision modes.
 
 Each check compares the same rows computed in two different calls. Run with invariant=False (the
 online-softmax merge, what the op did before the option) the row-subset, padding, compaction and TP
@@ -148,7 +148,7 @@ def test_checks_catch_the_online_merge(backend, monkeypatch):
     if backend == "torch":  # the full call's 70 rows take 384-column chunks, 7 rows or fewer the whole vocab
         monkeypatch.setenv("AREAL_LCE_TORCH_CHUNK_BYTES", str(4 * 70 * 384))
     else:
-        from areal_lce.backends.triton import launch
+        from areal_lce.op.backends.triton import launch
 
         def split_by_rows(N, valid, block_n, slots, interpret):
             width = 256 if N > 32 else 1024
@@ -188,7 +188,7 @@ def test_bf16_logits_mode_matches_a_bf16_head(backend):
 def test_materialised_route_bf16_and_invariant():
     """logprobs_entropy_from_logits follows logits_precision and, with invariant=True, gives each row the
     bits it gets in any other batch; the fused op with the same options is within fp32 rounding."""
-    from areal_lce.materialised import logprobs_entropy_from_logits
+    from areal_lce.op.materialised import logprobs_entropy_from_logits
     h, w, y = _inputs(n=40, dtype=torch.bfloat16, seed=5)
     logits = (h.float() @ w.float().t())
     full = logprobs_entropy_from_logits(logits, y, invariant=True, logits_precision="bf16")
@@ -210,9 +210,9 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match="triton_ascend"):
         lce(h, w, y, invariant=True, backend="triton_ascend")
     # the defaults: on for torch / triton, off for fp64 and the reference
-    assert areal_lce.api.resolve_invariant(None, "torch", torch.bfloat16) is True
-    assert areal_lce.api.resolve_invariant(None, "torch", torch.float64) is False
-    assert areal_lce.api.resolve_invariant(None, "triton_ascend", torch.bfloat16) is False
+    assert areal_lce.op.api.resolve_invariant(None, "torch", torch.bfloat16) is True
+    assert areal_lce.op.api.resolve_invariant(None, "torch", torch.float64) is False
+    assert areal_lce.op.api.resolve_invariant(None, "triton_ascend", torch.bfloat16) is False
 
 
 @pytest.mark.distributed

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import areal_lce
-from areal_lce.backends import get_backend
-from areal_lce.types import LCEParams
+from areal_lce.op.backends import get_backend
+from areal_lce.op.types import LCEParams
 
 from helpers.inputs import CASES, available_backends, case_by_id, make_inputs
 

@@ -1,4 +1,4 @@
-"""The lean materialised route (areal_lce/materialised_lean.py): values and every gradient against float64
+"""The lean materialised route (areal_lce/op/materialised_lean.py): values and every gradient against float64
 within the fp32 rounding bounds of tests/helpers/bounds.py, bf16 logits in (gradient out in bf16), vocab-
 parallel logits over two in-process ranks, ignored rows and padding columns (exact 0 gradient), per-token
 temperature, and the memory claim: no fp32 tensor of the [N, V] logits' size is ever created.
@@ -13,10 +13,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import areal_lce.materialised_lean as lean
-from areal_lce.materialised import logprobs_entropy_from_logits
+import areal_lce.op.materialised_lean as lean
+from areal_lce.op.materialised import logprobs_entropy_from_logits
 from benchmark.op.materialised_autograd import logprobs_entropy_autograd
-from areal_lce.types import VocabParallel
+from areal_lce.op.types import VocabParallel
 from helpers.bounds import EXP_ULPS, U32, assert_within, op_bounds
 from helpers.inputs import PER_TOKEN, Case, peak_logits
 

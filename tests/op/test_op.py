@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import areal_lce
-from areal_lce.reference import logprobs_entropy as reference_logprobs_entropy
+from areal_lce.op.reference import logprobs_entropy as reference_logprobs_entropy
 
 from helpers.bounds import assert_within, op_bounds
 from helpers.inputs import CASES, available_backends, case_by_id, make_inputs
@@ -240,7 +240,7 @@ def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
 
 
 def test_env_var_selects_backend(monkeypatch):
-    from areal_lce.backends import resolve_backend
+    from areal_lce.op.backends import resolve_backend
     monkeypatch.setenv("AREAL_LCE_BACKEND", "reference")
     assert resolve_backend("auto", torch.device("cpu")) == "reference"
     monkeypatch.delenv("AREAL_LCE_BACKEND")

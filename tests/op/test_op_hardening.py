@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import areal_lce
-from areal_lce.materialised import logprobs_entropy_from_logits
+from areal_lce.op.materialised import logprobs_entropy_from_logits
 
 from helpers.groups import fake_group  # noqa: F401  (fixture: a recording 2-rank TP group)
 from helpers.kernel_device import on_kernel_device

@@ -1,4 +1,4 @@
-"""The op's one options value, `LCEOptions` (areal_lce/options.py): declared once (fields, defaults, checks,
+"""The op's one options value, `LCEOptions` (areal_lce/op/options.py): declared once (fields, defaults, checks,
 help), taken by the op, the engine's YAML group, the route, the capture seam, the adapters and the HF
 patch; and a temperature checked once per entry.
 """
@@ -14,7 +14,7 @@ import areal_lce
 from helpers.spies import count_temperature_checks
 
 from areal_lce import LCEOptions, linear_logprobs_entropy
-from areal_lce.options import MAX_TOP_K
+from areal_lce.op.options import MAX_TOP_K
 
 BAD = [  # (field, value, exception): each refused at construction, the error naming the field
     ("temperature", 0.0, ValueError), ("temperature", True, TypeError), ("temperature", torch.tensor(1.0), TypeError),
@@ -129,7 +129,7 @@ def test_the_op_checks_a_temperature_once(monkeypatch):
 def test_the_hf_head_checks_a_temperature_once(monkeypatch):
     from torch import nn
 
-    from areal_lce.hf.head import fused_head
+    from areal_lce.integrations.transformers.head import fused_head
 
     head = nn.Linear(16, 40, bias=False)
     h, _, y = _inputs()

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_lce import exact
+from areal_lce.op import exact
 from areal_lce import linear_logprobs_entropy as lce
-from areal_lce.materialised import logprobs_entropy_from_logits
+from areal_lce.op.materialised import logprobs_entropy_from_logits
 from helpers.cpu import cpu_flags
 
 ROWS = 40  # prefixes 1..40: past two AVX-512 and five AVX2 vector steps of fp32

@@ -1,4 +1,4 @@
-"""areal_lce/reference.py, the one torch reference of the op's math: the same numbers as the torch backend's
+"""areal_lce/op/reference.py, the one torch reference of the op's math: the same numbers as the torch backend's
 oracle (bitwise, fp64) and the materialised route, 0 at ignored rows, per-token temperatures, and refusals
 of mismatched shapes. Tiny CPU tensors: fast."""
 from __future__ import annotations
@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_lce import logprobs_entropy_from_logits, reference
-from areal_lce.reference import logprobs_entropy as reference_logprobs_entropy
+from areal_lce import logprobs_entropy_from_logits
+from areal_lce.op import reference
+from areal_lce.op.reference import logprobs_entropy as reference_logprobs_entropy
 
 
 def _case(seed=0, n=(3, 5), h=16, v=41, vocab=37):

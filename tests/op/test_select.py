@@ -62,7 +62,7 @@ def _route(backend, monkeypatch):
     """"triton": selected ids gathered after the forward; "triton:picks": taken from the forward's tiles where
     it can (select_launch.takes_picks), the rest by pair_logits."""
     if backend.startswith("triton"):
-        from areal_lce.backends.triton import select_launch
+        from areal_lce.op.backends.triton import select_launch
         monkeypatch.setattr(select_launch, "PICK_KH_PER_ID", 0.0 if backend == "triton:picks" else float("inf"))
     return backend.split(":")[0]
 
@@ -72,7 +72,7 @@ def _route(backend, monkeypatch):
 @pytest.mark.parametrize("softcap", [None, 3.0])
 def test_values_and_gradients_match_the_float64_oracle(backend, temp_kind, softcap, monkeypatch):
     backend = _route(backend, monkeypatch)
-    if softcap and not areal_lce.backends.get_backend(backend).supports_softcap:
+    if softcap and not areal_lce.op.backends.get_backend(backend).supports_softcap:
         with pytest.raises(ValueError, match="softcap is not implemented"):
             lce(*_inputs()[:3], vocab_size=V, backend=backend, softcap=softcap)
         return
@@ -234,7 +234,7 @@ def test_deferred_check_marks_bad_selected_ids_nan():
     sel[4, 1] = V + 3
     out = lce(hidden, weight, labels, vocab_size=V, backend="torch", selected_ids=sel, check_labels="deferred")
     assert torch.isnan(out.selected_logprobs[4, 1]) and not torch.isnan(out.selected_logprobs[4, 0])
-    areal_lce.checks._reset(areal_lce.checks._record_of(hidden.device))
+    areal_lce.op.checks._reset(areal_lce.op.checks._record_of(hidden.device))
 
 
 @pytest.mark.slow  # the Triton interpreter (on a GPU: the kernels)

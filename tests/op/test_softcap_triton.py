@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from areal_lce import linear_logprobs_entropy as lce
-from areal_lce.backends.triton.kernel_common import soft_cap
-from areal_lce.backends.triton.launch import INTERPRET
+from areal_lce.op.backends.triton.kernel_common import soft_cap
+from areal_lce.op.backends.triton.launch import INTERPRET
 
 from helpers.bounds import U32
 from helpers.kernel_device import kernel_device, needs_interpreter, needs_kernels

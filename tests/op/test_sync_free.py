@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import areal_lce
-from areal_lce import checks
-from areal_lce.backends import get_backend
-from areal_lce.function import partition_rows
+from areal_lce.op import checks
+from areal_lce.op.backends import get_backend
+from areal_lce.op.function import partition_rows
 
 from helpers.inputs import PER_TOKEN, available_backends
 from helpers.kernel_device import interpreter_on, kernel_device
@@ -167,9 +167,9 @@ class _StubKernel:
 def test_triton_launcher_reads_nothing_on_the_host(monkeypatch):
     if not interpreter_on():
         pytest.skip("the stubbed launcher runs on CPU tensors: only under TRITON_INTERPRET=1")
-    from areal_lce.backends.triton import launch
+    from areal_lce.op.backends.triton import launch
 
-    from areal_lce.backends.triton import value_check
+    from areal_lce.op.backends.triton import value_check
 
     for name in ("lce_fwd_kernel", "lce_fwd_merge_kernel", "lce_bwd_kernel", "lce_bwd_label_kernel"):
         monkeypatch.setattr(launch, name, _StubKernel())
@@ -247,7 +247,7 @@ def test_triton_label_check_kernel_folds_the_same_record(monkeypatch):
     dev = kernel_device()
     if dev is None:
         pytest.skip("no device runs the Triton kernels here")
-    from areal_lce.backends.triton import configs, launch
+    from areal_lce.op.backends.triton import configs, launch
 
     monkeypatch.setattr(configs, "CHECK_BLOCK", 64)
     g = torch.Generator().manual_seed(3)
@@ -282,16 +282,16 @@ def test_triton_skips_ignored_rows_in_place(cache):
     ignored rows get d_hidden exactly 0 whatever their hidden / lse / entropy (NaN and Inf here), every
     d_logits row cuBLAS reads is written (the launcher's buffers start as NaN under the tests,
     tests/conftest.py, and would leak into d_weight), and the valid rows match the exact computation."""
-    from areal_lce.backends import base
+    from areal_lce.op.backends import base
 
     assert base.POISON
     dev = kernel_device()
     if dev is None:
         pytest.skip("no device runs the Triton kernels here")
-    from areal_lce.backends.reference import ReferenceBackend
-    from areal_lce.backends.triton import configs
-    from areal_lce.backends.triton.launch import TritonBackend
-    from areal_lce.types import LCEParams
+    from areal_lce.op.backends.reference import ReferenceBackend
+    from areal_lce.op.backends.triton import configs
+    from areal_lce.op.backends.triton.launch import TritonBackend
+    from areal_lce.op.types import LCEParams
 
     bn = configs.tile("bwd", fp32=False, interpret=dev.type == "cpu", H=32).block_n
     n, h, v = 3 * bn + 5, 32, 300

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from areal_lce import LCEOptions
-from areal_lce.checks import check_sampling_temperature, check_temperature
+from areal_lce.op.checks import check_sampling_temperature, check_temperature
 from areal_lce.engine.generation.generate import check_request
 from areal_lce.engine.microbatch import MicroBatch
 from areal_lce.engine.own_loss import check_temperature_one
@@ -109,13 +109,13 @@ def test_tensor_temperatures_where_per_token_values_are_taken():
 def test_hf_head_broadcasts_with_the_same_rule():
     from torch import nn
 
-    from areal_lce.hf.head import fused_head
+    from areal_lce.integrations.transformers.head import fused_head
 
     head = nn.Linear(8, 16, bias=False)
     hidden, labels = torch.randn(2, 3, 8), torch.randint(0, 16, (2, 3))
     out = fused_head(head, hidden, labels, temperature=torch.tensor([[0.5], [2.0]]), backend="torch")
     assert out.logprobs.shape == (2, 3)
-    with pytest.raises(ValueError, match=re.escape("areal_lce.hf: temperature of shape (4,)")):
+    with pytest.raises(ValueError, match=re.escape("areal_lce.integrations.transformers: temperature of shape (4,)")):
         fused_head(head, hidden, labels, temperature=torch.ones(4), backend="torch")
 
 

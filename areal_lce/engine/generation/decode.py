@@ -49,7 +49,7 @@ from typing import Any, List, NamedTuple, Optional
 
 import torch
 
-from ... import comms
+from ...op import comms
 from ..batch import prepare as prepare_batch
 from ..parallel import DistInfo
 from ...megatron.context_parallel import CPGroup

@@ -30,7 +30,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 
-from ...checks import check_sampling_temperature
+from ...op.checks import check_sampling_temperature
 from .decode import CachedSteps, GenerationModel, recompute_next_logits, sampled_logprobs
 from .sampling import sample_tokens, sampling_logits
 

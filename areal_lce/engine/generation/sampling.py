@@ -22,8 +22,8 @@ from typing import Optional
 
 import torch
 
-from ...api import linear_logprobs_entropy
-from ...types import VocabParallel
+from ...op.api import linear_logprobs_entropy
+from ...op.types import VocabParallel
 
 
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import contextlib
 import torch
 import triton
 
-from ...backends import interpreter_on
+from ...op.backends import interpreter_on
 from .rope_kernel import rope_kernel
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
