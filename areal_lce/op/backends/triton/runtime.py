@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 from typing import Tuple
 
 import torch
 
+from .... import patching
 from ...types import LCEParams
 from . import configs
 
@@ -20,6 +22,37 @@ except ImportError:  # pragma: no cover - older triton: pointer loads only
     TensorDescriptor = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _scalar_index(self) -> int:
+    return int(self.handle.data.reshape(-1)[0]) if self.handle.data.size == 1 else int(self.handle.data)
+
+
+def interpreter_scalar_index() -> None:
+    """Under TRITON_INTERPRET=1 with triton < 3.7: a loop whose bound is a tensor (`range(n_tiles)`) works.
+
+    The interpreter holds a scalar as a 1-element array; triton 3.6's `tensor.__index__` is `int(array)`,
+    which NumPy >= 2.3 refuses for a 1-d array ("only 0-dimensional arrays can be converted to Python
+    scalars"), so every kernel with such a loop failed there. Triton 3.7 squeezes the array first; this
+    gives the older interpreter the same conversion, on the tensor methods it installs for each kernel run
+    (its own `_patch_lang_tensor`, wrapped once through areal_lce.patching; 3.7's is left as it is). Nothing
+    changes where the compiled kernels run."""
+    from triton.runtime import interpreter
+
+    installer = interpreter._patch_lang_tensor
+    if getattr(installer, "_areal_lce_scalar_index", False) or "squeeze" in inspect.getsource(installer):
+        return
+
+    def install(tensor, scope):
+        installer(tensor, scope)
+        scope.set_attr(tensor, "__index__", _scalar_index)
+
+    install._areal_lce_scalar_index = True
+    patching.apply(patching.Patch(interpreter, "_patch_lang_tensor", install))
+
+
+if INTERPRET:
+    interpreter_scalar_index()
 
 
 @functools.lru_cache(maxsize=None)
