@@ -3,7 +3,7 @@
 # (10 minutes): JUnit XML, logs and a manifest under $OUT. Usage, from the repository root on the device,
 # with the megatron-core cp312 wheel (and, if wanted, import-linter's wheels) in the ignored .carry/:
 #   GIT_SHA=<sha> OUT=bench_out bash benchmark/run_suite.sh
-# Two phases, 9 minutes in all (SUITE_BUDGET_S):
+# Two phases, 9 minutes in all (SUITE_BUDGET_S); SUITE_PHASES=gpu or rest runs one of them:
 #   gpu   every `gpu` test, in one process (they time, capture graphs and read memory: no neighbours on
 #         the card); about 3 minutes on an H100 (benchmark/results/h100_check_main_3a416f2)
 #   rest  everything else, the slow and distributed tests included (SUITE_REST_MARK narrows it), spread
@@ -23,6 +23,8 @@ GPU_LIMIT=${SUITE_GPU_S:-240}
 WORKERS=${SUITE_WORKERS:-8}
 PER_TEST=${SUITE_TEST_TIMEOUT_S:-240}
 REST_MARK=${SUITE_REST_MARK:-not gpu}
+PHASES=${SUITE_PHASES:-gpu rest}  # one phase per device command where both do not fit one (SUITE_PHASES=gpu, then rest)
+has_phase() { case " $PHASES " in *" $1 "*) return 0 ;; esac; return 1; }
 mkdir -p "$OUT"
 start=$(date +%s)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -54,12 +56,14 @@ phase() {  # name limit_s pytest-args...
 # the gpu phase is the GPU session of tests/helpers/gpu_host.py (CUDA visible); the rest phase is its main session
 # (CUDA hidden, every test as on a CPU-only host), without the test that would run the gpu tests a second time
 export AREAL_LCE_TEST_GPU_SESSION=1
-phase gpu "$GPU_LIMIT" -m gpu $(grep -rl "pytest.mark.gpu" tests --include="test_*.py")  # those files only: a short collection
+has_phase gpu && phase gpu "$GPU_LIMIT" -m gpu $(grep -rl "pytest.mark.gpu" tests --include="test_*.py")  # those files only: a short collection
 unset AREAL_LCE_TEST_GPU_SESSION
 left=$(( BUDGET - ($(date +%s) - start) - 20 ))  # 20 s for the manifest
 [ "$left" -ge 60 ] || left=60
 export OMP_NUM_THREADS=$(( $(nproc) / WORKERS > 0 ? $(nproc) / WORKERS : 1 ))  # the workers share the cores
-phase rest "$left" -m "$REST_MARK" --deselect tests/test_gpu_session.py ${spread[@]+"${spread[@]}"} tests
-python3 -m benchmark.suite_report --junit "$OUT/suite_gpu.xml" "$OUT/suite_rest.xml" --names gpu rest \
+has_phase rest && phase rest "$left" -m "$REST_MARK" --deselect tests/test_gpu_session.py ${spread[@]+"${spread[@]}"} tests
+ran=(); xml=()
+for p in gpu rest; do has_phase "$p" && { ran+=("$p"); xml+=("$OUT/suite_$p.xml"); }; done
+python3 -m benchmark.suite_report --junit "${xml[@]}" --names "${ran[@]}" \
   --interrupted ${interrupted[@]+"${interrupted[@]}"} --out "$OUT" \
   --command "GIT_SHA=${GIT_SHA:-unknown} OUT=bench_out SUITE_WORKERS=$WORKERS bash benchmark/run_suite.sh"
