@@ -40,7 +40,11 @@ def interpreter_scalar_index() -> None:
     from triton.runtime import interpreter
 
     installer = interpreter._patch_lang_tensor
-    if getattr(installer, "_areal_lce_scalar_index", False) or "squeeze" in inspect.getsource(installer):
+    try:
+        squeezes = "squeeze" in inspect.getsource(installer)
+    except (OSError, TypeError):  # no source shipped: wrap it (the same conversion where it squeezes already)
+        squeezes = False
+    if getattr(installer, "_areal_lce_scalar_index", False) or squeezes:
         return
 
     def install(tensor, scope):
