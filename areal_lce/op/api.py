@@ -10,10 +10,9 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import checks, comms, library
-from .checks import check_temperature, inv_temperature  # noqa: F401  (public here too: the adapters use it)
-from .checks import LOGITS_PRECISIONS, check_invariant_layout, resolve_invariant  # noqa: F401
+from .checks import check_invariant_layout, inv_temperature, resolve_invariant
 from .backends import Backend, get_backend, resolve_backend
-from .options import MAX_TOP_K, LCEOptions  # noqa: F401  (MAX_TOP_K: public here too)
+from .options import LCEOptions
 from .types import LCEOutput, LCEParams, VocabParallel
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

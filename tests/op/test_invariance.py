@@ -210,9 +210,9 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match="triton_ascend"):
         lce(h, w, y, invariant=True, backend="triton_ascend")
     # the defaults: on for torch / triton, off for fp64 and the reference
-    assert areal_lce.op.api.resolve_invariant(None, "torch", torch.bfloat16) is True
-    assert areal_lce.op.api.resolve_invariant(None, "torch", torch.float64) is False
-    assert areal_lce.op.api.resolve_invariant(None, "triton_ascend", torch.bfloat16) is False
+    assert areal_lce.op.checks.resolve_invariant(None, "torch", torch.bfloat16) is True
+    assert areal_lce.op.checks.resolve_invariant(None, "torch", torch.float64) is False
+    assert areal_lce.op.checks.resolve_invariant(None, "triton_ascend", torch.bfloat16) is False
 
 
 @pytest.mark.distributed

@@ -15,7 +15,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ...op.api import call_options, check_temperature, linear_logprobs_entropy
+from ...op.api import call_options, linear_logprobs_entropy
+from ...op.checks import check_temperature
 from ...op.options import LCEOptions
 from ...op.types import VocabParallel
 
