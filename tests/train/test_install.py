@@ -3,7 +3,8 @@ job from a directory that holds no areal_lce, so every config and data file it r
 
 Nothing is downloaded: the wheel is built without build isolation and installed with --no-deps --no-index
 into a venv made with --system-site-packages whose `stack.pth` adds this interpreter's site-packages (the
-venv the tests run in, itself a venv: --system-site-packages alone shows the base interpreter's) -- a plain
+venv the tests run in, itself a venv: --system-site-packages alone shows the base interpreter's) and the
+folders PYTHONPATH brings packages from, the checkout excepted -- a plain
 path line, so the checkout's editable-install hook there is not run and `import areal_lce` finds the
 installed copy only.
 """
@@ -32,6 +33,14 @@ def _run(cmd, **kw) -> subprocess.CompletedProcess:
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300, **kw)
     assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc
+
+
+def _path_stack() -> list:
+    """The PYTHONPATH entries that bring packages (a GPU image's megatron-core in a --target folder, say),
+    the checkout itself left out: the test drops PYTHONPATH so that areal_lce comes from the wheel alone."""
+    repo = REPO.resolve()
+    return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and Path(p).is_dir() and Path(p).resolve() != repo]
 
 
 def _build_wheel(tmp: Path) -> Path:
@@ -77,7 +86,7 @@ def test_the_installed_wheel_runs_the_main_job_from_another_directory(tmp_path):
     _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv])
     python = venv / "bin" / "python"
     site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
-    stack = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))  # this venv's packages
+    stack = dict.fromkeys([*(sysconfig.get_paths()[k] for k in ("purelib", "platlib")), *_path_stack()])
     (site / "stack.pth").write_text("".join(f"{p}\n" for p in stack))
     _run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", "--no-index", wheel])
 
