@@ -44,6 +44,7 @@ OPTIONAL = ("superseded_by", "note", "formerly")
 # it stands), every other run of it is historical and lives in archive/.
 QUESTIONS = {
     "op": "The op against its peers (fwd, fwd+bwd, memory, accuracy)",
+    "trees": "The public op against an earlier tree's (the cost of a refactor), paired rounds",
     "invariant": "Invariant logprobs: bitwise checks and cost",
     "select": "Selected ids and top-k (distillation)",
     "softcap": "Soft-capping against Liger",

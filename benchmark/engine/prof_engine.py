@@ -95,7 +95,8 @@ def _device_time(prof, events, rows: int = 40) -> dict:
     """Where the GPU time went: kernel time per kind (KERNEL_KINDS), the top kernels, and the top operators
     by device time with their input shapes (ops inside a replayed CUDA graph are not seen: only kernels)."""
     device = torch.autograd.DeviceType.CUDA
-    kernels = sorted((e for e in events if e.device_type == device), key=lambda e: -e.self_device_time_total)
+    kernels = sorted((e for e in events if e.device_type == device and not getattr(e, "is_user_annotation", False)),
+                     key=lambda e: -e.self_device_time_total)  # kernels only: no record_function spans
     kinds = collections.Counter()
     for e in kernels:
         name = e.key.lower()
