@@ -31,7 +31,7 @@ import torch
 
 from areal_lce.engine.microbatch import MicroBatch
 
-from ..harness import run_meta, sync, write_json
+from ..harness import clean, run_meta, sync, write_json
 
 
 def make_steps(args, vocab: int, micro_batch: int):
@@ -117,8 +117,7 @@ def run(args, job: str, fused: bool, pack: bool) -> dict:
                            for s in steps)  # ~ real tokens (targets + one per sequence)
     med = statistics.median(times[1:] if len(times) > 1 else times)
     del eng, ref
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    clean()  # gc first: megatron-core's DDP hooks keep a dropped engine in reference cycles (docs/megatron.md)
     flag_off = "megatron" if job == "sft" else "materialised"  # what use_fused_linear_ce=false runs for the job
     return {"job": job, "route": "fused" if fused else flag_off, "layout": "packed" if pack else "padded",
             "micro_batch": mb_size,

@@ -30,7 +30,7 @@ import torch
 
 from areal_lce.engine.microbatch import MicroBatch
 
-from ..harness import run_meta, sync, write_json
+from ..harness import clean, run_meta, sync, write_json
 
 
 def _engine(args, fused: bool, trainable: bool = True, route: str = ""):
@@ -109,13 +109,13 @@ def run_sft(args, route: str) -> dict:
             reserved.append(out["peak_reserved_gib"])
     except torch.OutOfMemoryError as e:
         del eng
-        torch.cuda.empty_cache()
+        clean()
         print(f"[sft {route}] out of memory: {str(e).splitlines()[0]}", flush=True)
         return {"route": route, "oom": True}
     tokens = args.micro_batch * args.seq * args.micro_batches
     med = statistics.median(times[1:] if len(times) > 1 else times)
     del eng
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    clean()  # gc first: megatron-core's DDP hooks keep a dropped engine in reference cycles (docs/megatron.md)
     return {"route": route, "step_s": med, "step_s_all": times,
             "tokens_per_s": tokens / med, "peak_mem_gib": max(peaks[1:] or peaks),
             "peak_reserved_gib": max(reserved[1:] or reserved), "loss": losses}
@@ -190,6 +190,7 @@ def run_grpo(args, route: str) -> dict:
         reserved.append(out["peak_reserved_gib"] if not torch.cuda.is_available() else torch.cuda.max_memory_reserved() / 2**30)
     med = {k: statistics.median(v[1:] if len(v) > 1 else v) for k, v in phases.items()}
     del eng, ref
+    clean()
     return {"route": "fused" if fused else "materialised", "phase_s": med, "phase_s_all": phases,
             "step_s": sum(med.values()), "peak_mem_gib": max(peaks[1:] or peaks),
             "peak_reserved_gib": max(reserved[1:] or reserved)}

@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-from ..harness import run_meta, sync, write_json
+from ..harness import clean, run_meta, sync, write_json
 from .bench_train import SFT_ROUTES, _batches, _engine, sft_loss
 
 
@@ -149,6 +149,7 @@ def main():
         res["logprobs_materialised"] = _profile("logprobs_materialised", lambda: mat.token_stats(ids, labels),
                                                 args.out)
         del mat
+        clean()
     if "sft" in calls:
         mbs = _batches(args, v, 0)
         loss = sft_loss(len(mbs), logprobs_only=args.route.startswith("megatron"))

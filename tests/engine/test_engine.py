@@ -3,7 +3,9 @@ shared worker launch), save/load round trip, generation and the lr schedule."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -299,3 +301,20 @@ def test_device_grad_norm_replaces_only_megatrons_host_syncing_fallback(monkeypa
     kernel = object()  # stands for amp_C / Transformer Engine's multi_tensor_l2norm
     monkeypatch.setattr(clip_grads, "l2_norm_impl", kernel)
     assert not compat.use_device_grad_norm() and clip_grads.l2_norm_impl is kernel
+
+
+def test_a_dropped_engine_is_collected():
+    """Nothing global holds an engine: after a training step and a logprob pass, `del` and one
+    `gc.collect()` free its model and every parameter (docs/megatron.md, "Releasing an engine"). megatron-core's
+    DDP hooks put them in reference cycles, so without the collection they stay; a registry that kept the model
+    (a capture seam, a patch) would keep them for good, and a second engine in the process would find the
+    first one's memory taken."""
+    e = tiny_engine(W.VOCAB)
+    ids, labels = W.batch(3)
+    e.train_step([MicroBatch(ids, labels)], W.pg_loss)
+    e.token_stats(ids, labels)
+    refs = [weakref.ref(e), weakref.ref(e.model), weakref.ref(e.gpt)] + [weakref.ref(p) for p in e.gpt.parameters()]
+    del e
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive == 0, f"{alive} of the engine, its model and its {len(refs) - 3} parameters outlive it"
