@@ -4,14 +4,14 @@
     python -m benchmark.op.bench_trees --base /tmp/base --rounds 3 --out DIR
 
 What a user calls: `areal_lce.linear_logprobs_entropy(hidden, weight, labels)` with every option at its
-default (bf16 inputs, W ~ N(0, 16/H) as bench_lce makes them), forward and forward+backward (loss
--sum(logprobs) - sum(entropy)), at bench_lce's four shapes. Each round runs one child process per tree,
-the order alternating round by round (two trees' packages cannot share one process: both are `areal_lce`);
-each child times, per shape, the cuBLAS forward GEMM h·Wᵀ (the clock's reference), then the forward, then
-forward+backward (triton.testing.do_bench, 500 ms warm-up, --rep ms). Per shape and tree: the median over
-rounds of the times and of the ratio to that child's GEMM; per shape the ratio this / base, the median over
-rounds of the per-round ratios of GEMM-normalised times (a clock that moves between processes moves both
-terms of a ratio together). Writes bench_trees.json.
+default, on bench_lce's inputs (lce_run.make_inputs: bf16, W ~ N(0, 16/H)), forward and forward+backward
+(loss -sum(logprobs) - sum(entropy)), at bench_lce's four shapes. Each round runs one child process per
+tree, the order alternating round by round (two trees' packages cannot share one process: both are
+`areal_lce`); each child times, per shape, the cuBLAS forward GEMM h·Wᵀ (the clock's reference), then the
+forward, then forward+backward (harness.bench: triton.testing.do_bench, 500 ms warm-up, --rep ms). Per
+shape and tree: the median over rounds of the times and of the ratio to that child's GEMM; per shape the
+ratio this / base, the median over rounds of the per-round ratios of GEMM-normalised times (a clock that
+moves between processes moves both terms of a ratio together). Writes bench_trees.json.
 """
 from __future__ import annotations
 
@@ -23,33 +23,28 @@ import subprocess
 import sys
 from pathlib import Path
 
-SHAPES = {  # bench_lce.SHAPES (not imported: the child runs without this tree's packages)
-    "small": (4096, 896, 151936),
-    "qwen7b": (8192, 4096, 151936),
-    "llama8b": (16384, 4096, 128256),
-    "wide_n": (32768, 2048, 151936),
-}
-HERE = Path(__file__).resolve()
+from ..harness import bench, run_meta, write_json
+from .bench_lce import SHAPES
+from .lce_run import make_inputs
+
+ROOT = Path(__file__).resolve().parents[2]  # this tree: its benchmark helpers serve every child
+# a child: the tree under test's areal_lce imported first (PYTHONPATH holds that tree alone), then this module
+# from ROOT, whose helpers import no areal_lce
+CHILD = ("import json, sys; import areal_lce; sys.path.insert(0, {root!r}); "
+         "from benchmark.op.bench_trees import child; print(json.dumps(child({shapes!r}, {rep})))")
 
 
 def child(shapes: list, rep: int) -> dict:
-    """Run in a process whose only areal_lce is the tree under test: {shape: {gemm, fwd, fwd_bwd (ms),
+    """In a child process (CHILD), timing the areal_lce imported there: {shape: {gemm, fwd, fwd_bwd (ms),
     peak_gib}} plus the package's version and path."""
-    import math
-
     import torch
-    from triton.testing import do_bench
 
     import areal_lce
     from areal_lce import linear_logprobs_entropy
 
     out = {"version": areal_lce.__version__, "path": str(Path(areal_lce.__file__).parent)}
     for name in shapes:
-        N, H, V = SHAPES[name]
-        g = torch.Generator(device="cuda").manual_seed(0)
-        h = torch.randn(N, H, device="cuda", generator=g).to(torch.bfloat16)
-        W = (torch.randn(V, H, device="cuda", generator=g) * (4.0 / math.sqrt(H))).to(torch.bfloat16)
-        y = torch.randint(0, V, (N,), device="cuda", generator=g)
+        h, W, y = make_inputs(*SHAPES[name], seed=0)
         hg, Wg = h.clone().requires_grad_(), W.clone().requires_grad_()
 
         def fwd():
@@ -63,8 +58,8 @@ def child(shapes: list, rep: int) -> dict:
         def gemm():
             h @ W.t()
 
-        r = {"gemm": do_bench(gemm, warmup=500, rep=rep), "fwd": do_bench(fwd, warmup=500, rep=rep),
-             "fwd_bwd": do_bench(fwd_bwd, warmup=500, rep=rep, grad_to_none=[hg, Wg])}
+        r = {"gemm": bench(gemm, rep=rep, warmup=500)["ms"], "fwd": bench(fwd, rep=rep, warmup=500)["ms"],
+             "fwd_bwd": bench(fwd_bwd, rep=rep, grad_to_none=[hg, Wg], warmup=500)["ms"]}
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -79,7 +74,7 @@ def child(shapes: list, rep: int) -> dict:
 
 def _run_child(tree: str, shapes: list, rep: int) -> dict:
     env = dict(os.environ, PYTHONPATH=tree)
-    cmd = [sys.executable, str(HERE), "--child", "--shapes", ",".join(shapes), "--rep", str(rep)]
+    cmd = [sys.executable, "-c", CHILD.format(root=str(ROOT), shapes=shapes, rep=int(rep))]
     res = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
     if res.returncode:
         raise SystemExit(f"child for {tree} failed (rc {res.returncode}):\n{res.stderr[-4000:]}")
@@ -110,20 +105,14 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=300, help="do_bench rep (ms) per time")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     shapes = args.shapes.split(",")
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         raise SystemExit(f"--shapes: unknown {unknown}; known: {', '.join(SHAPES)}")
-    if args.child:
-        print(json.dumps(child(shapes, args.rep)))
-        return
     if not args.base or not (Path(args.base) / "areal_lce").is_dir():
         raise SystemExit(f"--base must be a tree holding areal_lce/, got {args.base!r}")
-    from ..harness import run_meta, write_json
-
-    this = str(HERE.parents[2])
+    this = str(ROOT)
     rounds = []
     for i in range(args.rounds):
         order = ("base", "this") if i % 2 == 0 else ("this", "base")
@@ -131,8 +120,8 @@ def main(argv=None):
         for tree in order:
             r[tree] = _run_child(args.base if tree == "base" else this, shapes, args.rep)
         rounds.append(r)
-        print(f"round {i + 1}: " + "  ".join(
-            f"{s} fwd+bwd {r['this'][s]['fwd_bwd']:.2f} / {r['base'][s]['fwd_bwd']:.2f} ms" for s in shapes), flush=True)
+        times = (f"{s} fwd+bwd {r['this'][s]['fwd_bwd']:.2f} / {r['base'][s]['fwd_bwd']:.2f} ms" for s in shapes)
+        print(f"round {i + 1}: " + "  ".join(times), flush=True)
     table = compare(rounds, shapes)
     print(f"{'shape':8} {'fwd this/base ms':>22} {'ratio':>6} {'fwd+bwd this/base ms':>24} {'ratio':>6}  rounds")
     for s, row in table.items():
